@@ -1,0 +1,336 @@
+"""Typed configs: dataclasses loaded from YAML plus ``a.b=c`` command-line overrides.
+
+Every mistake a user can make in a config (an unknown or misspelt key, a value of the wrong type,
+a value out of range, two settings that contradict each other) raises :class:`ConfigError`, whose
+one-line message names the field path, the bad value and what is allowed.
+
+Declaring a config::
+
+    @dataclass
+    class OptimConfig:
+        lr: float = field(default=1e-4, metadata=bounds(gt=0))
+        kind: Literal["adamw", "sgd"] = "adamw"
+
+Fields may be ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``Optional[...]``,
+``list[...]``, ``tuple[...]``, ``dict[str, ...]`` or nested dataclasses. ``metadata=bounds(...)``
+adds numeric limits. A dataclass may define ``check(self)`` for consistency between fields; it
+calls :func:`fail` with the offending field's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "bounds",
+    "fail",
+    "from_dict",
+    "to_dict",
+    "load_yaml",
+    "load_config",
+    "apply_overrides",
+    "parse_overrides",
+    "save_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped, out of range or inconsistent. The message is one line."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class _CheckFailure(Exception):
+    def __init__(self, field_name: str, message: str):
+        self.field_name = field_name
+        self.message = message
+
+
+def fail(field_name: str, message: str) -> typing.NoReturn:
+    """Raise from a dataclass's ``check()``; the loader prefixes the field's full path."""
+    raise _CheckFailure(field_name, message)
+
+
+def bounds(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None) -> dict:
+    """Field metadata with numeric limits, e.g. ``field(default=0.1, metadata=bounds(ge=0, le=1))``."""
+    return {"bounds": {"ge": ge, "gt": gt, "le": le, "lt": lt}}
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """The ``run`` section every run config has."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    max_epochs: int = dataclasses.field(default=10, metadata=bounds(ge=0))
+    # Continue from the newest checkpoint in output_dir/checkpoints (error if there is none).
+    resume: bool = False
+    # Wall-clock budget in minutes (None = unlimited). The run checkpoints and stops cleanly at it.
+    max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
+    # Bitwise-reproducible kernels (slower); required for exact resume comparisons.
+    deterministic: bool = False
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        inner = _describe(args[0]) if args else "any"
+        return f"a list of {inner}"
+    if origin is dict:
+        args = typing.get_args(tp)
+        return f"a mapping of str to {_describe(args[1]) if args else 'any'}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if tp is Any:
+        return "any value"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the type hint ``tp`` and return it converted (ints to floats, lists to tuples)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError:
+                continue
+        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}{hint}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+        return _build(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(path, f"got {_short(value)}, expected a list of {len(args)} items")
+            items = [_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            inner = args[0] if args else Any
+            items = [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        return {_convert(k, key_tp, f"{path}.{k}"): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+
+
+def _check_bounds(value: Any, limits: dict, path: str) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    rules = {"ge": (lambda a, b: a >= b, ">="), "gt": (lambda a, b: a > b, ">"),
+             "le": (lambda a, b: a <= b, "<="), "lt": (lambda a, b: a < b, "<")}
+    violated = [f"{sym} {limit}" for key, (ok, sym) in rules.items()
+                if (limit := limits.get(key)) is not None and not ok(value, limit)]
+    if violated:
+        allowed = " and ".join(f"{sym} {limit}" for key, (_, sym) in rules.items()
+                               if (limit := limits.get(key)) is not None)
+        raise ConfigError(path, f"got {_short(value)}, must be {allowed}")
+
+
+def _build(cls: type[T], data: dict, path: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(key_path, f"unknown key{hint}; valid keys: {', '.join(fields)}")
+        value = _convert(value, hints[key], key_path)
+        _check_bounds(value, fields[key].metadata.get("bounds", {}), key_path)
+        kwargs[key] = value
+    try:
+        obj = cls(**kwargs)
+    except TypeError as err:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        raise ConfigError(path or "<config>", f"missing required key(s): {', '.join(missing)}") from err
+    check = getattr(obj, "check", None)
+    if callable(check):
+        try:
+            check()
+        except _CheckFailure as failure:
+            raise ConfigError(f"{path}.{failure.field_name}" if path else failure.field_name,
+                              failure.message) from None
+    return obj
+
+
+def from_dict(cls: type[T], data: dict | None) -> T:
+    """Build and validate the dataclass ``cls`` from a plain mapping (e.g. parsed YAML)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("<config>", f"expected a mapping at the top level, got {_short(data)}")
+    return _build(cls, data, "")
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain (YAML-safe) data of a config dataclass: tuples become lists."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# ----------------------------------------------------------------------------- files and overrides
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping with a clear error for a missing file or a syntax error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("<config>", f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError("<config>", f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("<config>", f"{path} must hold a mapping at the top level")
+    return data
+
+
+def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
+    """Parse ``a.b=c`` strings; values are read as YAML scalars/lists (``lr=1e-4``, ``steps=[1,2]``)."""
+    parsed = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(item, "an override must look like key.path=value (e.g. run.seed=3)")
+        key, raw = item.split("=", 1)
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(item, "an override must look like key.path=value (e.g. run.seed=3)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def apply_overrides(data: dict, items: list[str]) -> dict:
+    """Return a copy of ``data`` with ``a.b=c`` overrides applied (keys are validated later)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for keys, value in parse_overrides(items):
+        node = data
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(".".join(keys[: i + 1]), f"is {_short(child)}, not a section; cannot set "
+                                  f"{'.'.join(keys)}")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
+                *, drop_keys: tuple[str, ...] = ()) -> T:
+    """Load ``cls`` from a YAML file (optional) plus overrides.
+
+    Args:
+        cls: the config dataclass.
+        path: YAML file; ``None`` starts from the dataclass defaults.
+        overrides: ``["a.b=c", ...]`` applied after the file.
+        drop_keys: top-level keys consumed by the caller (e.g. ``recipe``) and not part of ``cls``.
+    """
+    data = load_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    for key in drop_keys:
+        data.pop(key, None)
+    return from_dict(cls, data)
+
+
+def save_config(obj: Any, path: str | Path, extra: dict | None = None) -> None:
+    """Write the resolved config as YAML (``extra`` keys, such as ``recipe``, come first)."""
+    data = dict(extra or {})
+    data.update(to_dict(obj))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

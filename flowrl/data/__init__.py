@@ -1,0 +1,1 @@
+"""Prompt sets, the shapes world, webdataset I/O and the group sampler."""

@@ -1,0 +1,129 @@
+"""The reward interface: ``reward(images, prompts, metadata=None) -> RewardOutput``.
+
+Images arrive as a ``[B, 3, H, W]`` float tensor in [0, 1] or as a list of PIL images; subclasses
+implement :meth:`Reward.score` on the tensor form and never see PIL unless they ask for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["RewardOutput", "Reward", "RewardError", "to_image_tensor", "to_pil_images"]
+
+
+class RewardError(RuntimeError):
+    """A reward cannot run (missing weights, bad input, unreachable server); the message says the fix."""
+
+
+@dataclass
+class RewardOutput:
+    """Scores of one batch.
+
+    Attributes:
+        scores: ``[B]`` float32, the reward used for training (higher is better).
+        details: name -> ``[B]`` tensors (components, accuracy flags, ...), logged per reward.
+    """
+
+    scores: torch.Tensor  # [B]
+    details: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B]
+
+    def __post_init__(self) -> None:
+        if self.scores.dim() != 1:
+            raise ValueError(f"RewardOutput.scores must be [B], got shape {tuple(self.scores.shape)}")
+        for name, value in self.details.items():
+            if value.shape != self.scores.shape:
+                raise ValueError(f"RewardOutput.details[{name!r}] has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(self.scores.shape)}")
+
+    def to(self, device: torch.device | str) -> "RewardOutput":
+        return RewardOutput(self.scores.to(device), {k: v.to(device) for k, v in self.details.items()})
+
+    @staticmethod
+    def cat(outputs: Sequence["RewardOutput"]) -> "RewardOutput":
+        """Concatenate batch-wise (all outputs must have the same detail keys)."""
+        scores = torch.cat([o.scores for o in outputs])
+        keys = outputs[0].details.keys() if outputs else []
+        return RewardOutput(scores, {k: torch.cat([o.details[k] for o in outputs]) for k in keys})
+
+
+def to_image_tensor(images: Any) -> torch.Tensor:
+    """Images as a ``[B, 3, H, W]`` float32 tensor in [0, 1].
+
+    Accepts such a tensor (any float dtype, values clamped), a uint8 tensor, or a list of PIL images of
+    one size. Raises :class:`RewardError` for anything else, naming what was received.
+    """
+    if isinstance(images, torch.Tensor):
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise RewardError(f"images must be a [B, 3, H, W] tensor, got shape {tuple(images.shape)}")
+        if images.dtype == torch.uint8:
+            return images.float() / 255.0
+        return images.float().clamp(0.0, 1.0)
+    if isinstance(images, (list, tuple)):
+        from PIL import Image
+
+        if not images:
+            return torch.zeros(0, 3, 1, 1)
+        arrays = []
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise RewardError(f"images[{i}] is a {type(image).__name__}; expected a PIL image")
+            arrays.append(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0)
+        sizes = {a.shape for a in arrays}
+        if len(sizes) > 1:
+            raise RewardError(f"PIL images of different sizes {sorted(sizes)}; resize them to one size "
+                              "or score them in separate calls")
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+    raise RewardError(f"images must be a [B, 3, H, W] tensor or a list of PIL images, got {type(images).__name__}")
+
+
+def to_pil_images(images: torch.Tensor) -> list:
+    """``[B, 3, H, W]`` in [0, 1] -> list of RGB PIL images (rounded to uint8)."""
+    from PIL import Image
+
+    array = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(a) for a in array]
+
+
+class Reward:
+    """Base class of every reward model.
+
+    Subclasses set the class attributes and implement :meth:`score`.
+
+    Attributes:
+        name: registry name.
+        differentiable: gradients flow from scores back to the input images.
+        batch_size: preferred batch size; ``__call__`` splits larger batches.
+        device: where the model runs.
+    """
+
+    name: str = "reward"
+    differentiable: bool = False
+    batch_size: int = 32
+    device: torch.device = torch.device("cpu")
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
+        """Score ``images [B, 3, H, W]`` in [0, 1] against ``prompts`` (length B)."""
+        raise NotImplementedError
+
+    def __call__(self, images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> RewardOutput:
+        tensor = to_image_tensor(images)
+        prompts = list(prompts)
+        if len(prompts) != tensor.shape[0]:
+            raise RewardError(f"{self.name}: got {tensor.shape[0]} images but {len(prompts)} prompts")
+        if metadata is not None and len(metadata) != len(prompts):
+            raise RewardError(f"{self.name}: got {len(prompts)} prompts but {len(metadata)} metadata rows")
+        meta = list(metadata) if metadata is not None else None
+        if tensor.shape[0] <= self.batch_size:
+            return self.score(tensor, prompts, meta)
+        outputs = []
+        for start in range(0, tensor.shape[0], self.batch_size):
+            end = start + self.batch_size
+            outputs.append(self.score(tensor[start:end], prompts[start:end], meta[start:end] if meta else None))
+        return RewardOutput.cat(outputs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, differentiable={self.differentiable})"

@@ -1,0 +1,1 @@
+"""Sampling steps with log-probabilities, schedules, guidance and rollout (torch only)."""
