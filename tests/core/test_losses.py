@@ -1,0 +1,308 @@
+"""Policy, KL and preference losses: hand-derived values (derivations in comments) and properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flowrl.core.losses import (
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    LossOutput,
+    aggregate,
+    clipped_policy_loss,
+    dpo_loss,
+    gaussian_kl,
+    ipo_loss,
+    kl_estimate,
+    simpo_loss,
+)
+
+D = torch.float64
+
+
+def t(*xs, **kw):
+    return torch.tensor(xs, dtype=D, **kw)
+
+
+def close(actual, expected, atol=1e-9):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=0, atol=atol)
+
+
+# ---------------------------------------------------------------------------- aggregate
+
+# L = [[1, 2, 3], [4, 5, 6], [7, 8, 9]], mask = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]: kept 1, 2 | 4 | (none)
+AGG_L = t(1, 2, 3, 4, 5, 6, 7, 8, 9).reshape(3, 3)
+AGG_M = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token_mean", 7 / 3),  # (1 + 2 + 4) / 3 = 2.3333333333333335
+        ("seq_mean_token_mean", 2.75),  # row means 1.5 and 4; the empty row is excluded: (1.5 + 4) / 2
+        ("seq_mean_token_sum", 7 / 3),  # row sums 3, 4, 0 over B = 3 rows
+        ("seq_mean_token_sum_norm", 7 / 9),  # 7 / (B * T_max) = 7 / (3 * 3) = 0.7777777777777778
+    ],
+)
+def test_aggregate_hand_values(mode, expected):
+    close(aggregate(AGG_L, AGG_M, mode), expected)
+    close(aggregate(AGG_L, AGG_M.float(), mode), expected)
+
+
+def test_aggregate_two_rows_and_float_weights():
+    L, m = AGG_L[:2], AGG_M[:2]
+    close(aggregate(L, m, "seq_mean_token_sum"), 3.5)  # (3 + 4) / 2
+    close(aggregate(L, m, "seq_mean_token_sum_norm"), 7 / 6)  # 7 / (2 * 3) = 1.1666666666666667
+    close(aggregate(L, None, "token_mean"), 3.5)  # (1 + ... + 6) / 6 = 21 / 6
+    # float mask = weights: (0.5*1 + 1*2 + 0*3 + 0.25*4) / (0.5 + 1 + 0 + 0.25) = 3.5 / 1.75 = 2
+    close(aggregate(t(1, 2, 3, 4).reshape(2, 2), t(0.5, 1, 0, 0.25).reshape(2, 2), "token_mean"), 2.0)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_aggregate_zero_mask_is_zero_with_graph(mode):
+    L = torch.randn(2, 3, dtype=D, requires_grad=True)
+    out = aggregate(L, torch.zeros(2, 3, dtype=torch.bool), mode)
+    assert out.item() == 0.0 and out.requires_grad
+    out.backward()
+    assert torch.equal(L.grad, torch.zeros(2, 3, dtype=D))
+
+
+def test_token_mean_of_halves_weighted_by_token_counts_equals_whole():
+    gen = torch.Generator().manual_seed(0)
+    L = torch.randn(6, 5, generator=gen, dtype=D)
+    m = torch.rand(6, 5, generator=gen) > 0.4
+    n1, n2 = m[:3].sum(), m[3:].sum()
+    halves = (aggregate(L[:3], m[:3], "token_mean") * n1 + aggregate(L[3:], m[3:], "token_mean") * n2) / (n1 + n2)
+    close(halves, aggregate(L, m, "token_mean"), atol=1e-12)
+
+
+def test_aggregate_errors():
+    with pytest.raises(ValueError, match="mode.*'token_mean'.*'seq_mean_token_sum_norm'.*received 'mean'"):
+        aggregate(AGG_L, AGG_M, "mean")
+    with pytest.raises(ValueError, match="mask.*\\[3, 3\\].*\\[3, 2\\]"):
+        aggregate(AGG_L, AGG_M[:, :2], "token_mean")
+
+
+# ---------------------------------------------------------------------------- clipped policy loss
+
+
+def test_clip_clips_positive_advantage():
+    # rho = 1.5, eps = 0.2, A = 2: max(-2 * 1.5, -2 * 1.2) = max(-3, -2.4) = -2.4 = -1.2 A; constant -> no gradient
+    logp = t(math.log(1.5), requires_grad=True)
+    out = clipped_policy_loss(logp, t(0.0), t(2.0), eps_low=0.2)
+    assert isinstance(out, LossOutput)
+    close(out.loss, -2.4)
+    close(out.clip_frac, 1.0)
+    out.loss.backward()
+    assert torch.equal(logp.grad, t(0.0))
+
+
+def test_clipped_loss_hand_batch():
+    # rho = [[1.5, 0.5], [0.5, 1.5]], A = [2, -2] per sample, eps = 0.2:
+    #   (1.5, +2): max(-3, -2.4)  = -2.4 clipped   grad 0
+    #   (0.5, +2): max(-1, -1.6)  = -1             grad -A rho = -1
+    #   (0.5, -2): max(1, 1.6)    = 1.6 clipped    grad 0
+    #   (1.5, -2): max(3, 2.4)    = 3              grad -A rho = 3
+    # token_mean = (-2.4 - 1 + 1.6 + 3) / 4 = 0.3; grads / 4 = [[0, -0.25], [0, 0.75]]; clip_frac 2/4.
+    # ratio_mean = (1.5 + 0.5 + 0.5 + 1.5) / 4 = 1.
+    # approx_kl: (1.5 - 1) - log 1.5 = 0.09453489189183562, (0.5 - 1) - log 0.5 = 0.1931471805599453,
+    #   mean = 0.14384103622589045.
+    old = t(0.3, -1.0, 2.0, 0.0).reshape(2, 2)
+    logp = (old + torch.log(t(1.5, 0.5, 0.5, 1.5).reshape(2, 2))).requires_grad_()
+    out = clipped_policy_loss(logp, old, t(2.0, -2.0), eps_low=0.2)
+    close(out.loss, 0.3)
+    close(out.clip_frac, 0.5)
+    close(out.ratio_mean, 1.0)
+    close(out.approx_kl, 0.14384103622589045)
+    for metric in out[1:]:
+        assert not metric.requires_grad and metric.ndim == 0
+    out.loss.backward()
+    close(logp.grad, [[0.0, -0.25], [0.0, 0.75]])
+    # [B, T] advantages and an explicit all-ones mask give the same
+    out2 = clipped_policy_loss(logp, old, t(2.0, 2.0, -2.0, -2.0).reshape(2, 2), torch.ones(2, 2), eps_low=0.2)
+    close(out2.loss, 0.3)
+    # masking the two clipped elements: (-1 + 3) / 2 = 1, clip_frac 0
+    out3 = clipped_policy_loss(logp, old, t(2.0, -2.0), torch.tensor([[False, True], [False, True]]), eps_low=0.2)
+    close(out3.loss, 1.0)
+    close(out3.clip_frac, 0.0)
+    # seq_mean_token_sum: row sums (-2.4 - 1) = -3.4 and (1.6 + 3) = 4.6, mean 0.6
+    close(clipped_policy_loss(logp, old, t(2.0, -2.0), eps_low=0.2, aggregation="seq_mean_token_sum").loss, 0.6)
+
+
+def test_clip_higher_and_dual_clip():
+    # eps_low 0.2, eps_high 0.28: rho 1.5, A = 1 -> max(-1.5, -1.28) = -1.28; rho 0.5, A = -1 -> max(0.5, 0.8) = 0.8
+    logp = torch.log(t(1.5, 0.5))
+    out = clipped_policy_loss(
+        logp, t(0.0, 0.0), t(1.0, -1.0), eps_low=0.2, eps_high=0.28, aggregation="seq_mean_token_sum"
+    )
+    close(out.loss, (-1.28 + 0.8) / 2)
+    # Dual clip c = 3, rho = 4, A = -1: max(4, 1.2) = 4, then min(4, -A c = 3) = 3; constant -> no gradient.
+    logp = torch.log(t(4.0)).requires_grad_()
+    out = clipped_policy_loss(logp, t(0.0), t(-1.0), eps_low=0.2, dual_clip=3.0)
+    close(out.loss, 3.0)
+    close(out.clip_frac, 1.0)
+    out.loss.backward()
+    assert torch.equal(logp.grad, t(0.0))
+    # below the cap it does nothing: rho 1.5, A = -2 -> 3 < 6; without dual clip rho 4 gives 4
+    close(clipped_policy_loss(torch.log(t(1.5)), t(0.0), t(-2.0), eps_low=0.2, dual_clip=3.0).loss, 3.0)
+    close(clipped_policy_loss(torch.log(t(4.0)), t(0.0), t(-1.0), eps_low=0.2).loss, 4.0)
+    # positive advantages are never dual-clipped: rho 4, A = 1 -> max(-4, -1.2) = -1.2
+    close(clipped_policy_loss(torch.log(t(4.0)), t(0.0), t(1.0), eps_low=0.2, dual_clip=3.0).loss, -1.2)
+
+
+def test_on_policy_loss_is_minus_mean_advantage_and_gradient_is_policy_gradient():
+    gen = torch.Generator().manual_seed(3)
+    B, T = 5, 7
+    logp = torch.randn(B, T, generator=gen, dtype=D).requires_grad_()
+    A = torch.randn(B, generator=gen, dtype=D)
+    m = torch.rand(B, T, generator=gen) > 0.3
+    out = clipped_policy_loss(logp, logp.detach().clone(), A, m, eps_low=0.2)
+    mf = m.to(D)
+    A_bt = A[:, None].expand(B, T)
+    close(out.loss, -(A_bt * mf).sum() / mf.sum(), atol=1e-12)
+    close(out.ratio_mean, 1.0)
+    close(out.clip_frac, 0.0)
+    close(out.approx_kl, 0.0)
+    out.loss.backward()
+    close(logp.grad, -A_bt * mf / mf.sum(), atol=1e-12)
+
+
+def test_masked_padding_with_inf_and_nan_is_ignored():
+    # Element (0, 1) is padding holding -inf and NaN; the unmasked elements are on-policy with A = [1, -3]:
+    # token_mean = (-1 + 3 + 3) / 3 = 5/3; gradient -A / 3 on unmasked, 0 on padding.
+    logp = t(0.0, float("-inf"), 0.5, 0.5).reshape(2, 2).requires_grad_()
+    old = t(0.0, float("nan"), 0.5, 0.5).reshape(2, 2)
+    m = torch.tensor([[True, False], [True, True]])
+    out = clipped_policy_loss(logp, old, t(1.0, -3.0), m, eps_low=0.2)
+    close(out.loss, 5 / 3)
+    close(out.ratio_mean, 1.0)
+    close(out.approx_kl, 0.0)
+    out.loss.backward()
+    close(logp.grad, [[-1 / 3, 0.0], [1.0, 1.0]])
+    close(aggregate(t(1.0, float("nan")).reshape(1, 2), m[:1], "token_mean"), 1.0)
+
+
+def test_bf16_logp_is_upcast():
+    logp = torch.log(torch.tensor([1.5, 1.0])).to(torch.bfloat16)
+    out = clipped_policy_loss(logp, logp.clone(), torch.tensor([1.0, 1.0]), eps_low=0.2)
+    assert out.loss.dtype == torch.float32
+    close(out.loss, -1.0)
+
+
+def test_ratio_clamp_keeps_loss_finite():
+    out = clipped_policy_loss(t(100.0), t(0.0), t(-1.0), eps_low=0.2)
+    # log-ratio clamped at 20: loss = -A * exp(20) = 485165195.4097903
+    close(out.loss, 485165195.4097903, atol=1e-3)
+
+
+def test_clipped_loss_errors():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="advantages.*\\[B\\] = \\[2\\].*\\[3\\]"):
+        clipped_policy_loss(x, x, torch.zeros(3), eps_low=0.2)
+    with pytest.raises(ValueError, match="old_logp"):
+        clipped_policy_loss(x, torch.zeros(2, 2), torch.zeros(2), eps_low=0.2)
+    with pytest.raises(ValueError, match="dual_clip.*> 1.*0.5"):
+        clipped_policy_loss(x, x, torch.zeros(2), eps_low=0.2, dual_clip=0.5)
+    with pytest.raises(ValueError, match="aggregation"):
+        clipped_policy_loss(x, x, torch.zeros(2), eps_low=0.2, aggregation="sum")
+    with pytest.raises(ValueError, match="eps_low"):
+        clipped_policy_loss(x, x, torch.zeros(2), eps_low=1.5)
+    assert POLICY_LOSSES.get("clipped") is clipped_policy_loss
+
+
+# ---------------------------------------------------------------------------- KL
+
+
+def test_kl_estimate_hand_values():
+    # delta = logp - ref = [0, 1, -1, 2]
+    logp, ref = t(0.5, 1.5, -0.5, 3.0), t(0.5, 0.5, 0.5, 1.0)
+    close(kl_estimate(logp, ref, "k1"), [0.0, 1.0, -1.0, 2.0])
+    close(kl_estimate(logp, ref, "k2"), [0.0, 0.5, 0.5, 2.0])
+    # k3 = exp(-d) - 1 + d: 0; e^-1 = 0.36787944117144233; e - 2 = 0.7182818284590451; e^-2 + 1 = 1.1353352832366128
+    close(kl_estimate(logp, ref, "k3"), [0.0, 0.36787944117144233, 0.7182818284590451, 1.1353352832366128])
+    with pytest.raises(ValueError, match="kind.*'k1', 'k2', 'k3'.*received 'k4'"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_kl_estimates_properties():
+    gen = torch.Generator().manual_seed(4)
+    logp = torch.randn(64, 8, generator=gen) * 5
+    ref = torch.randn(64, 8, generator=gen) * 5
+    assert (kl_estimate(logp, ref, "k3") >= 0).all()
+    assert torch.isfinite(kl_estimate(logp * 100, ref, "k3")).all()
+    for kind in ("k1", "k2", "k3"):
+        assert torch.equal(kl_estimate(logp, logp.clone(), kind), torch.zeros_like(logp))
+
+
+def test_gaussian_kl_hand_values():
+    # diffs [[1, 2], [3, 0]]: squared sums [5, 9]
+    mean, ref = t(1, 2, 3, 0).reshape(2, 2), torch.zeros(2, 2, dtype=D)
+    # std 0.5: 2 std^2 = 0.5 -> sum [10, 18], mean over D = 2 elements [5, 9]
+    close(gaussian_kl(mean, ref, 0.5, reduction="sum"), [10.0, 18.0])
+    close(gaussian_kl(mean, ref, 0.5), [5.0, 9.0])
+    # per-sample std [1, 0.5]: sum [5 / 2, 9 / 0.5] = [2.5, 18], mean [1.25, 9]; also with image-like dims
+    std_b = t(1.0, 0.5)
+    close(gaussian_kl(mean, ref, std_b, reduction="sum"), [2.5, 18.0])
+    close(gaussian_kl(mean.reshape(2, 1, 2, 1), ref.reshape(2, 1, 2, 1), std_b), [1.25, 9.0])
+    # per-element std [[1, 0.5]]: sample 0: 1/2 + 4/0.5 = 8.5; sample 1: 9/2 + 0 = 4.5
+    close(gaussian_kl(mean, ref, t(1.0, 0.5).reshape(1, 2), reduction="sum"), [8.5, 4.5])
+    close(gaussian_kl(mean, ref, t(1.0, 0.5).reshape(1, 2)), [4.25, 2.25])
+    with pytest.raises(ValueError, match="reduction"):
+        gaussian_kl(mean, ref, 0.5, reduction="none")
+    with pytest.raises(ValueError, match="std.*broadcastable.*\\[3\\]"):
+        gaussian_kl(mean, ref, t(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="std"):
+        gaussian_kl(mean, ref, 0.0)
+
+
+# ---------------------------------------------------------------------------- preference losses
+
+
+def test_dpo_hand_values_and_label_smoothing():
+    # z = Delta_w - Delta_l = [1, 0, -2], beta 0.5 -> x = [0.5, 0, -1]; loss = log(1 + e^-x):
+    #   log(1 + e^-0.5) = 0.4740769841801067, log 2 = 0.6931471805599453, log(1 + e) = 1.3132616875182228
+    dw, dl = t(1.0, 0.0, -1.0), t(0.0, 0.0, 1.0)
+    close(dpo_loss(dw, dl, beta=0.5), [0.4740769841801067, 0.6931471805599453, 1.3132616875182228])
+    # e = 0.1: -(0.9) log s(x) - 0.1 log s(-x) = 0.9 * 0.4740769841801067 + 0.1 * 0.9740769841801067
+    #   = 0.5240769841801067 at x = 0.5; log 2 at x = 0; 0.9 * 1.3132616875182228 + 0.1 * 0.31326168751822286
+    #   = 1.2132616875182228 at x = -1
+    close(dpo_loss(dw, dl, beta=0.5, label_smoothing=0.1), [0.5240769841801067, 0.6931471805599453, 1.2132616875182228])
+
+
+def test_preference_losses_numerically_stable():
+    big = t(1000.0, -1000.0)
+    out = dpo_loss(big, torch.zeros(2, dtype=D), beta=1.0)
+    close(out, [0.0, 1000.0])
+    close(simpo_loss(big, torch.zeros(2, dtype=D), beta=1.0, gamma=0.0), [0.0, 1000.0])
+    x = torch.tensor([80.0, -80.0], requires_grad=True)  # float32: sigmoid(-80) underflows
+    loss = dpo_loss(x, torch.zeros(2), beta=1.0).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+
+
+def test_ipo_hand_values():
+    # z = [1, 0, -2]; beta 0.5 -> target 1/(2 beta) = 1: (z - 1)^2 = [0, 1, 9]; beta 0.25 -> target 2: [1, 4, 16]
+    dw, dl = t(1.0, 0.0, -1.0), t(0.0, 0.0, 1.0)
+    close(ipo_loss(dw, dl, beta=0.5), [0.0, 1.0, 9.0])
+    close(ipo_loss(dw, dl, beta=0.25), [1.0, 4.0, 16.0])
+
+
+def test_simpo_hand_values():
+    # beta 2, gamma 1: x = 2 * (-1 - -2) - 1 = 1 -> log(1 + e^-1) = 0.31326168751822286;
+    #                  x = 2 * (-2 - -1) - 1 = -3 -> log(1 + e^3) = 3.048587351573742
+    close(simpo_loss(t(-1.0, -2.0), t(-2.0, -1.0), beta=2.0, gamma=1.0), [0.31326168751822286, 3.048587351573742])
+
+
+def test_preference_registry_and_errors():
+    assert PREFERENCE_LOSSES.get("dpo") is dpo_loss
+    assert PREFERENCE_LOSSES.get("ipo") is ipo_loss
+    assert PREFERENCE_LOSSES.get("simpo") is simpo_loss
+    with pytest.raises(ValueError, match="beta.*> 0.*-1"):
+        dpo_loss(t(1.0), t(0.0), beta=-1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo_loss(t(1.0), t(0.0), beta=1.0, label_smoothing=0.7)
+    with pytest.raises(ValueError, match="same shape"):
+        ipo_loss(t(1.0, 2.0), t(0.0), beta=1.0)
