@@ -1,0 +1,141 @@
+"""Run observability: ``metrics.jsonl`` (one flat JSON object per epoch), PNG plots refreshed during
+the run, and optional TensorBoard / wandb backends.
+
+Only the main process logs; other ranks get a logger whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["MetricsLogger", "read_metrics", "plot_metrics"]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able scalar (tensors and numpy numbers become floats; NaN stays NaN)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    return value
+
+
+class MetricsLogger:
+    """Appends one flat JSON object per call to ``output_dir/metrics.jsonl`` and mirrors it to the
+    configured backends.
+
+    Args:
+        output_dir: the run directory.
+        backends: any of ``"tensorboard"``, ``"wandb"`` (``metrics.jsonl`` is always written).
+        enabled: False on non-main ranks.
+        plot_groups: ``{plot name: [metric keys or key prefixes]}`` drawn to ``plots/<name>.png``.
+        project / run_name / config: passed to wandb.
+    """
+
+    def __init__(self, output_dir: str | Path, *, backends: Sequence[str] = (), enabled: bool = True,
+                 plot_groups: dict[str, list[str]] | None = None, project: str = "flowrl",
+                 run_name: str | None = None, config: dict | None = None):
+        self.enabled = enabled
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / "metrics.jsonl"
+        self.plot_groups = plot_groups or {}
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        for backend in backends:
+            if backend == "tensorboard":
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError as err:
+                    raise RuntimeError("log.backends has 'tensorboard' but the tensorboard package is not "
+                                       "installed: pip install tensorboard") from err
+                self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+            elif backend == "wandb":
+                try:
+                    import wandb
+                except ImportError as err:
+                    raise RuntimeError("log.backends has 'wandb' but wandb is not installed: pip install wandb") from err
+                self._wandb = wandb.init(project=project, name=run_name, config=config,
+                                         dir=str(self.output_dir), resume="allow")
+            else:
+                raise ValueError(f"unknown logging backend {backend!r}; valid: tensorboard, wandb")
+
+    def truncate_after(self, epoch: int) -> None:
+        """Drop rows with ``epoch > epoch`` (a resumed run re-logs what came after its checkpoint)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        rows = [r for r in read_metrics(self.path) if r.get("epoch", -1) <= epoch]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def log(self, metrics: dict[str, Any], *, step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        row = {k: _plain(v) for k, v in metrics.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        step = step if step is not None else row.get("epoch")
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+
+    def plot(self) -> None:
+        """Redraw ``plots/<group>.png`` from everything logged so far."""
+        if self.enabled and self.plot_groups and self.path.is_file():
+            plot_metrics(read_metrics(self.path), self.output_dir / "plots", self.plot_groups)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Rows of a ``metrics.jsonl`` (a torn last line from a killed run is skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[str]], x_key: str = "epoch") -> None:
+    """One PNG per group; each line is a metric key (or every key starting with a prefix ending in '/')."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_keys = list(dict.fromkeys(k for r in rows for k in r))
+    for name, patterns in groups.items():
+        keys = [k for k in all_keys for p in patterns if k == p or (p.endswith("/") and k.startswith(p))]
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for key in keys:
+            points = [(r[x_key], r[key]) for r in rows
+                      if key in r and x_key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key])]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
+        ax.set_xlabel(x_key)
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        tmp = out_dir / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(out_dir / f"{name}.png")

@@ -1,0 +1,73 @@
+"""Run plumbing shared by the recipes: output directory, determinism, and a graceful stop on
+Ctrl-C / SIGTERM (the loop finishes its step, checkpoints, then exits)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from flowrl.config import RunConfig
+
+__all__ = ["GracefulStop", "prepare_run", "Deadline"]
+
+
+class GracefulStop:
+    """Turns SIGINT / SIGTERM into a flag the training loop polls between steps.
+
+    A second Ctrl-C while the checkpoint is being written is ignored, so the checkpoint completes;
+    use ``kill -9`` to abort without saving.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason = ""
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if not self.requested:
+            self.reason = signal.Signals(signum).name
+            print(f"\n[flowrl] {self.reason} received: finishing the current step, saving a checkpoint, "
+                  "then stopping", flush=True)
+        self.requested = True
+
+    def __enter__(self) -> "GracefulStop":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Deadline:
+    """``run.max_minutes`` as a check the loop can call."""
+
+    def __init__(self, minutes: float | None):
+        self.start = time.monotonic()
+        self.minutes = minutes
+
+    def elapsed_minutes(self) -> float:
+        return (time.monotonic() - self.start) / 60.0
+
+    def passed(self) -> bool:
+        return self.minutes is not None and self.elapsed_minutes() >= self.minutes
+
+
+def prepare_run(run: RunConfig) -> Path:
+    """Create the output directory and apply the determinism settings. Returns the output directory."""
+    output_dir = Path(run.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if run.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    torch.manual_seed(run.seed)
+    return output_dir
