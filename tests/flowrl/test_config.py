@@ -1,0 +1,107 @@
+"""The typed config loader: every mistake is one clear line naming the field, the value and what is allowed."""
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from flowrl.config import (ConfigError, RunConfig, apply_overrides, bounds, fail, from_dict, load_config,
+                           save_config, to_dict)
+
+
+@dataclass
+class Optim:
+    lr: float = field(default=1e-4, metadata=bounds(gt=0))
+    kind: Literal["adamw", "sgd"] = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass
+class Cfg:
+    run: RunConfig = field(default_factory=RunConfig)
+    optim: Optim = field(default_factory=Optim)
+    steps: list[int] = field(default_factory=lambda: [1, 2])
+    weights: dict[str, float] = field(default_factory=dict)
+    note: Optional[str] = None
+    clip: float = field(default=0.2, metadata=bounds(ge=0, lt=1))
+
+    def check(self):
+        if self.optim.kind == "sgd" and self.optim.lr > 1:
+            fail("optim.lr", f"{self.optim.lr} is too large for sgd (must be <= 1)")
+
+
+def one_line(err: ConfigError) -> str:
+    text = str(err)
+    assert "\n" not in text
+    return text
+
+
+def test_defaults_and_nested_values():
+    cfg = from_dict(Cfg, {"optim": {"lr": 3e-4, "betas": [0.8, 0.9]}, "run": {"seed": 7}})
+    assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.8, 0.9) and cfg.run.seed == 7
+    assert cfg.run.output_dir == "runs/default" and cfg.steps == [1, 2]
+
+
+def test_misspelt_key_names_path_and_suggests():
+    with pytest.raises(ConfigError) as info:
+        from_dict(Cfg, {"optim": {"lrr": 1e-3}})
+    text = one_line(info.value)
+    assert text.startswith("optim.lrr: unknown key")
+    assert "did you mean 'lr'" in text and "valid keys: lr, kind, betas" in text
+
+
+def test_wrong_type_names_value_and_expected_type():
+    with pytest.raises(ConfigError) as info:
+        from_dict(Cfg, {"run": {"seed": "seven"}})
+    assert one_line(info.value) == "run.seed: got 'seven', expected an integer"
+    with pytest.raises(ConfigError, match=r"^run\.resume: got 1, expected true or false$"):
+        from_dict(Cfg, {"run": {"resume": 1}})
+    with pytest.raises(ConfigError, match=r"^steps\[1\]: got 'x', expected an integer$"):
+        from_dict(Cfg, {"steps": [1, "x"]})
+
+
+def test_out_of_range_and_choices():
+    with pytest.raises(ConfigError) as info:
+        from_dict(Cfg, {"clip": 1.5})
+    assert one_line(info.value) == "clip: got 1.5, must be >= 0 and < 1"
+    with pytest.raises(ConfigError) as info:
+        from_dict(Cfg, {"optim": {"kind": "adam"}})
+    text = one_line(info.value)
+    assert text.startswith("optim.kind: got 'adam', expected one of 'adamw', 'sgd'") and "did you mean 'adamw'" in text
+    with pytest.raises(ConfigError, match=r"^run\.max_epochs: got -1, must be >= 0$"):
+        from_dict(Cfg, {"run": {"max_epochs": -1}})
+
+
+def test_consistency_check_names_field():
+    with pytest.raises(ConfigError, match=r"^optim\.lr: 2\.0 is too large for sgd"):
+        from_dict(Cfg, {"optim": {"kind": "sgd", "lr": 2}})
+
+
+def test_yaml_scientific_notation_string_is_a_float():
+    # YAML 1.1 (PyYAML) reads "1e-4" (no dot) as a string; configs must still accept it.
+    assert from_dict(Cfg, {"optim": {"lr": "1e-4"}}).optim.lr == pytest.approx(1e-4)
+
+
+def test_overrides_and_files(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.001\nrun:\n  seed: 1\n")
+    cfg = load_config(Cfg, path, ["run.seed=5", "optim.kind=sgd", "steps=[3,4]", "weights.a=0.5", "note=hi"])
+    assert (cfg.run.seed, cfg.optim.kind, cfg.steps, cfg.weights, cfg.note) == (5, "sgd", [3, 4], {"a": 0.5}, "hi")
+    assert cfg.optim.lr == 0.001
+    with pytest.raises(ConfigError, match="override must look like"):
+        apply_overrides({}, ["run.seed"])
+    with pytest.raises(ConfigError, match=r"^run\.sed: unknown key \(did you mean 'seed'\?\)"):
+        load_config(Cfg, path, ["run.sed=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Cfg, tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(Cfg, bad)
+
+
+def test_save_round_trip(tmp_path):
+    cfg = from_dict(Cfg, {"optim": {"betas": [0.5, 0.6]}, "weights": {"x": 2.0}})
+    save_config(cfg, tmp_path / "out.yaml", extra={"recipe": "demo"})
+    again = load_config(Cfg, tmp_path / "out.yaml", drop_keys=("recipe",))
+    assert to_dict(again) == to_dict(cfg)
