@@ -1,0 +1,64 @@
+"""The model-adapter registry: ``load_model(name, **kwargs)`` and ``MODELS.names()``.
+
+Entries are lazy ``"module:Class.factory"`` strings, so listing models imports neither diffusers nor
+torch-heavy modules. Each factory takes keyword arguments (``path=...``, ``dtype=...``, ``lora=...``, ...)
+and returns a :class:`~flowrl.models.base.FlowModel`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from flowrl.registry import Registry
+
+__all__ = ["MODELS", "load_model", "register_model", "available_models"]
+
+
+class _ModelRegistry(Registry):
+    """A Registry whose lazy entries may name a dotted attribute (``"pkg.mod:Class.from_pretrained"``)."""
+
+    def get(self, name: str):
+        entry = self._entries.get(name)
+        if isinstance(entry, str) and "." in entry.partition(":")[2]:
+            module_name, _, attr = entry.partition(":")
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            self._entries[name] = obj
+        return super().get(name)
+
+
+MODELS: Registry = _ModelRegistry("model")
+
+MODELS.register("sd3", "flowrl.models.sd3:SD3Model.from_pretrained")
+MODELS.register("flux", "flowrl.models.flux:FluxModel.from_pretrained")
+MODELS.register("shapes", "flowrl.models.shapes:ShapesModel.from_pretrained")
+
+
+def register_model(name: str) -> Callable:
+    """Decorator registering a model factory (e.g. a ``from_pretrained`` classmethod) under ``name``."""
+    return MODELS.register(name)
+
+
+def load_model(name: str, path: Any = None, **kwargs: Any):
+    """Build the model adapter registered as ``name``.
+
+    Args:
+        name: registered name (``sd3``, ``flux``, ``shapes``, ...).
+        path: local directory or hub id; None: the adapter's default (e.g. SD3.5-medium for ``sd3``).
+        **kwargs: the factory's keyword arguments (``dtype``, ``device``, ``lora``, ``resolution``, ...).
+
+    Raises:
+        UnknownNameError: no model is registered as ``name`` (the message lists the valid names).
+        ModelLoadError: the weights cannot be found or read (the message says the fix).
+    """
+    factory = MODELS.get(name)
+    if path is not None:
+        kwargs["path"] = path
+    return factory(**kwargs)
+
+
+def available_models() -> list[str]:
+    """Names of every registered model adapter."""
+    return MODELS.names()
