@@ -1,13 +1,29 @@
 """Deterministic generation and GenEval-style evaluation of a model, and the ``flowrl sample`` /
-``flowrl eval`` commands."""
+``flowrl eval`` commands::
+
+    flowrl sample --model shapes|PATH --prompt "a red circle" [--prompt ...] --seeds 0-7 --steps 20 \\
+        [--guidance G] [--reward shapes] --out grid.png
+    flowrl eval --model shapes|PATH --reward shapes --split eval --steps 40 [--n 600] [--guidance G] \\
+        [--batch-size B] [--prompts FILE] --out eval.json
+
+Both exit with code 2 and one line on stderr for bad input (unknown model path, bad seeds, unknown
+reward, a prompt the reward cannot read), never with a traceback.
+"""
 
 from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
 import torch
 
 from samplers import euler_step, initial_noise
 
-__all__ = ["generate", "evaluate"]
+__all__ = ["generate", "evaluate", "parse_seeds", "load_model_arg", "prompt_rows", "image_grid",
+           "format_table", "sample_main", "eval_main"]
 
 
 @torch.no_grad()
@@ -69,3 +85,382 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
         "kinds": {k: {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in kinds.items()},
     }
     return summary, images
+
+
+# ----------------------------------------------------------------------------- helpers of the commands
+
+
+def parse_seeds(text: str) -> list[int]:
+    """Seeds from ``"0-7"`` (inclusive range), ``"0,3,5"`` (list), ``"4"`` or mixes (``"0-3,8"``).
+
+    Raises:
+        ValueError: the text is not of that form (the message shows the forms).
+    """
+    forms = "expected a seed ('4'), an inclusive range ('0-7') or a comma-separated list ('0,3,5' or '0-3,8')"
+    seeds: list[int] = []
+    items = [item.strip() for item in str(text).split(",")]
+    if not text or not all(items):
+        raise ValueError(f"bad seeds {text!r}: {forms}")
+    for item in items:
+        low, dash, high = item.partition("-")
+        try:
+            if dash:
+                first, last = int(low), int(high)
+                if last < first:
+                    raise ValueError
+                seeds.extend(range(first, last + 1))
+            else:
+                seeds.append(int(item))
+        except ValueError:
+            raise ValueError(f"bad seeds {text!r} (at {item!r}): {forms}; seeds are non-negative") from None
+    return seeds
+
+
+def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
+    """The model named on a command line: ``shapes`` (the shipped checkpoint) or a saved shapes-model
+    directory (also a pretraining run directory, whose ``model/`` is used).
+
+    Raises:
+        ModelLoadError: nothing loadable there (the message says what to give instead).
+    """
+    from flowrl.models.base import ModelLoadError
+    from flowrl.models.shapes import ShapesModel
+
+    if spec == "shapes":
+        return ShapesModel.from_pretrained(None, device=device)
+    path = Path(spec)
+    if path.is_dir() and not (path / "model.json").is_file() and (path / "model" / "model.json").is_file():
+        path = path / "model"  # a pretraining run directory
+    if not path.exists():
+        raise ModelLoadError(f"no model {spec!r}: give `shapes` (the shipped model) or the directory of a saved "
+                             "shapes model (written by ShapesModel.save_pretrained or by "
+                             "`flowrl train configs/shapes/pretrain.yaml` as <output_dir>/model)")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {spec!r} is a file; give the directory of a saved shapes model")
+    try:
+        return ShapesModel.from_pretrained(path, device=device)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError) as err:  # corrupt or foreign files
+        raise ModelLoadError(f"cannot load a shapes model from {spec!r}: {err}") from None
+
+
+def prompt_rows(split: str, n: int = 600, seed: int = 1234) -> list[tuple[str, str, int]]:
+    """``n`` balanced ``(prompt, kind, sampling seed)`` rows of ``split``.
+
+    ``eval`` is exactly :func:`flowrl.data.shapes.eval_prompt_set`; ``train`` is the same construction
+    (task kinds cycle, prompt drawn by a generator seeded by the row index) over the train prompts,
+    to measure the generalisation gap.
+    """
+    from flowrl.data.shapes import TASK_KINDS, _example_rng, eval_prompt_set, split_prompts
+
+    if split == "eval":
+        return eval_prompt_set(n, seed)
+    prompts = split_prompts(split)  # raises for an unknown split
+    rows = []
+    for index in range(n):
+        rng = _example_rng(seed, index)
+        kind = TASK_KINDS[index % len(TASK_KINDS)]
+        rows.append((rng.choice(prompts[kind]).text(), kind, index + seed * 100_000))
+    return rows
+
+
+def _font(size: int = 12):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: fixed-size bitmap font
+        return ImageFont.load_default()
+
+
+GRID_PAD = 4  # px between cells and around the grid
+GRID_HEADER = 18  # px of the column-header strip
+GRID_CELL_LABEL = 14  # px of the strip under each cell when cells have labels
+GRID_MAX_LABEL = 60  # characters of a row label before it is cut
+
+
+def image_grid(images: torch.Tensor, row_labels: list[str], col_labels: list[str], *, scale: int = 4,
+               cell_labels: list[str] | None = None):
+    """A labelled grid of images: one row per row label (drawn on the left), one column per column
+    label (drawn on top), each image upscaled ``scale`` x with nearest-neighbour pixels.
+
+    Args:
+        images: ``[R * C, 3, H, W]`` in [0, 1], row-major.
+        row_labels: ``R`` labels (prompts).
+        col_labels: ``C`` labels (seeds).
+        scale: integer upscaling of each image.
+        cell_labels: optional ``R * C`` labels drawn under each image (rewards).
+
+    Returns:
+        An RGB ``PIL.Image`` of height ``GRID_HEADER + R * (cell + GRID_PAD) + GRID_PAD`` where ``cell``
+        is ``H * scale`` (+ ``GRID_CELL_LABEL`` with cell labels).
+    """
+    from PIL import Image, ImageDraw
+
+    rows, cols = len(row_labels), len(col_labels)
+    if images.shape[0] != rows * cols:
+        raise ValueError(f"{images.shape[0]} images for a {rows} x {cols} grid")
+    font = _font()
+    labels = [t if len(t) <= GRID_MAX_LABEL else t[: GRID_MAX_LABEL - 3] + "..." for t in row_labels]
+    label_width = int(max(font.getlength(t) for t in labels)) + 2 * GRID_PAD
+    h, w = images.shape[2] * scale, images.shape[3] * scale
+    cell_h = h + (GRID_CELL_LABEL if cell_labels else 0)
+    width = label_width + cols * (w + GRID_PAD) + GRID_PAD
+    height = GRID_HEADER + rows * (cell_h + GRID_PAD) + GRID_PAD
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    for c, text in enumerate(col_labels):
+        x = label_width + c * (w + GRID_PAD) + w / 2
+        draw.text((x, GRID_HEADER / 2 + 1), text, fill=(0, 0, 0), font=font, anchor="mm")
+    for r, text in enumerate(labels):
+        y = GRID_HEADER + r * (cell_h + GRID_PAD)
+        draw.text((GRID_PAD, y + h / 2), text, fill=(0, 0, 0), font=font, anchor="lm")
+        for c in range(cols):
+            i = r * cols + c
+            x = label_width + c * (w + GRID_PAD)
+            tile = Image.fromarray(pixels[i]).resize((w, h), Image.Resampling.NEAREST)
+            canvas.paste(tile, (x, y))
+            draw.rectangle([x - 1, y - 1, x + w, y + h], outline=(200, 200, 200))
+            if cell_labels:
+                draw.text((x + w / 2, y + h + GRID_CELL_LABEL / 2 + 1), cell_labels[i], fill=(60, 60, 60),
+                          font=font, anchor="mm")
+    return canvas
+
+
+def format_table(summary: dict) -> str:
+    """A GenEval-style table: accuracy and n per task kind, then overall."""
+    from flowrl.data.shapes import TASK_KINDS
+
+    kinds = summary["kinds"]
+    order = [k for k in TASK_KINDS if k in kinds] + sorted(k for k in kinds if k not in TASK_KINDS)
+    width = max([len("overall"), len("task")] + [len(k) for k in order])
+    rule = f"{'-' * width}  {'-' * 8}  {'-' * 5}"
+    lines = [f"{'task'.ljust(width)}  {'accuracy':>8}  {'n':>5}", rule]
+    lines += [f"{k.ljust(width)}  {kinds[k]['accuracy']:8.3f}  {kinds[k]['n']:5d}" for k in order]
+    lines += [rule, f"{'overall'.ljust(width)}  {summary['overall']:8.3f}  {summary['n']:5d}"]
+    return "\n".join(lines)
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors become one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _seeds_arg(text: str) -> list[int]:
+    try:
+        return parse_seeds(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device(text: str | None) -> torch.device:
+    """``--device``, or cuda when available, else cpu; an unusable device is a usage error."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise _UsageError(f"--device {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {text!r}: no CUDA device is available here; use --device cpu")
+    return device
+
+
+def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
+    parser.add_argument("--model", default="shapes",
+                        help="`shapes` (the shipped model, default) or a saved shapes-model directory")
+    parser.add_argument("--steps", type=_positive_int, default=default_steps,
+                        help=f"Euler ODE steps (default {default_steps})")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="classifier-free guidance scale (default: the model's own)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="samples per model call (default 64)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _out_path(text: str, suffixes: tuple[str, ...], what: str) -> Path:
+    path = Path(text)
+    if path.is_dir():
+        raise _UsageError(f"--out {text!r} is a directory; give a file name ending in {' or '.join(suffixes)}")
+    if path.suffix.lower() not in suffixes:
+        raise _UsageError(f"--out {text!r}: {what} must end in {' or '.join(suffixes)}")
+    return path
+
+
+def _check_prompts(reward, prompts: list[str]) -> None:
+    """Fail before generating when the reward cannot read a prompt (the shapes grammar)."""
+    if getattr(reward, "name", None) != "shapes":
+        return
+    from flowrl.data.shapes import PromptParseError, parse_prompt
+    from rewards import RewardError
+
+    for prompt in prompts:
+        try:
+            parse_prompt(prompt)
+        except PromptParseError as err:
+            raise RewardError(f"shapes reward: {err}") from None
+
+
+def _run_command(prog: str, body, argv: list[str]) -> int:
+    """Run ``body(argv)``, turning the user's mistakes into one stderr line and exit code 2."""
+    from flowrl.data.shapes import PromptParseError
+    from flowrl.models.base import ModelLoadError
+    from flowrl.registry import UnknownNameError
+    from rewards import RewardError
+
+    try:
+        return int(body(argv) or 0)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except (_UsageError, ModelLoadError, UnknownNameError, RewardError, PromptParseError) as err:
+        message = err.message if isinstance(err, UnknownNameError) else str(err)
+        print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+# ----------------------------------------------------------------------------- flowrl sample
+
+
+def _sample(argv: list[str]) -> int:
+    parser = _Parser(prog="flowrl sample", description="Sample a labelled image grid: one row per prompt, "
+                                                       "one column per seed.")
+    _common_args(parser, default_steps=20)
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more rows)")
+    parser.add_argument("--seeds", type=_seeds_arg, default=parse_seeds("0-7"),
+                        help="columns: '0-7' (default), '0,3,5' or '4'")
+    parser.add_argument("--scale", type=_positive_int, default=4, help="nearest-neighbour upscaling (default 4)")
+    parser.add_argument("--reward", default=None, help="optionally score each image with this reward "
+                                                       "(drawn under it), e.g. shapes")
+    parser.add_argument("--out", default="grid.png", help="output image (default grid.png)")
+    args = parser.parse_args(argv)
+    out = _out_path(args.out, (".png", ".jpg", ".jpeg", ".webp"), "the grid")
+    reward = None
+    if args.reward:
+        import rewards
+
+        reward = rewards.load(args.reward)
+        _check_prompts(reward, args.prompt)
+    model = load_model_arg(args.model, device=_device(args.device))
+    model.eval()
+    prompts = [p for p in args.prompt for _ in args.seeds]
+    seeds = [s for _ in args.prompt for s in args.seeds]
+    from tqdm import tqdm
+
+    with tqdm(total=len(prompts), desc="sampling", unit="img", disable=args.no_progress) as bar:
+        images = generate(model, prompts, seeds, steps=args.steps, guidance=args.guidance,
+                          batch_size=args.batch_size, progress=bar.update)
+    cell_labels = None
+    if reward is not None:
+        scores = reward(images, prompts).scores.tolist()
+        cell_labels = [f"{args.reward} {s:.2f}" for s in scores]
+    grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], scale=args.scale,
+                      cell_labels=cell_labels)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(out)
+    print(f"wrote {out} ({len(args.prompt)} prompts x {len(args.seeds)} seeds, {args.steps} steps)")
+    return 0
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    """``flowrl sample``; returns the exit code."""
+    return _run_command("flowrl sample", _sample, list(sys.argv[1:] if argv is None else argv))
+
+
+# ----------------------------------------------------------------------------- flowrl eval
+
+
+def _eval(argv: list[str]) -> int:
+    parser = _Parser(prog="flowrl eval", description="GenEval-style evaluation: generate one image per "
+                                                     "(prompt, seed) of a balanced prompt set and score it.")
+    _common_args(parser, default_steps=40)
+    parser.add_argument("--reward", default="shapes", help="reward model (default shapes)")
+    parser.add_argument("--split", choices=("eval", "train"), default="eval",
+                        help="prompt split (default eval, the held-out prompts)")
+    parser.add_argument("--n", type=_positive_int, default=None,
+                        help="number of prompts (default 600; with --prompts, every line)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the prompt set (default 1234)")
+    parser.add_argument("--prompts", default=None, help="a text file of prompts, one per line, instead of --split")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    out = _out_path(args.out, (".json",), "the results") if args.out else None
+
+    import rewards
+
+    reward = rewards.load(args.reward)
+    if args.prompts:
+        rows = _rows_from_file(args.prompts, args.n, args.seed)
+    else:
+        rows = prompt_rows(args.split, args.n or 600, args.seed)
+    _check_prompts(reward, [r[0] for r in rows])
+
+    device = _device(args.device)
+    start = time.perf_counter()
+    model = load_model_arg(args.model, device=device)
+    model.eval()
+    loaded = time.perf_counter()
+    from tqdm import tqdm
+
+    with tqdm(total=len(rows), desc="evaluating", unit="img", disable=args.no_progress) as bar:
+        summary, _ = evaluate(model, reward, rows, steps=args.steps, guidance=args.guidance,
+                              batch_size=args.batch_size, progress=bar.update)
+    done = time.perf_counter()
+    summary["settings"] = {
+        "model": args.model, "reward": args.reward, "split": None if args.prompts else args.split,
+        "prompts": args.prompts, "n": len(rows), "seed": args.seed, "steps": args.steps,
+        "guidance": model.default_guidance if args.guidance is None else args.guidance,
+        "batch_size": args.batch_size, "device": str(device),
+    }
+    summary["timing"] = {"load_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3),
+                         "images_per_s": round(len(rows) / max(done - loaded, 1e-9), 3)}
+    print(format_table(summary))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str, int]]:
+    from flowrl.data.shapes import PromptParseError, parse_prompt
+
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    except OSError as err:
+        raise _UsageError(f"cannot read --prompts {path!r}: {err.strerror or err}") from None
+    prompts = [line for line in lines if line and not line.startswith("#")][:n]
+    if not prompts:
+        raise _UsageError(f"--prompts {path!r} holds no prompts (one per line; # starts a comment)")
+    rows = []
+    for index, prompt in enumerate(prompts):
+        try:
+            kind = parse_prompt(prompt).kind
+        except PromptParseError:
+            kind = "other"  # outside the shapes grammar: fine for rewards that read any prompt
+        rows.append((prompt, kind, index + seed * 100_000))
+    return rows
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    """``flowrl eval``; returns the exit code."""
+    return _run_command("flowrl eval", _eval, list(sys.argv[1:] if argv is None else argv))

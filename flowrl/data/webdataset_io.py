@@ -1,0 +1,156 @@
+"""Webdataset I/O: write the shapes world as tar shards, read image-prompt shards back.
+
+A sample of a shard is three files sharing a key::
+
+    <key>.png     the image (RGB PNG)
+    <key>.txt     the prompt (UTF-8)
+    <key>.json    metadata; for the shapes world the scene json (``resolution``, ``objects``) plus
+                  ``kind``, ``split``, ``seed`` and ``index``, so ``Scene.from_json`` reads it as it is
+
+Writing goes through ``webdataset.ShardWriter`` (tar entries get ``mtime=0``, so the same arguments
+write byte-identical shards). Reading is :func:`iter_shards`, which the rewards CLI reuses to score a
+directory of shards.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+from PIL import Image
+
+__all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_shards", "write_shapes_shards"]
+
+# File names of the shapes shards: shapes-<split>-000000.tar, shapes-<split>-000001.tar, ...
+SHARD_PATTERN = "shapes-{split}-%06d.tar"
+
+
+class ShardError(ValueError):
+    """Shards cannot be found or read; the message names the path and what was expected."""
+
+
+def shard_paths(pattern_or_dir: str | Path) -> list[str]:
+    """The shard files named by a directory (its ``*.tar``), a glob (``out/*.tar``), a brace pattern
+    (``out/shapes-eval-{000000..000003}.tar``) or one file, sorted.
+
+    Raises:
+        ShardError: nothing matches.
+    """
+    text = str(pattern_or_dir)
+    path = Path(text)
+    if path.is_dir():
+        paths = sorted(str(p) for p in path.glob("*.tar"))
+        if not paths:
+            raise ShardError(f"no .tar shards in directory {text!r}; write some with "
+                             "`flowrl data shapes --split eval --n 600 --out DIR`")
+        return paths
+    if "{" in text:
+        from braceexpand import braceexpand
+
+        paths = list(braceexpand(text))
+        missing = [p for p in paths if not Path(p).is_file()]
+        if missing:
+            raise ShardError(f"shard pattern {text!r}: {len(missing)} of {len(paths)} files are missing "
+                             f"(first: {missing[0]!r})")
+        return paths
+    if glob.has_magic(text):
+        paths = sorted(glob.glob(text))
+        if not paths:
+            raise ShardError(f"no shards match {text!r}")
+        return paths
+    if path.is_file():
+        return [text]
+    raise ShardError(f"no shards at {text!r}: give a directory of .tar shards, a glob or a brace pattern")
+
+
+def iter_shards(pattern_or_dir: str | Path) -> Iterator[tuple[str, Image.Image, str, dict]]:
+    """Every sample of the shards, in order, as ``(key, image, prompt, metadata)``.
+
+    Args:
+        pattern_or_dir: see :func:`shard_paths`.
+
+    Yields:
+        ``key`` (str), ``image`` (RGB ``PIL.Image``), ``prompt`` (str, "" when the sample has no
+        ``txt``) and ``metadata`` (dict, empty when it has no ``json``).
+
+    Raises:
+        ShardError: no shards match, or a sample has no image or an unreadable file.
+    """
+    import webdataset as wds
+
+    paths = shard_paths(pattern_or_dir)
+    # No shuffling, no splitting across nodes: every caller gets every sample, in shard order.
+    dataset = wds.WebDataset(paths, shardshuffle=False, empty_check=False, nodesplitter=None)
+    for sample in dataset:
+        key = sample["__key__"]
+        where = f"sample {key!r} of {sample.get('__url__', paths[0])!r}"
+        image_bytes = next((sample[k] for k in ("png", "jpg", "jpeg", "webp") if k in sample), None)
+        if image_bytes is None:
+            raise ShardError(f"{where} has no image (expected a .png, .jpg or .webp entry)")
+        try:
+            image = Image.open(io.BytesIO(image_bytes)).convert("RGB")
+            prompt = sample["txt"].decode("utf-8").strip() if "txt" in sample else ""
+            metadata = json.loads(sample["json"]) if "json" in sample else {}
+        except (OSError, ValueError) as err:
+            raise ShardError(f"{where} is unreadable: {err}") from None
+        yield key, image, prompt, metadata
+
+
+def _png_bytes(array) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_shapes_shards(split: str, n: int, out: str | Path, *, seed: int = 0, shard_size: int = 1000,
+                        chunk: int = 64, progress: Callable[[int], None] | None = None) -> list[Path]:
+    """Write ``n`` rendered examples of the shapes ``split`` as shards in ``out``.
+
+    Example ``i`` is ``sample_examples(split, 1, seed, start=i)`` (the pretraining stream), so shards of
+    the same ``(split, seed)`` agree with each other and with training, whatever their size. Shards of
+    this split left in ``out`` by an earlier, larger run are removed, so ``out`` then holds exactly
+    this dataset (files of other names are left alone).
+
+    Args:
+        split: ``"train"`` or ``"eval"``.
+        n: number of examples.
+        out: the directory (created if missing).
+        seed: the stream's seed.
+        shard_size: examples per shard.
+        chunk: examples rendered per call (memory only; the output does not depend on it).
+        progress: optional callable(n_done) for progress bars.
+
+    Returns:
+        The shard paths written, in order.
+    """
+    import webdataset as wds
+
+    from .shapes import sample_examples
+
+    if n < 1 or shard_size < 1:
+        raise ValueError(f"n and shard_size must be positive, got n={n}, shard_size={shard_size}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pattern = str(out / SHARD_PATTERN.format(split=split))
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0) as sink:
+        for start in range(0, n, chunk):
+            examples = sample_examples(split, min(chunk, n - start), seed=seed, start=start)
+            for index, example in enumerate(examples, start=start):
+                meta = {**json.loads(example.scene.to_json()), "kind": example.kind, "split": split,
+                        "seed": seed, "index": index}
+                sink.write({"__key__": f"{split}_{index:08d}", "png": _png_bytes(example.image),
+                            "txt": example.prompt, "json": json.dumps(meta)})
+            if progress is not None:
+                progress(len(examples))
+    n_shards = (n + shard_size - 1) // shard_size
+    written = [Path(pattern % i) for i in range(n_shards)]
+    ours = re.compile(rf"^shapes-{re.escape(split)}-(\d{{6}})\.tar$")
+    for stale in out.iterdir():
+        match = ours.match(stale.name)
+        if match and int(match.group(1)) >= n_shards:
+            stale.unlink()
+    return written
