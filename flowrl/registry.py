@@ -62,7 +62,9 @@ class Registry(Generic[T]):
             import importlib
 
             module_name, _, attr = entry.partition(":")
-            entry = getattr(importlib.import_module(module_name), attr)
+            entry = importlib.import_module(module_name)
+            for part in attr.split("."):  # "module:Class.from_pretrained"
+                entry = getattr(entry, part)
             self._entries[name] = entry
         return entry
 

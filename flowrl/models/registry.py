@@ -7,7 +7,6 @@ and returns a :class:`~flowrl.models.base.FlowModel`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 from flowrl.registry import Registry
@@ -15,21 +14,7 @@ from flowrl.registry import Registry
 __all__ = ["MODELS", "load_model", "register_model", "available_models"]
 
 
-class _ModelRegistry(Registry):
-    """A Registry whose lazy entries may name a dotted attribute (``"pkg.mod:Class.from_pretrained"``)."""
-
-    def get(self, name: str):
-        entry = self._entries.get(name)
-        if isinstance(entry, str) and "." in entry.partition(":")[2]:
-            module_name, _, attr = entry.partition(":")
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-            self._entries[name] = obj
-        return super().get(name)
-
-
-MODELS: Registry = _ModelRegistry("model")
+MODELS: Registry = Registry("model")
 
 MODELS.register("sd3", "flowrl.models.sd3:SD3Model.from_pretrained")
 MODELS.register("flux", "flowrl.models.flux:FluxModel.from_pretrained")

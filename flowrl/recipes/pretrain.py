@@ -37,8 +37,10 @@ class OptimConfig:
     lr: float = field(default=8e-4, metadata=bounds(gt=0))
     weight_decay: float = field(default=0.01, metadata=bounds(ge=0))
     warmup_steps: int = field(default=200, metadata=bounds(ge=0))
-    # Cosine decay to `min_lr_ratio * lr` at the last step (run.max_epochs * data.steps_per_epoch).
+    # Cosine decay to `min_lr_ratio * lr` over `decay_epochs` epochs (None: run.max_epochs), so a run can
+    # stop early on a longer schedule and still be reproduced exactly.
     min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
+    decay_epochs: int | None = field(default=None, metadata=bounds(ge=1))
     grad_clip: float = field(default=1.0, metadata=bounds(gt=0))
 
 
@@ -86,7 +88,7 @@ class Config:
 def _lr_lambda(cfg: Config):
     import math
 
-    total = max(cfg.run.max_epochs * cfg.data.steps_per_epoch, 1)
+    total = max((cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch, 1)
     warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
 
     def factor(step: int) -> float:

@@ -1,0 +1,93 @@
+"""Prompt sets: a text file (one prompt per line), a JSONL file (``{"prompt": ..., other keys are
+metadata the rewards receive}``), or a built-in set such as ``shapes:train`` / ``shapes:eval``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PromptSet", "PromptSetError", "load_prompts"]
+
+
+class PromptSetError(ValueError):
+    """A prompt file is missing, empty or malformed; the message names the file and line."""
+
+
+@dataclass
+class PromptSet:
+    """Prompts with one metadata dict each (``{}`` when the source has none)."""
+
+    prompts: list[str]
+    metadata: list[dict] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.metadata:
+            self.metadata = [{} for _ in self.prompts]
+        if len(self.metadata) != len(self.prompts):
+            raise PromptSetError(f"{self.name}: {len(self.prompts)} prompts but {len(self.metadata)} metadata rows")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def _builtin(name: str, limit: int | None) -> PromptSet:
+    from flowrl.data.shapes import TASK_KINDS, eval_prompt_set, split_prompts
+
+    world, _, split = name.partition(":")
+    if world != "shapes" or split not in ("train", "eval"):
+        raise PromptSetError(f"unknown built-in prompt set {name!r}; valid: shapes:train, shapes:eval")
+    if split == "eval":
+        # The fixed held-out set: prompts balanced over task kinds, each with its own fixed seed.
+        rows = eval_prompt_set(limit or 600)
+        return PromptSet([r[0] for r in rows], [{"kind": r[1], "seed": r[2]} for r in rows], name)
+    specs = split_prompts("train")
+    prompts, metadata = [], []
+    for kind in TASK_KINDS:  # every training prompt once, grouped by kind
+        for spec in specs[kind]:
+            prompts.append(spec.text())
+            metadata.append({"kind": kind})
+    return PromptSet(prompts, metadata, name)
+
+
+def load_prompts(source: str, limit: int | None = None) -> PromptSet:
+    """Load a prompt set.
+
+    Args:
+        source: ``path.txt``, ``path.jsonl`` or a built-in name (``shapes:train``, ``shapes:eval``).
+        limit: keep the first ``limit`` prompts (for ``shapes:eval``: build that many).
+
+    Raises:
+        PromptSetError: missing file, empty set, or a malformed JSONL line (named by number).
+    """
+    if ":" in source and not Path(source).exists():
+        prompt_set = _builtin(source, limit)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise PromptSetError(f"prompt file {source!r} does not exist (give a .txt with one prompt per "
+                                 "line, a .jsonl with a 'prompt' key per line, or shapes:train / shapes:eval)")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        prompts, metadata = [], []
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise PromptSetError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise PromptSetError(f"{path}:{number}: each line needs a string 'prompt' key")
+                prompts.append(row.pop("prompt"))
+                metadata.append(row)
+        else:
+            prompts = [line.strip() for line in lines if line.strip()]
+            metadata = [{} for _ in prompts]
+        prompt_set = PromptSet(prompts, metadata, str(path))
+    if limit is not None:
+        prompt_set = PromptSet(prompt_set.prompts[:limit], prompt_set.metadata[:limit], prompt_set.name)
+    if not prompt_set.prompts:
+        raise PromptSetError(f"prompt set {source!r} is empty")
+    return prompt_set

@@ -1,0 +1,43 @@
+"""A toy flow model with a closed-form base velocity, for recipe tests that need a known answer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flowrl.models.base import FlowModel
+from rewards import RewardOutput
+
+
+class ToyFlow(FlowModel):
+    """2-D points; data x0 ~ N(0, I), so the base velocity is ``E[eps - x0 | x] = (2 sigma - 1) / s^2 x``
+    with ``s^2 = (1 - sigma)^2 + sigma^2``. A zero-initialised MLP adds the trainable correction."""
+
+    latent_shape = (2, 1, 1)
+
+    def __init__(self, hidden: int = 32, **kwargs):
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(3, hidden), nn.SiLU(), nn.Linear(hidden, 2))
+        nn.init.zeros_(mlp[2].weight)
+        nn.init.zeros_(mlp[2].bias)
+        super().__init__(mlp, **kwargs)
+
+    def _encode(self, prompts):
+        return {"embedding": torch.zeros(len(prompts), 1)}
+
+    def _predict(self, denoiser, x, sigma, cond):
+        s = sigma.view(-1, 1, 1, 1)
+        base = (2 * s - 1) / ((1 - s) ** 2 + s**2) * x
+        correction = denoiser(torch.cat([x.flatten(1), sigma[:, None]], dim=1)).view_as(x)
+        return base + correction
+
+    def decode(self, latents):
+        return latents.float()
+
+    def default_lora_targets(self):
+        return ["0", "2"]
+
+
+def first_coordinate_reward(images, prompts, metadata=None) -> RewardOutput:
+    """Reward = the first coordinate of the sample: the policy should move its mass to the right."""
+    return RewardOutput(images[:, 0, 0, 0].float().clone())
