@@ -13,6 +13,18 @@ REWARDS: Registry = Registry("reward")
 
 # name -> "module:factory"; each factory takes keyword arguments and returns a Reward.
 REWARDS.register("shapes", "rewards.shapes:ShapesReward")
+REWARDS.register("clip_score", "rewards.clip_score:ClipScore")
+REWARDS.register("pickscore", "rewards.pickscore:PickScore")
+REWARDS.register("hpsv2", "rewards.hpsv2:HPSv2")
+REWARDS.register("aesthetic", "rewards.aesthetic:Aesthetic")
+REWARDS.register("ocr", "rewards.ocr:OCRReward")
+REWARDS.register("jpeg_compressibility", "rewards.jpeg:JpegCompressibility")
+REWARDS.register("jpeg_incompressibility", "rewards.jpeg:JpegIncompressibility")
+REWARDS.register("vlm_judge", "rewards.vlm_judge:VLMJudge")
+REWARDS.register("remote", "rewards.remote:RemoteReward")
+# Not bundled: ImageReward. `image-reward` 1.5 resolves beside our pins but fails to import with
+# transformers 5 (BLIP's med.py imports apply_chunking_to_forward from transformers.modeling_utils) and
+# needs OpenAI's `clip` package, which is not on PyPI under that name.
 
 
 def register_reward(name: str):

@@ -1,0 +1,110 @@
+"""Shared helpers for loading reward-model weights from a local path or a hub id.
+
+Every loader turns the libraries' errors (hub connection errors, missing files, bad checkpoints) into
+one :class:`~rewards.base.RewardError` that names the files needed and where to put them. Nothing
+global is set: no environment variables, no library-wide config.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .base import RewardError
+
+__all__ = ["looks_like_path", "require_file", "require_dir", "load_errors", "load_state_dict_file",
+           "resolve_device", "resolve_dtype", "OFFLINE_HINT"]
+
+OFFLINE_HINT = ("Without internet, download the files elsewhere and pass their local path, or pre-fill the "
+                "Hugging Face cache (HF_HOME) and set HF_HUB_OFFLINE=1 so hub look-ups fail fast.")
+
+
+def looks_like_path(value: str | os.PathLike | None) -> bool:
+    """True for strings that are meant as file-system paths rather than hub ids or tags."""
+    if value is None:
+        return False
+    text = str(value)
+    return (os.path.isabs(text) or text.startswith((".", "~")) or os.path.exists(os.path.expanduser(text))
+            or text.endswith((".pt", ".pth", ".bin", ".safetensors", ".ckpt")))
+
+
+def require_file(path: str | os.PathLike, reward: str, what: str, fix: str) -> Path:
+    """Return ``path`` as a Path, or raise the reward's clear missing-file error."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_file():
+        raise RewardError(f"{reward}: {what} not found at {str(p)!r}. {fix}")
+    return p
+
+
+def require_dir(path: str | os.PathLike, reward: str, what: str, fix: str) -> Path:
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_dir():
+        raise RewardError(f"{reward}: {what} directory not found at {str(p)!r}. {fix}")
+    return p
+
+
+@contextmanager
+def load_errors(reward: str, what: str, fix: str) -> Iterator[None]:
+    """Re-raise any loading failure (hub, OS, bad checkpoint) as one RewardError saying ``fix``."""
+    try:
+        yield
+    except RewardError:
+        raise
+    except Exception as err:  # hub/OS/format errors of many libraries: all mean "cannot load"
+        detail = " ".join(str(err).split())
+        if len(detail) > 300:
+            detail = detail[:297] + "..."
+        raise RewardError(f"{reward}: could not load {what} ({type(err).__name__}: {detail}). {fix}") from err
+
+
+def load_state_dict_file(path: str | os.PathLike, reward: str, fix: str) -> dict[str, torch.Tensor]:
+    """Load a tensor state dict from ``.safetensors`` or a torch file with ``weights_only=True``.
+
+    A checkpoint holding ``{"state_dict": ...}`` is unwrapped, and DistributedDataParallel's
+    ``module.`` prefixes are stripped.
+    """
+    p = require_file(path, reward, "checkpoint", fix)
+    with load_errors(reward, f"checkpoint {str(p)!r}", fix + " (The file must be .safetensors or a torch file "
+                     "loadable with torch.load(weights_only=True); convert pickled checkpoints once with "
+                     "safetensors.torch.save_file.)"):
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(p))
+        else:
+            state = torch.load(str(p), map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise RewardError(f"{reward}: checkpoint {str(p)!r} does not hold a state dict of tensors. {fix}")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise RewardError(f"invalid device {device!r}: {err}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RewardError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise RewardError(f"invalid dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -1,0 +1,388 @@
+"""Composing rewards: weighted sums, a gated base-and-bonus combination, and score transforms.
+
+Formulas (``r`` a reward's scores ``[B]``):
+
+- **Weighted sum**: ``score = sum_k w_k * T_k(r_k)`` where ``T_k`` is term ``k``'s transform chain
+  (identity by default). ``details[key_k]`` holds ``T_k(r_k)`` (the value that was weighted), and each
+  reward's own details appear as ``"key_k/..."`` (``"pickscore/cosine"``); a transformed term also logs
+  its untransformed score as ``"key_k/raw"``.
+- **Gated** (a quality reward modulates an alignment reward):
+  ``score = a * (1 + bonus * sigmoid((q - ref) / temperature))``, with ``a`` the alignment score and ``q``
+  the quality score. Quality can raise the alignment reward by at most a factor ``1 + bonus`` (images
+  at ``q = ref`` get ``1 + bonus / 2``) and never creates reward where alignment is zero, so a
+  beautiful but wrong image cannot win. Meant for non-negative alignment rewards (OCR accuracy,
+  P(yes), CLIP-S); for signed ones, shift them first with a ``centre``/``clip`` transform.
+  Details: ``"alignment"``, ``"quality"``, ``"gate"`` (the sigmoid) plus each side's details
+  prefixed ``"alignment/"`` and ``"quality/"``.
+- **Transforms**, applied in the order given: ``centre: c`` -> ``r - c``; ``clip: [lo, hi]`` ->
+  ``min(max(r, lo), hi)``; ``sigmoid: c`` (or ``{ref: c, temperature: t}``) -> ``sigmoid((r - c) / t)``,
+  a bounded (0, 1) version of a reward with an arbitrary scale.
+
+Specs (:func:`build_reward`), e.g. in YAML::
+
+    reward:                      # a mapping: name -> weight, or name -> options
+      pickscore: 1.0
+      aesthetic:
+        weight: 0.5
+        kwargs: {mlp_path: /models/sac+logos+ava1-l14-linearMSE.pth}
+        transform: {centre: 5.5, clip: [-2, 2]}
+      judge_text:                # an alias: two instances of one reward need different keys
+        reward: vlm_judge
+        kwargs: {endpoint: "http://127.0.0.1:8000", question: 'Is the text "{prompt}" legible? Answer yes or no.'}
+      gated:                     # reserved key: the gated combination (alignment/quality are specs too)
+        alignment: ocr
+        quality: {aesthetic: {kwargs: {mlp_path: ...}}}
+        bonus: 0.5
+        ref: 5.5
+
+or a string ``"pickscore,aesthetic"`` (weights 1) / ``"pickscore:1.0,aesthetic:0.5"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .base import Reward, RewardError, RewardOutput
+from .registry import REWARDS, load
+
+__all__ = ["Transform", "Centre", "Clip", "Sigmoid", "parse_transforms", "TransformedReward", "WeightedSum",
+           "GatedReward", "RewardTermSpec", "GatedSpec", "build_reward", "parse_reward_string"]
+
+
+# ----------------------------------------------------------------------------------------------- transforms
+
+
+class Transform:
+    """A function ``[B] -> [B]`` applied to a reward's scores (differentiable)."""
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Centre(Transform):
+    """``r - ref``."""
+
+    ref: float
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores - self.ref
+
+
+@dataclass(frozen=True)
+class Clip(Transform):
+    """``clamp(r, lo, hi)`` (either bound may be None)."""
+
+    lo: float | None = None
+    hi: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.lo is not None and self.hi is not None and self.lo > self.hi:
+            raise RewardError(f"transform clip: lo={self.lo} is greater than hi={self.hi}")
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores.clamp(self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class Sigmoid(Transform):
+    """``sigmoid((r - ref) / temperature)``, in (0, 1)."""
+
+    ref: float = 0.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise RewardError(f"transform sigmoid: temperature must be > 0, got {self.temperature}")
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid((scores - self.ref) / self.temperature)
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RewardError(f"transform {what}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _one_transform(kind: str, value: Any) -> Transform:
+    if kind in ("centre", "center"):
+        return Centre(_number(value, kind))
+    if kind == "clip":
+        if isinstance(value, Mapping):
+            lo, hi = value.get("lo"), value.get("hi")
+        elif isinstance(value, (list, tuple)) and len(value) == 2:
+            lo, hi = value
+        else:
+            raise RewardError(f"transform clip: expected [lo, hi] or {{lo:, hi:}}, got {value!r}")
+        return Clip(None if lo is None else _number(lo, "clip"), None if hi is None else _number(hi, "clip"))
+    if kind == "sigmoid":
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"ref", "temperature"}
+            if unknown:
+                raise RewardError(f"transform sigmoid: unknown key(s) {sorted(unknown)}; valid: ref, temperature")
+            return Sigmoid(_number(value.get("ref", 0.0), kind), _number(value.get("temperature", 1.0), kind))
+        return Sigmoid(_number(value, kind))
+    raise RewardError(f"unknown transform {kind!r}; valid transforms: centre, clip, sigmoid")
+
+
+def parse_transforms(spec: Any) -> list[Transform]:
+    """``None``, a Transform, a mapping ``{kind: value, ...}`` (applied in order) or a list of those."""
+    if spec is None:
+        return []
+    if isinstance(spec, Transform):
+        return [spec]
+    if isinstance(spec, Mapping):
+        return [_one_transform(str(kind), value) for kind, value in spec.items()]
+    if isinstance(spec, (list, tuple)):
+        return [t for item in spec for t in parse_transforms(item)]
+    raise RewardError(f"a transform must be a mapping like {{centre: 5.0}} or a list of them, got {spec!r}")
+
+
+# ----------------------------------------------------------------------------------------------- rewards
+
+
+def _prefixed(details: Mapping[str, torch.Tensor], key: str, inner_name: str) -> dict[str, torch.Tensor]:
+    """Inner details under ``key/``: ``pickscore/cosine`` stays, ``x`` becomes ``key/x``."""
+    out = {}
+    for name, value in details.items():
+        if name.startswith(f"{key}/"):
+            out[name] = value
+        elif inner_name and name.startswith(f"{inner_name}/"):
+            out[f"{key}/{name[len(inner_name) + 1:]}"] = value
+        else:
+            out[f"{key}/{name}"] = value
+    return out
+
+
+class TransformedReward(Reward):
+    """A reward whose scores pass through transforms; the raw score is logged as ``"<name>/raw"``."""
+
+    def __init__(self, reward: Reward, transforms: Sequence[Transform]):
+        self.reward = reward
+        self.transforms = list(transforms)
+        self.name = reward.name
+        self.differentiable = reward.differentiable
+        self.batch_size = reward.batch_size
+        self.device = reward.device
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
+        out = self.reward(images, prompts, metadata)
+        scores = out.scores
+        for transform in self.transforms:
+            scores = transform(scores)
+        details = dict(out.details)
+        details[f"{self.name}/raw"] = out.scores.detach()
+        return RewardOutput(scores, details)
+
+
+class WeightedSum(Reward):
+    """``sum_k w_k * r_k`` over named rewards (see the module docstring for the details keys).
+
+    Args:
+        terms: ``(key, reward, weight)`` triples; keys must be distinct.
+    """
+
+    def __init__(self, terms: Sequence[tuple[str, Reward, float]]):
+        if not terms:
+            raise RewardError("a weighted sum needs at least one reward")
+        keys = [key for key, _, _ in terms]
+        if len(set(keys)) != len(keys):
+            raise RewardError(f"duplicate reward keys {keys}; give aliases with the 'reward:' field")
+        self.terms = [(key, reward, float(weight)) for key, reward, weight in terms]
+        self.name = "+".join(keys)
+        self.differentiable = all(reward.differentiable for _, reward, _ in terms)
+        self.batch_size = min(reward.batch_size for _, reward, _ in terms)
+        self.device = terms[0][1].device
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
+        total = None
+        details: dict[str, torch.Tensor] = {}
+        for key, reward, weight in self.terms:
+            out = reward(images, prompts, metadata)
+            scores = out.scores.float().to(images.device)
+            total = weight * scores if total is None else total + weight * scores
+            details[key] = scores.detach()
+            details.update({k: v.detach().float().to(images.device)
+                            for k, v in _prefixed(out.details, key, reward.name).items()})
+        return RewardOutput(total, details)
+
+
+class GatedReward(Reward):
+    """``alignment * (1 + bonus * sigmoid((quality - ref) / temperature))`` (see the module docstring)."""
+
+    name = "gated"
+
+    def __init__(self, alignment: Reward, quality: Reward, bonus: float = 0.5, ref: float = 0.0,
+                 temperature: float = 1.0):
+        if not temperature > 0:
+            raise RewardError(f"gated: temperature must be > 0, got {temperature}")
+        if bonus < 0:
+            raise RewardError(f"gated: bonus must be >= 0, got {bonus}")
+        self.alignment, self.quality = alignment, quality
+        self.bonus, self.ref, self.temperature = float(bonus), float(ref), float(temperature)
+        self.differentiable = alignment.differentiable and quality.differentiable
+        self.batch_size = min(alignment.batch_size, quality.batch_size)
+        self.device = alignment.device
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
+        a_out = self.alignment(images, prompts, metadata)
+        q_out = self.quality(images, prompts, metadata)
+        a = a_out.scores.float().to(images.device)
+        q = q_out.scores.float().to(images.device)
+        gate = torch.sigmoid((q - self.ref) / self.temperature)
+        scores = a * (1.0 + self.bonus * gate)
+        details = {"alignment": a.detach(), "quality": q.detach(), "gate": gate.detach()}
+        for key, out, reward in (("alignment", a_out, self.alignment), ("quality", q_out, self.quality)):
+            details.update({k: v.detach().float().to(images.device)
+                            for k, v in _prefixed(out.details, key, reward.name).items()})
+        return RewardOutput(scores, details)
+
+
+# ----------------------------------------------------------------------------------------------- specs
+
+
+@dataclass
+class RewardTermSpec:
+    """One entry of a reward mapping (typed, for :mod:`flowrl.config`).
+
+    Attributes:
+        weight: its weight in the sum.
+        kwargs: keyword arguments of the reward (model paths, device, ...).
+        transform: transform chain (see :func:`parse_transforms`).
+        reward: registry name when the mapping key is an alias (default: the key).
+    """
+
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    transform: Any = None
+    reward: str | None = None
+
+
+@dataclass
+class GatedSpec:
+    """The ``gated`` entry: ``alignment``/``quality`` are reward specs themselves."""
+
+    alignment: Any
+    quality: Any
+    bonus: float = 0.5
+    ref: float = 0.0
+    temperature: float = 1.0
+    weight: float = 1.0
+    transform: Any = None
+
+
+def _typed(cls, value: Any, path: str):
+    from flowrl.config import ConfigError, from_dict
+
+    try:
+        return from_dict(cls, value)
+    except ConfigError as err:
+        message = str(err)[len(err.path) + 2:] if str(err).startswith(f"{err.path}: ") else str(err)
+        where = f"{path}.{err.path}" if err.path and err.path != "<config>" else path
+        raise RewardError(f"reward spec {where}: {message}") from None
+
+
+def parse_reward_string(text: str) -> list[tuple[str, float]]:
+    """``"a,b:0.5"`` -> ``[("a", 1.0), ("b", 0.5)]``."""
+    items = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, weight = part.partition(":")
+        try:
+            value = float(weight) if weight.strip() else 1.0
+        except ValueError:
+            raise RewardError(f"bad weight {weight!r} in reward spec {text!r}; use name:weight, e.g. "
+                              f"pickscore:1.0,aesthetic:0.5") from None
+        if not math.isfinite(value):
+            raise RewardError(f"weight of {name!r} must be finite, got {weight!r}")
+        items.append((name.strip(), value))
+    if not items:
+        raise RewardError(f"empty reward spec {text!r}; valid names: {', '.join(REWARDS.names())}")
+    return items
+
+
+def _load(name: str, kwargs: Mapping[str, Any], device: str | None) -> Reward:
+    factory = REWARDS.get(name)  # unknown names: UnknownNameError listing the valid ones
+    kwargs = dict(kwargs)
+    if device is not None and "device" not in kwargs:
+        try:
+            accepts = "device" in inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            accepts = False
+        if accepts:
+            kwargs["device"] = device
+    try:
+        reward = factory(**kwargs)
+    except TypeError as err:
+        if "argument" in str(err):  # a misspelt keyword
+            params = [p for p in inspect.signature(factory).parameters if p != "self"]
+            raise RewardError(f"{name}: {err}; valid arguments: {', '.join(params)}") from None
+        raise
+    return reward
+
+
+def _term(key: str, value: Any, device: str | None) -> tuple[Reward, float]:
+    path = f"reward.{key}"
+    if key == "gated":
+        if not isinstance(value, Mapping):
+            raise RewardError(f"reward spec {path}: expected a mapping with alignment, quality, bonus, ref, "
+                              f"temperature")
+        spec = _typed(GatedSpec, dict(value), path)
+        reward: Reward = GatedReward(build_reward(spec.alignment, device=device),
+                                     build_reward(spec.quality, device=device),
+                                     bonus=spec.bonus, ref=spec.ref, temperature=spec.temperature)
+        transforms, weight = parse_transforms(spec.transform), spec.weight
+    else:
+        if value is None:
+            value = {}
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = {"weight": value}
+        elif not isinstance(value, Mapping):
+            raise RewardError(f"reward spec {path}: expected a weight or a mapping with weight, kwargs, "
+                              f"transform, reward; got {value!r}")
+        spec = _typed(RewardTermSpec, dict(value), path)
+        reward = _load(spec.reward or key, spec.kwargs, device)
+        transforms, weight = parse_transforms(spec.transform), spec.weight
+    if not math.isfinite(weight):
+        raise RewardError(f"reward spec {path}.weight must be finite, got {weight}")
+    if transforms:
+        reward = TransformedReward(reward, transforms)
+    return reward, weight
+
+
+def build_reward(spec: Any, device: str | None = None) -> Reward:
+    """One Reward from a spec (see the module docstring).
+
+    Args:
+        spec: a Reward; a string ``"a,b:0.5"``; a list of names; or a mapping name -> weight/options.
+        device: default ``device`` for every reward that takes one and has none in its kwargs.
+
+    A single term with weight 1 and no transform returns that reward itself (no wrapper).
+    """
+    if isinstance(spec, Reward):
+        return spec
+    if isinstance(spec, str):
+        items: list[tuple[str, Any]] = [(name, weight) for name, weight in parse_reward_string(spec)]
+    elif isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):
+        items = [(name, 1.0) for name in spec]
+    elif isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+    else:
+        raise RewardError(f"a reward spec must be a name, 'a,b', a list of names or a mapping; got {spec!r}")
+    if not items:
+        raise RewardError(f"empty reward spec; valid names: {', '.join(REWARDS.names())}")
+    terms = []
+    for key, value in items:
+        reward, weight = _term(key, value, device)
+        terms.append((key, reward, weight))
+    if len(terms) == 1 and terms[0][2] == 1.0:
+        return terms[0][1]
+    return WeightedSum(terms)

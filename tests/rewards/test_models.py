@@ -1,0 +1,197 @@
+"""Every bundled model-based reward on its tiny config, through its real loading code: finite scores,
+the documented score formula (checked against each library's own pipeline), gradients for the
+differentiable ones, and one clear RewardError when weights are missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rewards
+from rewards import RewardError, testing
+from rewards.base import to_pil_images
+
+
+def native(n: int = 3, seed: int = 1) -> torch.Tensor:
+    """uint8-exact images at the tiny models' input size (no resampling, so references are exact)."""
+    return (testing.random_images(n, 32, 32, seed=seed) * 255).round() / 255
+
+
+def assert_gradients(reward, images, prompts):
+    x = images.clone().requires_grad_(True)
+    out = reward(x, prompts)
+    assert out.scores.requires_grad
+    out.scores.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------- open_clip family
+
+
+def open_clip_reference(model_name, prompts, images):
+    """Cosine of open_clip's own preprocess + encoders."""
+    import open_clip
+
+    model, _, preprocess = open_clip.create_model_and_transforms(model_name)
+    tokenizer = open_clip.get_tokenizer(model_name)
+    with torch.no_grad():
+        img = model.encode_image(torch.stack([preprocess(p) for p in to_pil_images(images)]))
+        txt = model.encode_text(tokenizer(prompts))
+    img, txt = img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
+    return (img * txt).sum(-1), img
+
+
+def test_clip_score_matches_open_clip_and_conventions(clip_reward, open_clip_dir, prompts):
+    images = native()
+    out = clip_reward(images, prompts)
+    cosine, _ = open_clip_reference(open_clip_dir, prompts, images)
+    torch.testing.assert_close(out.scores, cosine, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.details["clip_score/cosine"], cosine, atol=1e-5, rtol=0)
+    x100 = rewards.load("clip_score", model_name=open_clip_dir, pretrained=None, convention="x100")
+    torch.testing.assert_close(x100(images, prompts).scores, 100 * cosine, atol=1e-3, rtol=0)
+    cs = rewards.load("clip_score", model_name=open_clip_dir, pretrained=None, convention="clipscore")
+    torch.testing.assert_close(cs(images, prompts).scores, 2.5 * cosine.clamp_min(0), atol=1e-5, rtol=0)
+
+
+def test_clip_score_finite_and_differentiable(clip_reward, images, prompts):
+    out = clip_reward(images, prompts)
+    assert out.scores.shape == (3,) and torch.isfinite(out.scores).all()
+    assert clip_reward.differentiable
+    assert_gradients(clip_reward, images, prompts)
+
+
+def test_clip_score_local_dir_without_weights_is_an_error(open_clip_dir, tmp_path):
+    import shutil
+
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    shutil.copy(f"{open_clip_dir[len('local-dir:'):]}/open_clip_config.json", arch)
+    with pytest.raises(RewardError, match="clip_score: could not load open_clip model .* Pass model_name="):
+        rewards.load("clip_score", model_name=f"local-dir:{arch}", pretrained=None)
+
+
+def test_hpsv2_loads_state_dict_checkpoint(hps_files, images, prompts):
+    model_name, checkpoint = hps_files
+    reward = rewards.load("hpsv2", checkpoint=checkpoint, model_name=model_name)
+    x = native()
+    out = reward(x, prompts)
+    assert torch.isfinite(out.scores).all()
+    # the reference score: diag(image_features @ text_features.T) of the checkpoint's weights
+    import open_clip
+
+    model = open_clip.create_model(model_name)
+    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    model.load_state_dict(state)
+    _, preprocess, = open_clip.create_model_and_transforms(model_name)[1:]  # eval transform
+    tokenizer = open_clip.get_tokenizer(model_name)
+    with torch.no_grad():
+        img = model.encode_image(torch.stack([preprocess(p) for p in to_pil_images(x)]))
+        txt = model.encode_text(tokenizer(prompts))
+    img, txt = img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(out.scores, torch.diagonal(img @ txt.T), atol=1e-5, rtol=0)
+    assert_gradients(reward, images, prompts)
+
+
+def test_aesthetic_mlp_on_normalised_embeddings(aesthetic_files, images, prompts):
+    from rewards.aesthetic import AestheticMLP
+
+    model_name, mlp_path = aesthetic_files
+    reward = rewards.load("aesthetic", mlp_path=mlp_path, model_name=model_name, pretrained=None)
+    x = native()
+    out = reward(x, prompts)
+    assert torch.isfinite(out.scores).all()
+    _, img = open_clip_reference(model_name, prompts, x)
+    mlp = AestheticMLP(img.shape[1])
+    mlp.load_state_dict(torch.load(mlp_path, weights_only=True))
+    with torch.no_grad():
+        torch.testing.assert_close(out.scores, mlp.eval()(img).squeeze(-1), atol=1e-5, rtol=0)
+    assert [k for k in mlp.state_dict()] == [f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
+    assert_gradients(reward, images, prompts)
+
+
+# ---------------------------------------------------------------------------------------- transformers
+
+
+def test_pickscore_matches_processor_pipeline(hf_clip_dirs, images, prompts):
+    from transformers import CLIPModel, CLIPProcessor
+
+    from rewards.pickscore import image_features, text_features
+
+    model_dir, processor_dir = hf_clip_dirs
+    reward = rewards.load("pickscore", model=model_dir, processor=processor_dir)
+    x = native()
+    out = reward(x, prompts)
+    assert torch.isfinite(out.scores).all()
+    model, processor = CLIPModel.from_pretrained(model_dir), CLIPProcessor.from_pretrained(processor_dir)
+    with torch.no_grad():
+        inputs = processor(images=to_pil_images(x), text=prompts, return_tensors="pt", padding=True, truncation=True)
+        img = image_features(model, inputs["pixel_values"])
+        txt = text_features(model, input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    img, txt = img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
+    expected = model.logit_scale.exp() * (img * txt).sum(-1)
+    torch.testing.assert_close(out.scores, expected, atol=1e-4, rtol=0)
+    assert_gradients(reward, images, prompts)
+
+
+def test_vlm_judge_local_yes_probability(llava_dir, images, prompts):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    reward = rewards.load("vlm_judge", model=llava_dir)
+    out = reward(images, prompts)
+    assert torch.isfinite(out.scores).all() and ((out.scores > 0) & (out.scores < 1)).all()
+    assert out.details["vlm_judge/from_logprobs"].eq(1).all()
+    # reference: renormalised softmax of the next-token logits over the yes/no spellings, one prompt at a time
+    model, processor = AutoModelForImageTextToText.from_pretrained(llava_dir), AutoProcessor.from_pretrained(llava_dir)
+    tok = processor.tokenizer
+    yes = [tok.convert_tokens_to_ids(t) for t in ("yes", "Yes")]
+    no = [tok.convert_tokens_to_ids(t) for t in ("no", "No")]
+    for i, (pil, prompt) in enumerate(zip(to_pil_images(images), prompts)):
+        text = processor.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": reward.question.replace("{prompt}", prompt)}]}],
+            add_generation_prompt=True, tokenize=False)
+        with torch.no_grad():
+            probs = model(**processor(images=[pil], text=[text], return_tensors="pt")).logits[0, -1].softmax(-1)
+        expected = probs[yes].sum() / (probs[yes].sum() + probs[no].sum())
+        assert abs(out.scores[i].item() - expected.item()) < 1e-4
+
+
+def test_vlm_judge_local_scale_unparseable(llava_dir, images, prompts):
+    """A random tiny model answers gibberish: an error by default, NaN plus a flag on request."""
+    with pytest.raises(RewardError, match="could not read a number"):
+        rewards.load("vlm_judge", model=llava_dir, mode="scale", max_new_tokens=2)(images, prompts)
+    out = rewards.load("vlm_judge", model=llava_dir, mode="scale", max_new_tokens=2, on_unparseable="nan")(
+        images, prompts)
+    assert torch.isnan(out.scores).all() and out.details["vlm_judge/parsed"].eq(0).all()
+
+
+# ---------------------------------------------------------------------------------------- missing weights
+
+
+@pytest.mark.parametrize("name, kwargs, needle", [
+    ("clip_score", dict(model_name="ViT-B-32", pretrained="/nowhere/open_clip_pytorch_model.bin"),
+     "open_clip checkpoint not found at '/nowhere/open_clip_pytorch_model.bin'"),
+    ("hpsv2", dict(checkpoint="/nowhere/HPS_v2.1_compressed.pt"), "checkpoint=/path/to/HPS_v2.1_compressed.pt"),
+    ("hpsv2", dict(checkpoint=None, local_files_only=True), "HPS_v2.1_compressed.pt"),
+    ("aesthetic", dict(mlp_path="/nowhere/sac+logos+ava1-l14-linearMSE.pth"), "sac+logos+ava1-l14-linearMSE.pth"),
+    ("pickscore", dict(model="/nowhere/pickscore"), "PickScore model directory not found"),
+    ("pickscore", dict(local_files_only=True), "yuvalkirstain/PickScore_v1"),
+    ("vlm_judge", dict(model="/nowhere/vlm"), "VLM directory not found"),
+    ("ocr", dict(model_dir="/nowhere/easyocr"), "craft_mlt_25k.pth and english_g2.pth"),
+])
+def test_missing_weights_raise_one_clear_error(name, kwargs, needle):
+    with pytest.raises(RewardError) as info:
+        rewards.load(name, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{name}:") and needle in message
+    assert "\n" not in message
+
+
+def test_wrong_checkpoint_contents(tmp_path):
+    bad = tmp_path / "mlp.pth"
+    torch.save({"foo": torch.zeros(2)}, bad)
+    with pytest.raises(RewardError, match="not an aesthetic-predictor state dict"):
+        rewards.load("aesthetic", mlp_path=str(bad))
+    pickled = tmp_path / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "optimizer": object()}, pickled)
+    with pytest.raises(RewardError, match="weights_only"):
+        rewards.load("hpsv2", checkpoint=str(pickled))
