@@ -105,9 +105,9 @@ def trainable_steps(num_steps: int, deterministic_last_step: bool = True) -> int
 def window_start(
     window: Window | Mapping[str, Any] | None,
     num_steps: int,
-    *,
     iteration: int = 0,
     seed: int = 0,
+    *,
     deterministic_last_step: bool = True,
 ) -> int:
     """The first trained step of ``window`` for this ``(iteration, seed)``; pure and rank-independent.
@@ -149,9 +149,9 @@ def window_start(
 def train_mask(
     window: Window | Mapping[str, Any] | None,
     num_steps: int,
-    *,
     iteration: int = 0,
     seed: int = 0,
+    *,
     deterministic_last_step: bool = True,
 ) -> torch.Tensor:
     """Bool ``[T]``: True at the steps the window samples with the SDE and trains.

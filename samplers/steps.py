@@ -523,30 +523,33 @@ class StepSpec:
     doc: str = ""
 
 
-def _zeros_scales(sigmas):
+def _ode_scales(sigmas):
     return torch.zeros(torch.as_tensor(sigmas).numel() - 1, dtype=torch.float32)
 
 
-def _full_scales(value):
-    def scales(sigmas, **hp):
-        return constant_noise_scale(sigmas, hp[value])
-
-    return scales
+def _flow_sde_scales(sigmas, noise_level):
+    return flow_grpo_noise_scale(sigmas, noise_level)
 
 
+def _eta_scales(sigmas, eta):
+    return constant_noise_scale(sigmas, eta)
+
+
+def _noise_level_scales(sigmas, noise_level):
+    return constant_noise_scale(sigmas, noise_level)
+
+
+# Module-level functions only (no lambdas), so that a Step / Trajectory pickles (torch.save, gather_object).
 STEPS: dict[str, StepSpec] = {
-    "ode": StepSpec("ode", _ode_kernel, lambda sigmas: _zeros_scales(sigmas), {}, False,
-                    "deterministic Euler step of the flow ODE"),
-    "flow_sde": StepSpec("flow_sde", _sde_kernel,
-                         lambda sigmas, noise_level: flow_grpo_noise_scale(sigmas, noise_level),
-                         {"noise_level": 0.7}, True,
+    "ode": StepSpec("ode", _ode_kernel, _ode_scales, {}, False, "deterministic Euler step of the flow ODE"),
+    "flow_sde": StepSpec("flow_sde", _sde_kernel, _flow_sde_scales, {"noise_level": 0.7}, True,
                          "Flow-GRPO's marginal-preserving SDE, g_t = a sqrt(sigma / (1 - sigma))"),
-    "dance_sde": StepSpec("dance_sde", _sde_kernel, lambda sigmas, eta: constant_noise_scale(sigmas, eta),
-                          {"eta": 0.3}, True, "DanceGRPO's SDE, the same drift with constant g_t = eta"),
-    "cps": StepSpec("cps", _cps_kernel, lambda sigmas, noise_level: constant_noise_scale(sigmas, noise_level),
-                    {"noise_level": 0.7}, True, "coefficient-preserving sampling, s = sigma_next sin(a pi / 2)"),
-    "ddim": StepSpec("ddim", _ddim_kernel, lambda sigmas, eta: constant_noise_scale(sigmas, eta),
-                     {"eta": 1.0}, True, "DDIM with eta on the equivalent variance-preserving path"),
+    "dance_sde": StepSpec("dance_sde", _sde_kernel, _eta_scales, {"eta": 0.3}, True,
+                          "DanceGRPO's SDE, the same drift with constant g_t = eta"),
+    "cps": StepSpec("cps", _cps_kernel, _noise_level_scales, {"noise_level": 0.7}, True,
+                    "coefficient-preserving sampling, s = sigma_next sin(a pi / 2)"),
+    "ddim": StepSpec("ddim", _ddim_kernel, _eta_scales, {"eta": 1.0}, True,
+                     "DDIM with eta on the equivalent variance-preserving path"),
 }
 
 

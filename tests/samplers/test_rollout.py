@@ -46,7 +46,7 @@ def test_fixed_window_and_defaults():
 def test_random_window_is_reproducible_and_in_range():
     w = Window("random", start=1, size=2, max_start=5)
     starts = [window_start(w, T, iteration=i, seed=7) for i in range(200)]
-    assert starts == [window_start(w, T, iteration=i, seed=7) for i in range(200)]  # pure in (seed, iteration)
+    assert starts == [window_start(w, T, i, 7) for i in range(200)]  # pure in (seed, iteration)
     assert set(starts) == {1, 2, 3, 4, 5}  # uniform over {start..max_start}: every start shows up
     assert starts != [window_start(w, T, iteration=i, seed=8) for i in range(200)]
     for i in range(20):
@@ -242,3 +242,20 @@ def test_log_probs_batch_invariant_with_threaded_reductions(gaussian_flow):
     alone = rollout(gaussian_flow, initial_noise(shape, seeds[5:6]), sig, sample_seeds=seeds[5:6], **kw)
     assert torch.equal(alone.latents[0], batch.latents[5])
     assert torch.equal(alone.log_probs[0], batch.log_probs[5])
+
+
+def test_trajectory_pickles(gaussian_flow):
+    """Recipes move trajectories between processes (gather_object) and into checkpoints."""
+    import io
+    import pickle
+
+    x = initial_noise(SHAPE, make_sample_seeds(0, 0, range(2)))
+    traj = rollout(gaussian_flow, x, _sigmas(), step="cps", window=Window("sliding", size=2), iteration=3)
+    back = pickle.loads(pickle.dumps(traj))
+    assert torch.equal(back.latents, traj.latents) and back.step.name == "cps"
+    buf = io.BytesIO()
+    torch.save(traj, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    v = gaussian_flow(again.state(4), again.sigmas[4].expand(2))
+    assert torch.equal(again.score_step(v, 4).log_prob, traj.log_probs[:, 4])
