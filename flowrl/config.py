@@ -79,7 +79,8 @@ class RunConfig:
     max_epochs: int = dataclasses.field(default=10, metadata=bounds(ge=0))
     # Continue from the newest checkpoint in output_dir/checkpoints (error if there is none).
     resume: bool = False
-    # Wall-clock budget in minutes (None = unlimited). The run checkpoints and stops cleanly at it.
+    # Training-time budget in minutes, evaluation excluded (None = unlimited). The run checkpoints and
+    # stops cleanly when it is spent.
     max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
     # Bitwise-reproducible kernels (slower); required for exact resume comparisons.
     deterministic: bool = False

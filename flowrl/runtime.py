@@ -3,10 +3,12 @@ Ctrl-C / SIGTERM (the loop finishes its step, checkpoints, then exits)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -48,14 +50,33 @@ class GracefulStop:
 
 
 class Deadline:
-    """``run.max_minutes`` as a check the loop can call."""
+    """``run.max_minutes`` as a check the loop can call.
 
-    def __init__(self, minutes: float | None):
+    The budget counts training time: time spent inside :meth:`excluded` (evaluation) does not count,
+    so runs with different evaluation schedules get the same training budget.
+    """
+
+    def __init__(self, minutes: float | None, already_spent: float = 0.0):
         self.start = time.monotonic()
         self.minutes = minutes
+        self.already_spent = already_spent  # training minutes of earlier sessions (resume)
+        self.excluded_seconds = 0.0
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.excluded_seconds += time.monotonic() - start
+
+    def wall_minutes(self) -> float:
+        """Wall-clock minutes of this session."""
+        return (time.monotonic() - self.start) / 60.0
 
     def elapsed_minutes(self) -> float:
-        return (time.monotonic() - self.start) / 60.0
+        """Training minutes, this session and earlier ones, evaluation excluded."""
+        return self.already_spent + (time.monotonic() - self.start - self.excluded_seconds) / 60.0
 
     def passed(self) -> bool:
         return self.minutes is not None and self.elapsed_minutes() >= self.minutes

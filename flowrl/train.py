@@ -34,6 +34,17 @@ def load_recipe_config(path: str, overrides: list[str]):
     return recipe, from_dict(recipe.config_class, data)
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that report a user's mistake or environment (bad config, missing weights or
+    checkpoint, a failing reward, a bad prompt file): shown as one line, never as a traceback."""
+    from flowrl.checkpoint import CheckpointError
+    from flowrl.data.prompts import PromptSetError
+    from flowrl.models.base import ModelLoadError
+    from rewards.base import RewardError
+
+    return (ConfigError, CheckpointError, ModelLoadError, RewardError, PromptSetError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flowrl train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"flowrl train: config error: {err}", file=sys.stderr)
         return 2
-    return int(recipe.main(cfg) or 0)
+    try:
+        return int(recipe.main(cfg) or 0)
+    except user_errors() as err:
+        print(f"flowrl train: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,5 +1,19 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # Test helper modules (e.g. tests/recipes/toy.py) import by their bare name.
 sys.path.insert(0, str(Path(__file__).parent / "recipes"))
+
+
+@pytest.fixture(scope="session")
+def tiny_shapes_dir(tmp_path_factory) -> Path:
+    """A tiny, randomly initialised shapes model saved with the real saving code (32x32, ~60k params)."""
+    from flowrl.models.shapes import ShapesModel, ShapesModelConfig
+
+    path = tmp_path_factory.mktemp("tiny_shapes")
+    config = ShapesModelConfig(block_out_channels=[8, 16], head_dim=8, text_hidden_size=16, text_layers=1,
+                               text_heads=2)
+    ShapesModel.build(config, seed=0).save_pretrained(path)
+    return path

@@ -141,7 +141,9 @@ class RewardConfig:
 
 @dataclass
 class EvalConfig:
-    every_epochs: int = field(default=5, metadata=bounds(ge=1))
+    every_epochs: int | None = field(default=5, metadata=bounds(ge=1))
+    # Also evaluate each time training time (evaluation excluded) passes a multiple of this.
+    every_minutes: float | None = field(default=None, metadata=bounds(gt=0))
     at_start: bool = True
     batch_size: int = field(default=100, metadata=bounds(ge=1))
     grid_size: int = field(default=32, metadata=bounds(ge=0))
@@ -566,6 +568,11 @@ def evaluate_model(model, rewards: dict, prompt_set, cfg: Config, dist, output_d
 # ============================================================================ main
 
 
+def _next_multiple(minutes: float, every: float | None) -> float | None:
+    """The next multiple of ``every`` strictly after ``minutes`` (None when ``every`` is None)."""
+    return None if every is None else (math.floor(minutes / every + 1e-9) + 1) * every
+
+
 def _peak_memory_mb() -> float:
     import resource
 
@@ -616,7 +623,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                            plot_groups={"reward": ["train/reward_mean"], "eval": ["eval/"],
                                         "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"],
                                         "time": ["time/"]})
-    epoch, images_sampled, elapsed_before, eval_minutes = 0, 0, 0.0, 0.0
+    epoch, images_sampled, train_minutes_before, wall_minutes_before = 0, 0, 0.0, 0.0
 
     if cfg.run.resume:
         checkpoint = latest_checkpoint(output_dir)
@@ -632,8 +639,8 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         tracker.load_state_dict(state["tracker"])
         set_rng_state(state["rng"])
         epoch, images_sampled = int(state["epoch"]), int(state["images_sampled"])
-        elapsed_before = float(state.get("elapsed_minutes", 0.0))
-        eval_minutes = float(state.get("eval_minutes", 0.0))
+        train_minutes_before = float(state["train_minutes"])
+        wall_minutes_before = float(state["wall_minutes"])
         logger.truncate_after(epoch)
         if dist.is_main:
             print(f"flowrl: resumed from {checkpoint} at epoch {epoch}")
@@ -644,20 +651,21 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         state = {"model": model.trainable_state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "ema": ema.state_dict() if ema is not None else {},
                  "tracker": tracker.state_dict(), "rng": rng_state(), "epoch": epoch,
-                 "images_sampled": images_sampled, "elapsed_minutes": elapsed_before + deadline.elapsed_minutes(),
-                 "eval_minutes": eval_minutes}
+                 "images_sampled": images_sampled, "train_minutes": deadline.elapsed_minutes(),
+                 "wall_minutes": wall_minutes_before + deadline.wall_minutes()}
         save_checkpoint(output_dir, epoch, state, keep=cfg.checkpoint.keep)
 
-    deadline = Deadline(cfg.run.max_minutes)
+    deadline = Deadline(cfg.run.max_minutes, already_spent=train_minutes_before)
+    next_eval_minutes = _next_multiple(train_minutes_before, cfg.eval.every_minutes)
     needs_x0 = cfg.advantage.estimator == "cosine"
     samples_per_epoch = cfg.sampling.groups_per_epoch * cfg.sampling.group_size
     status = "finished"
     with GracefulStop() as stop:
         if epoch == 0 and cfg.eval.at_start:
-            metrics = evaluate_model(model, eval_rewards, eval_set, cfg, dist, output_dir, 0, ema)
-            eval_minutes += deadline.elapsed_minutes()
-            logger.log({"epoch": 0, "images_sampled": 0, "time/elapsed_min": elapsed_before + eval_minutes,
-                        "time/train_min": 0.0, **metrics})
+            with deadline.excluded():
+                metrics = evaluate_model(model, eval_rewards, eval_set, cfg, dist, output_dir, 0, ema)
+            logger.log({"epoch": 0, "images_sampled": 0, "time/train_min": 0.0,
+                        "time/wall_min": deadline.wall_minutes(), **metrics})
             logger.plot()
             if dist.is_main:
                 print("epoch 0: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith(("accuracy", "mean"))))
@@ -671,10 +679,16 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
             try:
                 samples = rollout_epoch(model, batch, cfg, epoch, train_reward, store_x0=needs_x0, progress=inner)
             except Exception as err:
+                # Nothing is lost: the last completed epoch is saved before the error surfaces.
                 inner.close()
                 checkpoint_now()
-                raise RuntimeError(f"epoch {epoch + 1}: sampling or scoring failed ({type(err).__name__}: {err}); "
-                                   f"a checkpoint of epoch {epoch} is in {output_dir}/checkpoints") from err
+                saved = f"(checkpoint of epoch {epoch} saved in {output_dir}/checkpoints; resume with run.resume=true)"
+                from flowrl.train import user_errors
+
+                if isinstance(err, user_errors()):
+                    raise type(err)(f"{err} {saved}") from err
+                raise RuntimeError(f"epoch {epoch + 1}: sampling or scoring failed ({type(err).__name__}: {err}) "
+                                   f"{saved}") from err
             inner.close()
             t1 = time.perf_counter()
             advantages, valid, metrics = compute_advantages(samples, cfg, dist, tracker=tracker, model=model,
@@ -703,22 +717,22 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                 "time/sampling_s": samples.timings["sampling"], "time/scoring_s": samples.timings["scoring"],
                 "time/scoring_wait_s": samples.timings["scoring_wait"], "time/advantages_s": t2 - t1,
                 "time/training_s": t3 - t2, "time/epoch_s": t3 - t0,
-                "time/elapsed_min": elapsed_before + deadline.elapsed_minutes(),
+                "time/train_min": deadline.elapsed_minutes(),
                 "memory/peak_mb": _peak_memory_mb(),
             })
-            # Training time excludes evaluation, so runs with different eval schedules compare fairly.
-            metrics["time/train_min"] = metrics["time/elapsed_min"] - eval_minutes
-            if epoch % cfg.eval.every_epochs == 0 or epoch == cfg.run.max_epochs:
-                t_eval = time.perf_counter()
-                metrics.update(evaluate_model(model, eval_rewards, eval_set, cfg, dist, output_dir, epoch, ema))
-                eval_minutes += (time.perf_counter() - t_eval) / 60
-                metrics["time/elapsed_min"] = elapsed_before + deadline.elapsed_minutes()
+            stopping = dist.any(stop.requested or deadline.passed())
+            due = (cfg.eval.every_epochs is not None and epoch % cfg.eval.every_epochs == 0) or (
+                next_eval_minutes is not None and deadline.elapsed_minutes() >= next_eval_minutes)
+            if due or stopping or epoch == cfg.run.max_epochs:
+                with deadline.excluded():
+                    metrics.update(evaluate_model(model, eval_rewards, eval_set, cfg, dist, output_dir, epoch, ema))
+                next_eval_minutes = _next_multiple(deadline.elapsed_minutes(), cfg.eval.every_minutes)
+            metrics["time/wall_min"] = wall_minutes_before + deadline.wall_minutes()
             logger.log(metrics)
             logger.plot()
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}",
                             **({"eval": f"{metrics['eval/shapes/accuracy']:.3f}"} if "eval/shapes/accuracy" in metrics else {}))
-            stopping = dist.any(stop.requested or deadline.passed())
             if epoch % cfg.checkpoint.every_epochs == 0 or stopping or epoch == cfg.run.max_epochs:
                 checkpoint_now()
             if stopping:

@@ -211,7 +211,8 @@ def main(cfg: Config) -> int:
     epoch_start = time.monotonic()
     with GracefulStop() as stop:
         if step == 0:
-            logger.log({"epoch": 0, "step": 0, **_evaluate(cfg, model, ema, output_dir, 0)})
+            with deadline.excluded():
+                logger.log({"epoch": 0, "step": 0, **_evaluate(cfg, model, ema, output_dir, 0)})
         while step < total_steps:
             x0, tokens, noise, t = _batch(cfg, model, step)
             loss = flow_matching_loss(model, x0, tokens, noise, t)
@@ -233,7 +234,8 @@ def main(cfg: Config) -> int:
                            "time/minutes": deadline.elapsed_minutes()}
                 losses = []
                 if epoch % cfg.eval.every_epochs == 0 or step == total_steps:
-                    metrics.update(_evaluate(cfg, model, ema, output_dir, epoch))
+                    with deadline.excluded():
+                        metrics.update(_evaluate(cfg, model, ema, output_dir, epoch))
                     progress.write(f"epoch {epoch}: eval accuracy {metrics['eval/shapes/accuracy']:.3f}")
                 logger.log(metrics)
                 logger.plot()
