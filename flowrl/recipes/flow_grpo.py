@@ -107,6 +107,12 @@ class AdvantageConfig:
     per_prompt_buffer: int = field(default=32, metadata=bounds(ge=1))
     per_prompt_min_count: int = field(default=16, metadata=bounds(ge=1))
     negate: bool = False  # control runs only: climb the wrong way
+    shuffle: bool = False  # control runs only: permute advantages across the epoch (random-advantage baseline)
+    # tp_grpo: keep equal numbers of positive and negative turning points (largest magnitudes first).
+    tp_balance: bool = False
+    # cosine: average step contributions over windows of this many steps; alpha mixes in outcome credit.
+    cosine_window: int = field(default=1, metadata=bounds(ge=1))
+    cosine_alpha: float = field(default=0.0, metadata=bounds(ge=0, le=1))
 
 
 @dataclass
@@ -237,6 +243,11 @@ def build_reward(spec: dict[str, Any]):
 # ============================================================================ advantage estimators
 
 ADVANTAGE_MODES: Registry = Registry("advantage estimator")
+
+
+# Step-level credit (MATH.md section 4) lives in its own module, registered lazily.
+ADVANTAGE_MODES.register("tp_grpo", "flowrl.recipes.credit:tp_grpo_advantages")
+ADVANTAGE_MODES.register("cosine", "flowrl.recipes.credit:cosine_advantages")
 
 
 @ADVANTAGE_MODES.register("outcome")
@@ -387,6 +398,12 @@ def compute_advantages(samples: EpochSamples, cfg: Config, dist, *, tracker=None
             outcome[valid] = tracker.update(kept, r)
     if a.negate:
         outcome = -outcome
+    if a.shuffle:  # a control: the same advantage values, attached to random samples
+        from samplers import derive_seed
+
+        generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, epoch, 0x5F))
+        order = torch.nonzero(valid).flatten()
+        outcome[order] = outcome[order[torch.randperm(order.numel(), generator=generator)]]
     local = slice(dist.rank * samples.rewards.numel(), (dist.rank + 1) * samples.rewards.numel())
     estimator = ADVANTAGE_MODES.get(a.estimator)
     advantages = estimator(outcome[local], samples, cfg=cfg, dist=dist, model=model, reward=reward, epoch=epoch,
