@@ -64,6 +64,8 @@ class ModelConfig:
     lora: LoraConfig | None = None  # None: full fine-tuning
     gradient_checkpointing: bool = False
     resolution: int | None = field(default=None, metadata=bounds(ge=64))  # sd3 / flux only
+    # T5 tokens of the text conditioning (sd3 / flux); None: the pipeline's default (256 / 512).
+    max_sequence_length: int | None = field(default=None, metadata=bounds(ge=1))
 
 
 @dataclass
@@ -222,6 +224,8 @@ def build_model(cfg: ModelConfig, device: torch.device):
     kwargs = {"dtype": dtype, "device": device, "lora": lora, "gradient_checkpointing": cfg.gradient_checkpointing}
     if cfg.resolution is not None:
         kwargs["resolution"] = cfg.resolution
+    if cfg.max_sequence_length is not None:
+        kwargs["max_sequence_length"] = cfg.max_sequence_length
     return load_model(cfg.name, cfg.path, **kwargs)
 
 
@@ -510,7 +514,7 @@ def train_epoch(model, optimizer, samples: EpochSamples, advantages: torch.Tenso
                     add("train/ratio_mean", float(policy.ratio_mean), len(m))
                     add("train/clip_frac", float(policy.clip_frac), len(m))
                     add("train/approx_kl", float(policy.approx_kl), len(m))
-                    add("train/kl_ref", float(kl_value), len(m))
+                    add("train/kl_ref", float(kl_value.detach()), len(m))
                     counts += len(m)
                     if progress is not None:
                         progress.update(len(m))
