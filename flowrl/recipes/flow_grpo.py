@@ -144,6 +144,7 @@ class TrainConfig:
 class RewardConfig:
     # name -> weight, or name -> {"weight": w, "kwargs": {...}} (see rewards.compose.build_reward)
     train: dict[str, Any] = field(default_factory=lambda: {"shapes": 1.0})
+    # Rewards scored at evaluation; one that is also in `train` reuses its kwargs.
     eval: list[str] = field(default_factory=lambda: ["shapes"])
 
 
@@ -229,19 +230,16 @@ def build_model(cfg: ModelConfig, device: torch.device):
     return load_model(cfg.name, cfg.path, **kwargs)
 
 
-def build_reward(spec: dict[str, Any]):
-    """One reward from the ``{name: weight | {weight, kwargs}}`` mapping of the config."""
-    from rewards import load
-
-    if len(spec) == 1:
-        (name, value), = spec.items()
-        weight = value if isinstance(value, (int, float)) else value.get("weight", 1.0)
-        kwargs = {} if isinstance(value, (int, float)) else value.get("kwargs", {})
-        if weight == 1.0:
-            return load(name, **kwargs)
+def build_reward(spec: dict[str, Any], device: torch.device | str | None = None):
+    """One reward from the config's ``{name: weight | {weight, kwargs, transform}}`` mapping; rewards that
+    take a ``device`` run on this process's device unless the config sets one."""
     from rewards.compose import build_reward as compose
 
-    return compose(spec)
+    return compose(spec, device=None if device is None else str(device))
+
+
+def _unweighted(entry: Any) -> Any:
+    return {**entry, "weight": 1.0} if isinstance(entry, dict) else 1.0
 
 
 # ============================================================================ advantage estimators
@@ -620,8 +618,10 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         model = build_model(cfg.model, dist.device)
     model.to(dist.device)
     model.freeze_reference()
-    train_reward = build_reward(cfg.reward.train)
-    eval_rewards = {name: build_reward({name: 1.0}) for name in cfg.reward.eval}
+    train_reward = build_reward(cfg.reward.train, dist.device)
+    # An eval reward that is also a training reward takes the training entry's kwargs (paths, URLs).
+    eval_rewards = {name: build_reward({name: _unweighted(cfg.reward.train.get(name, 1.0))}, dist.device)
+                    for name in cfg.reward.eval}
     train_set = load_prompts(cfg.data.train_prompts)
     eval_set = load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts)
     sampler = GroupSampler(train_set.prompts, train_set.metadata, groups=cfg.sampling.groups_per_epoch,
