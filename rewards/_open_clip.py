@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ._loading import OFFLINE_HINT, load_errors, looks_like_path, require_dir, require_file, resolve_device
+from ._loading import OFFLINE_HINT, load_errors, looks_like_path, require_dir, require_file
 from ._preprocess import ImagePreprocess, from_open_clip
 from .base import Reward, RewardError
 
@@ -70,7 +70,10 @@ class OpenClipReward(Reward):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
-        self.dtype = next(model.parameters()).dtype
+        # the tower's weight dtype (fp16/bf16 precisions keep some scalars such as logit_scale in fp32)
+        tower = getattr(model, "visual", model)
+        layers = (m for m in tower.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
+        self.dtype = next((m.weight.dtype for m in layers), torch.float32)
         self.preprocess: ImagePreprocess = from_open_clip(model)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -92,7 +95,3 @@ class OpenClipReward(Reward):
     def grad_context(self, images: torch.Tensor):
         """Gradients only when the caller asked for them (saves memory when scoring)."""
         return torch.enable_grad() if images.requires_grad else torch.no_grad()
-
-
-def default_device(device) -> torch.device:
-    return resolve_device(device)

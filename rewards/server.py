@@ -284,6 +284,8 @@ def serve_main(argv: list[str]) -> int:
         server = RewardServer((args.host, args.port), reward, name=args.reward,
                               max_request_bytes=int(args.max_request_mb * 2 ** 20), max_batch=args.max_batch,
                               max_pixels=args.max_pixels, verbose=args.verbose)
+    except SystemExit as stop:  # --help
+        return int(stop.code or 0)
     except ArgumentError as err:
         print(f"flowrl serve-reward: error: {err}", file=sys.stderr)
         return 2

@@ -126,14 +126,16 @@ def test_webdataset_shards(tmp_path, capsys):
     (["--reward", "jpeg_compressibility", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["--reward", "jpeg_compressibility", "--batch-size", "many"], "invalid int value"),
     (["--images", "DIR"], "the following arguments are required: --reward"),
+    (["--reward", "jpeg_compressibility", "--out", "OUTDIR"], "is a folder"),
 ])
 def test_usage_mistakes_are_one_line_exit_2(image_dir, tmp_path, capsys, args, needle):
     (tmp_path / "three.txt").write_text("a\nb\nc\n")
     defaults = {"--images": str(image_dir), "--out": str(tmp_path / "o.jsonl")}
     if "--prompts" not in args and "NO_EMPTY_PROMPTS" not in args:
         args = args + ["--empty-prompts"]
-    args = [str(tmp_path / "three.txt") if a == "PROMPTS3" else str(image_dir) if a == "DIR" else a
-            for a in args if a != "NO_EMPTY_PROMPTS"]
+    placeholders = {"PROMPTS3": str(tmp_path / "three.txt"), "DIR": str(image_dir), "OUTDIR": str(tmp_path / "dir.jsonl")}
+    (tmp_path / "dir.jsonl").mkdir()
+    args = [placeholders.get(a, a) for a in args if a != "NO_EMPTY_PROMPTS"]
     for flag, value in defaults.items():
         if flag not in args and not (flag == "--out" and args[:1] == ["--images"]):
             args += [flag, value]

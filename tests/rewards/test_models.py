@@ -60,6 +60,15 @@ def test_clip_score_finite_and_differentiable(clip_reward, images, prompts):
     assert_gradients(clip_reward, images, prompts)
 
 
+def test_clip_score_low_precision(open_clip_dir, clip_reward, images, prompts):
+    """bf16 weights (open_clip keeps some scalars in fp32): inputs follow the tower's dtype."""
+    bf16 = rewards.load("clip_score", model_name=open_clip_dir, pretrained=None, precision="bf16")
+    out = bf16(images, prompts)
+    assert out.scores.dtype == torch.float32
+    torch.testing.assert_close(out.scores, clip_reward(images, prompts).scores, atol=0.05, rtol=0)
+    assert_gradients(bf16, images, prompts)
+
+
 def test_clip_score_local_dir_without_weights_is_an_error(open_clip_dir, tmp_path):
     import shutil
 
