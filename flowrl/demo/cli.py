@@ -1,0 +1,239 @@
+"""Command line of the demo::
+
+    python app.py [--model shapes|PATH] [--checkpoint NAME=PATH ...] [--reward NAME ...]
+                  [--host 127.0.0.1] [--port P] [--runs-dir runs] [--device cpu|cuda] [--no-ema]
+
+- ``--model``: the base model, ``shapes`` (the shipped checkpoint, default) or a saved shapes-model
+  directory (a pretraining run directory works too). It is the row called ``base``.
+- ``--checkpoint NAME=PATH``: a fine-tuned model to compare, loaded at start-up: a run directory
+  (its newest checkpoint), a ``checkpoints/step_<N>`` directory or a saved model; ``NAME=`` may be left out
+  (the directory's name is used). Repeat the flag or give several after one flag.
+- ``--runs-dir``: runs found there (fine-tuning runs with a checkpoint, pretraining runs with a saved model)
+  are offered too and load when first selected; ``--runs-dir none`` turns this off.
+- ``--reward NAME`` (or ``NAME:key=value,...``): rewards to score with (default ``shapes``); those that do
+  not load (missing weights) are listed in the app with the reason, and the app starts with the rest.
+- ``--host``: the address to bind, 127.0.0.1 (this machine only) unless told otherwise; the demo has no
+  authentication, so binding another address lets anyone who can reach it generate on your machine.
+
+Mistakes (a missing model or checkpoint, a bad flag, no reward that loads) exit with code 2 and one line
+on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from flowrl.demo.limits import Limits
+
+__all__ = ["parse_args", "make_state", "launch", "main"]
+
+PROG = "python app.py"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [1, 65535], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned models, "
+                                            "with their rewards and trajectories.")
+    parser.add_argument("--model", default="shapes",
+                        help="base model: `shapes` (the shipped model, default) or a saved shapes-model directory")
+    parser.add_argument("--checkpoint", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                        help="fine-tuned model(s): a run directory, a checkpoints/step_<N> directory or a saved "
+                             "model; NAME= is optional")
+    parser.add_argument("--reward", nargs="+", action="extend", default=None, metavar="NAME",
+                        help="reward(s) to score with (default: shapes); NAME:key=value,... passes arguments")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the demo to the network)")
+    parser.add_argument("--port", type=_port, default=None,
+                        help="port (default: the first free one from 7860)")
+    parser.add_argument("--runs-dir", default="runs",
+                        help="offer the runs found in this directory (default runs; `none` to disable)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--no-ema", action="store_true", help="load the raw trained weights even when a run kept an EMA")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line; raises ``_UsageError`` (one line) for a mistake."""
+    args = build_parser().parse_args(argv)
+    for spec in args.checkpoint:
+        _split_checkpoint(spec)
+    return args
+
+
+def _split_checkpoint(spec: str) -> tuple[str | None, str]:
+    name, eq, path = spec.partition("=")
+    if not eq:
+        return None, spec
+    if not name.strip() or not path.strip():
+        raise _UsageError(f"--checkpoint {spec!r}: write NAME=PATH or PATH")
+    return name.strip(), path.strip()
+
+
+def _default_name(path: Path) -> str:
+    path = path.resolve() if path.exists() else path
+    if path.name == "state.pt":
+        path = path.parent
+    if path.parent.name == "checkpoints":  # runs/<run>/checkpoints/step_<N>
+        return f"{path.parent.parent.name}@{path.name.removeprefix('step_').lstrip('0') or '0'}"
+    return path.name or str(path)
+
+
+def _unique(name: str, taken) -> str:
+    candidate, k = name, 2
+    while candidate in taken:
+        candidate, k = f"{name}-{k}", k + 1
+    return candidate
+
+
+def _device(text: str | None):
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise _UsageError(f"--device {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {text!r}: no CUDA device is available here; use --device cpu")
+    return device
+
+
+def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: list[str] | None = None,
+               runs_dir: str | None = "runs", device=None, use_ema: bool = True, limits: Limits | None = None,
+               log=None):
+    """Load the base model and the named checkpoints, find the runs, load the rewards.
+
+    Args:
+        model: ``--model``.
+        checkpoints: ``--checkpoint`` specs (``NAME=PATH`` or ``PATH``), loaded now.
+        rewards: ``--reward`` specs (None: ``["shapes"]``).
+        runs_dir: where to look for more runs (None or ``"none"``: nowhere); they load on first use.
+        device: torch device (None: cuda when available).
+        use_ema: load EMA weights of runs that kept them.
+        limits: request bounds.
+        log: called with one-line notes (rewards that did not load); default stderr.
+
+    Returns:
+        A :class:`flowrl.demo.ui.DemoState`.
+
+    Raises:
+        ModelLoadError: the base model or a named checkpoint does not load.
+        _UsageError: no reward loads, or two checkpoints share a name.
+    """
+    from flowrl.demo.engine import RewardSet
+    from flowrl.demo.models import ModelBank, discover_runs, load_base, load_finetuned
+    from flowrl.demo.ui import DemoState
+
+    log = log or (lambda message: print(f"{PROG}: {message}", file=sys.stderr))
+    device = _device(device) if not hasattr(device, "type") else device
+    bank = ModelBank()
+    bank.add_model("base", load_base(model, device=device), source=model, kind="base")
+    explicit = ["base"]
+    given_paths = set()
+    for spec in checkpoints:
+        name, path = _split_checkpoint(spec)
+        name = name or _default_name(Path(path))
+        if name in bank.names():
+            raise _UsageError(f"--checkpoint {spec!r}: a model is already called {name!r}; write NAME=PATH")
+        bank.add(name, lambda p=path: load_finetuned(p, device=device, use_ema=use_ema), source=path,
+                 kind="checkpoint", load_now=True)
+        explicit.append(name)
+        given_paths.add(Path(path).resolve())
+    discovered = []
+    if runs_dir and str(runs_dir).lower() != "none":
+        for run in discover_runs(runs_dir):
+            if run.path.resolve() in given_paths:
+                continue
+            name = _unique(run.name, bank.names())
+            bank.add(name, lambda p=run.path: load_finetuned(p, device=device, use_ema=use_ema),
+                     source=str(run.path), kind="run")
+            if run.recipe != "pretrain":
+                discovered.append(name)
+    reward_set = RewardSet.load(rewards if rewards else ["shapes"], log=log)
+    if not reward_set.loaded:
+        reasons = "; ".join(f"{n}: {r}" for n, r in reward_set.failed.items())
+        raise _UsageError(f"no reward could be loaded ({reasons})")
+    # Rows preselected in Compare: the base and the named checkpoints; without any, the first discovered
+    # fine-tuning runs.
+    defaults = explicit if len(explicit) > 1 else explicit + discovered[:2]
+    return DemoState(bank=bank, rewards=reward_set, limits=limits or Limits(), default_models=defaults)
+
+
+def launch(state, *, host: str = "127.0.0.1", port: int | None = None, block: bool = True, quiet: bool = False):
+    """Build and start the app; returns ``(blocks, local_url)`` (``block=False`` returns at once)."""
+    from flowrl.demo.ui import CSS, build_app, theme
+
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = build_app(state)
+    demo.queue(default_concurrency_limit=1, max_size=32)
+    _, url, _ = demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet,
+                            show_error=False, theme=theme(), css=CSS, max_file_size=f"{state.limits.max_upload_mb}mb",
+                            footer_links=["api", "gradio"], share=False)
+    return demo, url
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def _run(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model "Loading weights" bars would bury the app's own lines
+    state = make_state(model=args.model, checkpoints=args.checkpoint, rewards=args.reward,
+                       runs_dir=args.runs_dir, device=args.device, use_ema=not args.no_ema)
+    if not _is_loopback(args.host):
+        print(f"{PROG}: warning: binding {args.host}: the demo has no authentication; anyone who can reach this "
+              "address can run generations on this machine", file=sys.stderr)
+    names = ", ".join(state.bank.names())
+    print(f"{PROG}: models: {names}; rewards: {', '.join(state.rewards.names)}", file=sys.stderr)
+    launch(state, host=args.host, port=args.port, block=True)
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    # Imported only once an error happened: `--help` and flag mistakes must not wait for torch.
+    from flowrl.checkpoint import CheckpointError
+    from flowrl.config import ConfigError
+    from flowrl.models.base import ModelLoadError
+
+    return (ModelLoadError, CheckpointError, ConfigError, OSError)  # OSError: e.g. the port is taken
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python app.py``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:
+        if not isinstance(err, _UsageError) and not isinstance(err, _user_errors()):
+            raise
+        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
