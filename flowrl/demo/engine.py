@@ -126,8 +126,8 @@ class RewardSet:
         return columns, warnings
 
 
-def format_score(value: float) -> str:
-    return "n/a" if not math.isfinite(value) else f"{value:.3f}"
+def format_score(value: float, digits: int = 3) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
 
 
 # ============================================================================ sampling
@@ -225,11 +225,19 @@ class CompareResult:
         return rows
 
     def caption(self, model: str, index: int) -> str:
-        """The reward lines drawn under one image."""
+        """The reward lines drawn under one image: ``name value`` per reward (long names shortened), with
+        ``correct`` / ``wrong`` appended where the reward reports all-constraints-met flags."""
         lines = []
         for c in self.columns:
+            if c.endswith(" correct") and c[: -len(" correct")] in self.columns:
+                continue  # shown on its reward's line
             value = float(self.scores[model][c][index])
-            lines.append(f"{c} {format_score(value)}")
+            name = c if len(c) <= 12 else c[:11] + "."
+            line = f"{name} {format_score(value, 2)}"
+            flag = self.scores[model].get(f"{c} correct")
+            if flag is not None and math.isfinite(float(flag[index])):
+                line += " correct" if float(flag[index]) >= 0.5 else " wrong"
+            lines.append(line)
         return "\n".join(lines)
 
 

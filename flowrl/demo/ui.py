@@ -367,9 +367,8 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                     "each image with its rewards. The **Trajectory** tab shows where along the denoising a model "
                     "changes its mind.")
         if state.rewards.failed:
-            gr.Markdown("Rewards not available: " + "; ".join(f"`{n}` ({r[:160]})" for n, r in
-                                                                  state.rewards.failed.items()),
-                        elem_classes=["flowrl-note"])
+            gr.Markdown("Rewards not available: " + ", ".join(f"`{n}`" for n in state.rewards.failed)
+                        + " (the **Models** tab says why and how to add them).", elem_classes=["flowrl-note"])
         with gr.Tabs():
             with gr.Tab("Compare", id="compare"):
                 with gr.Row():

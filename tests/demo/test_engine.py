@@ -36,7 +36,9 @@ def test_compare_is_like_for_like_and_scored(models, demo_state):
     assert [row[0] for row in means] == ["base", "flow_grpo"]
     assert means[1][3] == pytest.approx(float(jpeg.mean()), abs=1e-4)
     assert len(result.sample_rows()) == 2 * len(PROMPTS) * len(seeds)
-    assert result.caption("base", 0).splitlines()[0].startswith("shapes ")
+    caption = result.caption("base", 0).splitlines()  # one line per reward, the correct flag on its line
+    assert len(caption) == 2 and caption[0].startswith("shapes ") and caption[0].endswith((" correct", " wrong"))
+    assert caption[1] == f"jpeg_compre. {float(result.scores['base']['jpeg_compressibility'][0]):.2f}"
 
 
 def test_sde_noise_depends_on_the_seed_only(models):
