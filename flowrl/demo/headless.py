@@ -88,8 +88,16 @@ class Chromium:
             f"--user-data-dir={self._profile}", "about:blank",
         ]
         script = 'exec "$0" "$@" 3<&%d 4>&%d %d<&- %d>&-' % (a, b, a, b)
-        self._proc = subprocess.Popen([shutil.which("bash") or "/bin/bash", "-c", script, binary, *flags], pass_fds=(a, b),
-                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
+        try:
+            self._proc = subprocess.Popen([shutil.which("bash") or "/bin/bash", "-c", script, binary, *flags],
+                                          pass_fds=(a, b), stdin=subprocess.DEVNULL, stdout=self._log,
+                                          stderr=self._log)
+        except OSError:
+            for fd in (a, b, to_child_w, from_child_r):
+                os.close(fd)
+            self._log.close()
+            shutil.rmtree(self._profile, ignore_errors=True)
+            raise
         os.close(a)
         os.close(b)
         self._out = to_child_w

@@ -161,10 +161,7 @@ def trajectory_plot(result, *, width_px: int = 900):
     Returns:
         An RGB PIL image.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
     from PIL import Image
 
     fig = Figure(figsize=(width_px / 100, 3.4), dpi=100)

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only thrash."""
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only thrash.
+    (Module scope: the setting is restored before other directories' tests run.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -13,13 +13,21 @@ from PIL import Image
 from flowrl.demo.headless import capture_compare, find_chromium
 
 
-def test_compare_tab_renders_the_grid_in_a_browser(demo_url, tmp_path):
-    if find_chromium() is None:
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The browser, checked before the app is started (a missing browser fails at once, never skips)."""
+    binary = find_chromium()
+    if binary is None:
         pytest.fail("Chromium is not installed, so the demo's browser test cannot run: install it with "
                     "`apt-get install -y chromium` (Debian; .ci/run does this) or set FLOWRL_CHROMIUM to a "
                     "Chromium/Chrome binary")
+    return binary
+
+
+def test_compare_tab_renders_the_grid_in_a_browser(chromium, demo_url, tmp_path):
     out = tmp_path / "compare.png"
-    info = capture_compare(demo_url, out, prompts="a red circle\ntwo blue squares", seeds="0-2", timeout=240)
+    info = capture_compare(demo_url, out, prompts="a red circle\ntwo blue squares", seeds="0-2", timeout=240,
+                           binary=chromium)
     assert out.read_bytes() == info["png"]
     page = np.asarray(Image.open(io.BytesIO(info["png"])).convert("RGB")).astype(np.float32)
     assert page.shape[1] == 1280 and page.shape[0] >= 600
