@@ -418,6 +418,7 @@ def compute_advantages(samples: EpochSamples, cfg: Config, dist, *, tracker=None
         "train/nan_rewards": int((~valid).sum()),
         "train/advantage_abs_mean": float(outcome[valid].abs().mean()) if valid.any() else 0.0,
     }
+    metrics.update(getattr(estimator, "last_metrics", {}))  # step-level credit: turning-point rate, extra NFE
     return advantages, valid[local], metrics
 
 

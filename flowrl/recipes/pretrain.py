@@ -134,12 +134,15 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
     ema.store(params)
     ema.copy_to(params)
     model.eval()
+    # The text encoder trains here, so prompt embeddings cached at an earlier evaluation are stale.
+    model.clear_prompt_cache()
     try:
         rows = eval_prompt_set(cfg.eval.num_prompts)
         summary, images = evaluate(model, load_reward("shapes"), rows, steps=cfg.eval.steps,
                                    guidance=cfg.eval.guidance)
     finally:
         ema.restore(params)
+        model.clear_prompt_cache()
         model.train()
     _save_grid(images[:64], [r[0] for r in rows[:64]], output_dir / "samples" / f"epoch_{epoch:04d}.png")
     metrics = {"eval/shapes/accuracy": summary["overall"], "eval/shapes/mean": summary["score_mean"]}
@@ -177,7 +180,7 @@ def main(cfg: Config) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     ema = EMAModel(params, decay=cfg.ema.decay, use_ema_warmup=True, inv_gamma=1.0, power=cfg.ema.warmup_power)
     total_steps = cfg.run.max_epochs * cfg.data.steps_per_epoch
-    step = 0
+    step, minutes_before = 0, 0.0
     logger = MetricsLogger(output_dir, plot_groups={"loss": ["train/loss"], "eval": ["eval/shapes/"]})
 
     if cfg.run.resume:
@@ -193,6 +196,7 @@ def main(cfg: Config) -> int:
         scheduler.load_state_dict(state["scheduler"])
         ema.load_state_dict(state["ema"])
         step = int(state["step"])
+        minutes_before = float(state.get("train_minutes", 0.0))
         logger.truncate_after(step // cfg.data.steps_per_epoch)
         print(f"flowrl: resumed from {checkpoint} at step {step}")
     elif (output_dir / "metrics.jsonl").exists():
@@ -201,10 +205,10 @@ def main(cfg: Config) -> int:
     def checkpoint_now() -> None:
         state = {"unet": model.denoiser.state_dict(), "text_encoder": model.text_encoder.state_dict(),
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "ema": ema.state_dict(), "step": step}
+                 "ema": ema.state_dict(), "step": step, "train_minutes": deadline.elapsed_minutes()}
         save_checkpoint(output_dir, step, state, write_extra=lambda d: _save_model(model, ema, d / "model"))
 
-    deadline = Deadline(cfg.run.max_minutes)
+    deadline = Deadline(cfg.run.max_minutes, already_spent=minutes_before)
     last_checkpoint = time.monotonic()
     progress = tqdm(total=total_steps, initial=step, desc="pretrain", dynamic_ncols=True)
     losses: list[float] = []
