@@ -14,7 +14,7 @@ import torch
 
 from flowrl.config import RunConfig
 
-__all__ = ["GracefulStop", "prepare_run", "Deadline"]
+__all__ = ["GracefulStop", "prepare_run", "Deadline", "resolve_device"]
 
 
 class GracefulStop:
@@ -92,3 +92,20 @@ def prepare_run(run: RunConfig) -> Path:
         torch.backends.cudnn.benchmark = False
     torch.manual_seed(run.seed)
     return output_dir
+
+
+def resolve_device(text: str | None) -> torch.device:
+    """A ``--device`` argument: None means cuda when available, else cpu.
+
+    Raises:
+        ValueError: not a torch device, or cuda asked for where there is none (the message says the fix).
+    """
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text!r}: no CUDA device is available here; use --device cpu")
+    return device

@@ -22,7 +22,7 @@ import torch
 
 from samplers import euler_step, initial_noise
 
-__all__ = ["generate", "evaluate", "parse_seeds", "load_model_arg", "prompt_rows", "image_grid",
+__all__ = ["generate", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
            "format_table", "sample_main", "eval_main"]
 
 
@@ -145,26 +145,6 @@ def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
         raise ModelLoadError(f"cannot load a shapes model from {spec!r}: {err}") from None
 
 
-def prompt_rows(split: str, n: int = 600, seed: int = 1234) -> list[tuple[str, str, int]]:
-    """``n`` balanced ``(prompt, kind, sampling seed)`` rows of ``split``.
-
-    ``eval`` is exactly :func:`flowrl.data.shapes.eval_prompt_set`; ``train`` is the same construction
-    (task kinds cycle, prompt drawn by a generator seeded by the row index) over the train prompts,
-    to measure the generalisation gap.
-    """
-    from flowrl.data.shapes import TASK_KINDS, _example_rng, eval_prompt_set, split_prompts
-
-    if split == "eval":
-        return eval_prompt_set(n, seed)
-    prompts = split_prompts(split)  # raises for an unknown split
-    rows = []
-    for index in range(n):
-        rng = _example_rng(seed, index)
-        kind = TASK_KINDS[index % len(TASK_KINDS)]
-        rows.append((rng.choice(prompts[kind]).text(), kind, index + seed * 100_000))
-    return rows
-
-
 def _font(size: int = 12):
     from PIL import ImageFont
 
@@ -272,16 +252,13 @@ def _positive_int(text: str) -> int:
 
 
 def _device(text: str | None) -> torch.device:
-    """``--device``, or cuda when available, else cpu; an unusable device is a usage error."""
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``--device`` (default: cuda when available, else cpu); an unusable device is a usage error."""
+    from flowrl.runtime import resolve_device
+
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise _UsageError(f"--device {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise _UsageError(f"--device {text!r}: no CUDA device is available here; use --device cpu")
-    return device
+        return resolve_device(text)
+    except ValueError as err:
+        raise _UsageError(str(err)) from None
 
 
 def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
@@ -411,6 +388,8 @@ def _eval(argv: list[str]) -> int:
     if args.prompts:
         rows = _rows_from_file(args.prompts, args.n, args.seed)
     else:
+        from flowrl.data.shapes import prompt_rows
+
         rows = prompt_rows(args.split, args.n or 600, args.seed)
     _check_prompts(reward, [r[0] for r in rows])
 

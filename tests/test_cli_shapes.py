@@ -11,7 +11,8 @@ from PIL import Image
 from flowrl.cli import main
 from flowrl.data.shapes import Scene, eval_prompt_set, sample_examples, split_prompts
 from flowrl.data.webdataset_io import ShardError, iter_shards
-from flowrl.sample import GRID_HEADER, GRID_PAD, parse_seeds, prompt_rows
+from flowrl.data.shapes import prompt_rows
+from flowrl.sample import GRID_HEADER, GRID_PAD, parse_seeds
 
 TINY = dict(block_out_channels=[32, 32], head_dim=16, text_hidden_size=32, text_layers=1, text_heads=2)
 

@@ -37,7 +37,7 @@ __all__ = [
     "SHAPES", "COLORS", "PALETTE", "BACKGROUND", "RELATIONS", "TASK_KINDS", "NUMBER_WORDS",
     "ObjectSpec", "PromptSpec", "SceneObject", "Scene", "PromptParseError",
     "parse_prompt", "all_prompt_specs", "split_prompts", "scene_for_prompt", "render",
-    "render_batch", "describe_scene", "sample_examples", "eval_prompt_set",
+    "render_batch", "describe_scene", "sample_examples", "eval_prompt_set", "prompt_rows",
     "RESOLUTION", "MIN_SIZE", "MAX_SIZE",
 ]
 
@@ -382,16 +382,21 @@ def sample_examples(split: str, n: int, seed: int = 0, start: int = 0,
     return out
 
 
-def eval_prompt_set(n: int = 600, seed: int = 1234) -> list[tuple[str, str, int]]:
-    """The fixed held-out evaluation set: ``n`` (prompt, kind, seed) rows from the eval split,
-    balanced over task kinds, each prompt with its own fixed sampling seed."""
-    prompts = split_prompts("eval")
+def prompt_rows(split: str, n: int = 600, seed: int = 1234) -> list[tuple[str, str, int]]:
+    """``n`` fixed (prompt, kind, seed) rows of ``split``, balanced over task kinds (they cycle), each
+    prompt drawn by a generator seeded by the row index and given its own sampling seed."""
+    prompts = split_prompts(split)  # raises for an unknown split
     rows = []
     for index in range(n):
         rng = _example_rng(seed, index)
         kind = TASK_KINDS[index % len(TASK_KINDS)]
         rows.append((rng.choice(prompts[kind]).text(), kind, index + seed * 100_000))
     return rows
+
+
+def eval_prompt_set(n: int = 600, seed: int = 1234) -> list[tuple[str, str, int]]:
+    """The fixed held-out evaluation set: the first ``n`` rows of the eval split (see :func:`prompt_rows`)."""
+    return prompt_rows("eval", n, seed)
 
 
 def scene_area_fraction(scene: Scene) -> float:

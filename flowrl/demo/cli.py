@@ -107,17 +107,12 @@ def _unique(name: str, taken) -> str:
 
 
 def _device(text: str | None):
-    import torch
+    from flowrl.runtime import resolve_device
 
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise _UsageError(f"--device {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise _UsageError(f"--device {text!r}: no CUDA device is available here; use --device cpu")
-    return device
+        return resolve_device(text)
+    except ValueError as err:
+        raise _UsageError(str(err)) from None
 
 
 def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: list[str] | None = None,
