@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import io
 import json
 import math
 import os
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -171,66 +169,29 @@ def iter_directory(directory: Path, prompts: list[str], files: list[Path]) -> It
             yield path.name, err, prompt
 
 
-def _expand_shards(spec: str) -> list[str]:
-    if os.path.isdir(spec):
-        return sorted(glob.glob(os.path.join(spec, "*.tar")))
-    patterns = [spec]
-    if "{" in spec:
-        import braceexpand
-
-        patterns = list(braceexpand.braceexpand(spec))
-    paths: list[str] = []
-    for pattern in patterns:
-        paths.extend(sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern])
-    return paths
-
-
 def iter_shards(shards: list[str], empty_prompts: bool) -> Iterator[tuple[str, Any, str]]:
-    """Yield ``(shard:key, image or exception, prompt)`` for each sample of webdataset tar shards."""
-
-    def flush(shard: str, key: str | None, entries: dict[str, bytes]):
-        if key is None:
-            return None
-        image_key = next((k for k in _SHARD_IMAGE_KEYS if k in entries), None)
-        prompt_key = next((k for k in _SHARD_PROMPT_KEYS if k in entries), None)
-        name = f"{os.path.basename(shard)}:{key}"
-        if image_key is None:
-            return None  # a sample without an image (e.g. metadata only) is not an image to score
-        if prompt_key is None and not empty_prompts:
-            return name, ValueError("no txt/prompt entry (use --empty-prompts for prompt-free rewards)"), ""
-        prompt = "" if prompt_key is None else entries[prompt_key].decode("utf-8", "replace").strip()
-        try:
-            return name, _decode(entries[image_key]), prompt
-        except Exception as err:  # unreadable image: reported, never fatal
-            return name, err, prompt
+    """Yield ``(shard:key, image or exception, prompt)`` for each sample of webdataset tar shards; an
+    unreadable image or shard is yielded as its exception (reported, never fatal)."""
+    from flowrl.data.webdataset_io import IMAGE_KEYS, PROMPT_KEYS, ShardError, iter_raw_samples
 
     for shard in shards:
-        key, entries = None, {}
         try:
-            with tarfile.open(shard, mode="r|*") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    directory, base = os.path.split(member.name)
-                    stem, dot, ext = base.partition(".")
-                    if not dot:
-                        continue
-                    member_key = os.path.join(directory, stem)
-                    if member_key != key:
-                        item = flush(shard, key, entries)
-                        if item is not None:
-                            yield item
-                        key, entries = member_key, {}
-                    handle = tar.extractfile(member)
-                    entries[ext.lower()] = handle.read() if handle is not None else b""
-            item = flush(shard, key, entries)
-            if item is not None:
-                yield item
-        except (tarfile.TarError, OSError, EOFError) as err:
-            item = flush(shard, key, entries)
-            if item is not None:
-                yield item
-            yield f"{os.path.basename(shard)}", err, ""
+            for key, _, entries in iter_raw_samples([shard]):
+                image_key = next((k for k in IMAGE_KEYS if k in entries), None)
+                if image_key is None:
+                    continue  # a sample without an image (e.g. metadata only) is not an image to score
+                name = f"{os.path.basename(shard)}:{key}"
+                prompt_key = next((k for k in PROMPT_KEYS if k in entries), None)
+                if prompt_key is None and not empty_prompts:
+                    yield name, ValueError("no txt/prompt entry (use --empty-prompts for prompt-free rewards)"), ""
+                    continue
+                prompt = "" if prompt_key is None else entries[prompt_key].decode("utf-8", "replace").strip()
+                try:
+                    yield name, _decode(entries[image_key]), prompt
+                except Exception as err:  # unreadable image: reported, never fatal
+                    yield name, err, prompt
+        except ShardError as err:
+            yield os.path.basename(shard), err, ""
 
 
 # ----------------------------------------------------------------------------------------------- outputs
@@ -343,12 +304,14 @@ def score_main(argv: list[str]) -> int:
             items: Iterator = iter_directory(Path(source), prompts, files)
             total: int | None = len(files)
         else:
-            shards = _expand_shards(source)
-            if is_dir and not shards:
-                raise ArgumentError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) or .tar shards in {source!r}")
-            if not shards or not all(os.path.isfile(s) for s in shards):
-                missing = next((s for s in shards if not os.path.isfile(s)), source)
-                raise ArgumentError(f"--images {source!r}: {missing!r} is not a folder of images or a .tar shard")
+            from flowrl.data.webdataset_io import ShardError, shard_paths
+
+            try:
+                shards = shard_paths(source)
+            except ShardError as err:
+                if is_dir:
+                    raise ArgumentError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) or .tar shards in {source!r}") from None
+                raise ArgumentError(f"--images {source!r} is not a folder of images or a .tar shard ({err})") from None
             if args.prompts is not None:
                 raise ArgumentError("--prompts applies to an image folder; shards carry their prompts as txt/prompt "
                                     "entries")

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 from PIL import Image
 
-__all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_shards", "write_shapes_shards"]
+__all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_raw_samples", "iter_shards", "write_shapes_shards"]
 
 # File names of the shapes shards: shapes-<split>-000000.tar, shapes-<split>-000001.tar, ...
 SHARD_PATTERN = "shapes-{split}-%06d.tar"
@@ -67,6 +67,29 @@ def shard_paths(pattern_or_dir: str | Path) -> list[str]:
     raise ShardError(f"no shards at {text!r}: give a directory of .tar shards, a glob or a brace pattern")
 
 
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+PROMPT_KEYS = ("txt", "prompt")
+
+
+def iter_raw_samples(paths: list[str]) -> Iterator[tuple[str, str, dict[str, bytes]]]:
+    """Every sample of the shards, undecoded, in order: ``(key, shard path, {extension: bytes})``.
+
+    Raises:
+        ShardError: a shard is missing, truncated or not a tar file (named in the message).
+    """
+    import webdataset as wds
+
+    for path in paths:
+        # No shuffling, no splitting across nodes: every caller gets every sample, in shard order.
+        dataset = wds.WebDataset([path], shardshuffle=False, empty_check=False, nodesplitter=None)
+        try:
+            for sample in dataset:
+                entries = {k: v for k, v in sample.items() if not k.startswith("__")}
+                yield sample["__key__"], path, entries
+        except Exception as err:  # the tar layer raises several types (tarfile, OSError, EOF, ValueError)
+            raise ShardError(f"shard {path!r} is unreadable ({type(err).__name__}: {err})") from None
+
+
 def iter_shards(pattern_or_dir: str | Path) -> Iterator[tuple[str, Image.Image, str, dict]]:
     """Every sample of the shards, in order, as ``(key, image, prompt, metadata)``.
 
@@ -80,15 +103,9 @@ def iter_shards(pattern_or_dir: str | Path) -> Iterator[tuple[str, Image.Image, 
     Raises:
         ShardError: no shards match, or a sample has no image or an unreadable file.
     """
-    import webdataset as wds
-
-    paths = shard_paths(pattern_or_dir)
-    # No shuffling, no splitting across nodes: every caller gets every sample, in shard order.
-    dataset = wds.WebDataset(paths, shardshuffle=False, empty_check=False, nodesplitter=None)
-    for sample in dataset:
-        key = sample["__key__"]
-        where = f"sample {key!r} of {sample.get('__url__', paths[0])!r}"
-        image_bytes = next((sample[k] for k in ("png", "jpg", "jpeg", "webp") if k in sample), None)
+    for key, path, sample in iter_raw_samples(shard_paths(pattern_or_dir)):
+        where = f"sample {key!r} of {path!r}"
+        image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
         if image_bytes is None:
             raise ShardError(f"{where} has no image (expected a .png, .jpg or .webp entry)")
         try:

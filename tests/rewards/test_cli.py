@@ -161,3 +161,28 @@ def test_serve_reward_usage_errors(capsys):
     assert "--port must be in 0..65535" in capsys.readouterr().err
     assert serve_main([]) == 2
     assert "required: --reward" in capsys.readouterr().err
+
+
+def test_truncated_shard_is_listed_and_the_next_shard_still_scores(tmp_path, capsys):
+    images = rewards.to_pil_images(testing.random_images(2, 32, 32, seed=3))
+    for index, image in enumerate(images):
+        with tarfile.open(tmp_path / f"part-{index}.tar", "w") as tar:
+            for name, data in ((f"s{index}.png", _png(image)), (f"s{index}.txt", b"a prompt")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    broken = (tmp_path / "part-0.tar").read_bytes()
+    (tmp_path / "part-0.tar").write_bytes(broken[: len(broken) // 3])  # cut inside the PNG entry
+    out = tmp_path / "scores.jsonl"
+    code = score_main(["--reward", "jpeg_incompressibility", "--images", str(tmp_path / "part-*.tar"),
+                       "--out", str(out), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert [r["file"] for r in read_jsonl(out)] == ["part-1.tar:s1"]
+    assert "part-0.tar" in printed
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
