@@ -550,11 +550,14 @@ def evaluate_model(model, rewards: dict, prompt_set, cfg: Config, dist, output_d
         ema.store(params)
         ema.copy_to(params)
     model.eval()
+    bar = tqdm(total=len(rows), desc=f"eval (epoch {epoch})", leave=False, disable=not dist.is_main,
+               dynamic_ncols=True)
     try:
         images = generate(model, prompts, seeds, steps=cfg.sampling.eval_num_steps,
                           guidance=cfg.sampling.eval_guidance if cfg.sampling.eval_guidance is not None
-                          else cfg.sampling.guidance, batch_size=cfg.eval.batch_size) if rows else None
+                          else cfg.sampling.guidance, batch_size=cfg.eval.batch_size, progress=bar.update) if rows else None
     finally:
+        bar.close()
         if ema is not None:
             ema.restore(params)
         model.train()
