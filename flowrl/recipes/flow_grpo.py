@@ -195,6 +195,10 @@ class Config:
                  f"a {self.sampling.num_steps}-step schedule (the last step is deterministic)")
         if w.mode != "fixed" and w.size is None:
             fail("sampling.window.size", f"a {w.mode} window needs a size")
+        if w.max_start is not None and w.size is not None and w.max_start + w.size > trainable:
+            fail("sampling.window.max_start", f"max_start {w.max_start} + size {w.size} exceeds the {trainable} "
+                 f"trainable steps of a {self.sampling.num_steps}-step schedule; lower max_start to at most "
+                 f"{max(trainable - w.size, 0)} or leave it unset (the last start that fits)")
         if self.train.minibatches > self.sampling.groups_per_epoch * self.sampling.group_size:
             fail("train.minibatches", "more minibatches than samples per epoch")
         if not self.reward.train:

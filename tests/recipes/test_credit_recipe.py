@@ -136,6 +136,7 @@ def test_main_runs_one_cosine_epoch(tiny_shapes_dir, tmp_path):
     overrides = {
         "model.path": str(tiny_shapes_dir), "run.output_dir": str(tmp_path), "run.max_minutes": "null",
         "run.max_epochs": 1, "data.num_eval_prompts": 2, "sampling.num_steps": 3, "sampling.eval_num_steps": 2,
+        "sampling.window.max_start": "null",
         "sampling.groups_per_epoch": 2, "sampling.group_size": 2, "sampling.batch_size": 4,
         "train.micro_batch_size": 4, "eval.at_start": "false", "eval.grid_size": 0,
     }

@@ -29,6 +29,7 @@ def test_one_epoch_on_tiny_pipeline_with_ratio_one(kind, prompt_file, tmp_path):
             "model.lora={rank: 4, alpha: 8}", f"run.output_dir={out}", "run.max_epochs=1", "run.max_minutes=null",
             f"data.train_prompts={prompt_file}", f"data.eval_prompts={prompt_file}", "data.num_eval_prompts=2",
             f"sampling.step={step}", "sampling.noise_level=0.5", "sampling.num_steps=3", "sampling.eval_num_steps=2",
+            "sampling.window.max_start=null",
             "sampling.group_size=2", "sampling.groups_per_epoch=2", "sampling.batch_size=4",
             f"sampling.guidance={4.5 if kind == 'sd3' else 3.5}", "train.micro_batch_size=4", "train.kl_beta=0.01",
             "reward.train={jpeg_incompressibility: 1.0}", "reward.eval=[jpeg_incompressibility]",

@@ -17,7 +17,7 @@ CONFIG = "configs/shapes/flow_grpo.yaml"
 
 def overrides(model_dir, out) -> list[str]:
     return [f"model.path={model_dir}", f"run.output_dir={out}", "run.max_epochs=1", "run.max_minutes=null",
-            "run.deterministic=true", "data.num_eval_prompts=6", "sampling.num_steps=4", "sampling.eval_num_steps=2",
+            "run.deterministic=true", "data.num_eval_prompts=6", "sampling.num_steps=4", "sampling.window.max_start=null", "sampling.eval_num_steps=2",
             "sampling.groups_per_epoch=2", "sampling.group_size=4", "sampling.batch_size=4",
             "train.micro_batch_size=4", "train.clip_range=0.2", "optim.lr=1e-3", "eval.at_start=false",
             "eval.every_minutes=null", "eval.grid_size=0",

@@ -22,7 +22,7 @@ CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
 def tiny_overrides(model_dir, out, **extra) -> list[str]:
     settings = {
         "model.path": str(model_dir), "run.output_dir": str(out), "run.max_minutes": "null",
-        "run.deterministic": "true", "data.num_eval_prompts": 6, "sampling.num_steps": 4,
+        "run.deterministic": "true", "data.num_eval_prompts": 6, "sampling.num_steps": 4, "sampling.window.max_start": "null",
         "sampling.eval_num_steps": 3, "sampling.groups_per_epoch": 2, "sampling.group_size": 4,
         "sampling.batch_size": 8, "train.micro_batch_size": 4, "train.clip_range": 0.2, "optim.lr": 1e-3,
         "eval.every_epochs": 2, "eval.every_minutes": "null", "checkpoint.every_epochs": 1, "eval.grid_size": 4,
@@ -117,3 +117,14 @@ def test_bad_config_missing_model_and_missing_checkpoint_are_one_line_errors(tin
     no_ckpt = cli(str(CONFIG), *tiny_overrides(tiny_shapes_dir, tmp_path / "fresh"), "run.resume=true")
     assert no_ckpt.returncode == 2 and "Traceback" not in no_ckpt.stderr
     assert "holds no checkpoint" in no_ckpt.stderr
+
+
+def test_window_that_runs_past_the_schedule_fails_at_load_not_mid_run():
+    from flowrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sampling\.window\.max_start: max_start 4 \+ size 2 exceeds the 3 "
+                                          r"trainable steps of a 4-step schedule; lower max_start to at most 1"):
+        load_recipe_config(str(CONFIG), ["sampling.num_steps=4"])
+    # Unset max_start means "the last start that fits", so the same window is valid on a short schedule.
+    _, cfg = load_recipe_config(str(CONFIG), ["sampling.num_steps=4", "sampling.window.max_start=null"])
+    assert cfg.sampling.window.max_start is None and cfg.sampling.window.size == 2
