@@ -107,6 +107,15 @@ def _check_pair(v: torch.Tensor, x: torch.Tensor, names=("v", "x")) -> None:
         raise ValueError(f"{names[1]} needs a leading batch dimension")
 
 
+def _flow_inputs(v: torch.Tensor, x: torch.Tensor, sigma: Number, sigma_next: Number):
+    """Checked float32 ``v, x`` and per-row ``sigma, sigma_next, dt`` (each ``[B, 1, ..., 1]``)."""
+    _check_pair(v, x)
+    v, x = _f32(v), _f32(x)
+    s_cur = _per_row(sigma, x, "sigma")
+    s_next = _per_row(sigma_next, x, "sigma_next")
+    return v, x, s_cur, s_next, s_next - s_cur
+
+
 def gaussian_log_prob(
     x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | float, reduction: str = "mean"
 ) -> torch.Tensor:
@@ -213,9 +222,7 @@ def euler_step(v: torch.Tensor, x: torch.Tensor, sigma: Number, sigma_next: Numb
     Returns:
         ``StepOutput`` with ``mean = x_next``, ``std = 0`` ``[B, 1, ..., 1]`` and ``log_prob = 0`` ``[B]``.
     """
-    _check_pair(v, x)
-    v, x = _f32(v), _f32(x)
-    dt = _per_row(sigma_next, x, "sigma_next") - _per_row(sigma, x, "sigma")
+    v, x, _, _, dt = _flow_inputs(v, x, sigma, sigma_next)
     x_next = x + dt * v
     zeros = torch.zeros_like(dt)
     return StepOutput(x_next, torch.zeros(x.shape[0], dtype=torch.float32, device=x.device), x_next, zeros)
@@ -257,10 +264,7 @@ def sde_step(
     Returns:
         ``StepOutput``; ``std`` is ``[B, 1, ..., 1]``.
     """
-    _check_pair(v, x)
-    v, x = _f32(v), _f32(x)
-    s = _per_row(sigma, x, "sigma")
-    dt = _per_row(sigma_next, x, "sigma_next") - s
+    v, x, s, _, dt = _flow_inputs(v, x, sigma, sigma_next)
     g = _per_row(g, x, "g")
     # mean = x + dt v + k eps_hat dt with k = g^2 / (2 sigma), eps_hat = x + (1 - sigma) v, collected as
     # x (1 + k dt) + v (dt + k dt (1 - sigma)) (Flow-GRPO's form): two per-sample coefficients and three
@@ -312,12 +316,8 @@ def cps_step(
     Returns:
         ``StepOutput``; ``std`` is ``[B, 1, ..., 1]``.
     """
-    _check_pair(v, x)
-    v, x = _f32(v), _f32(x)
-    s_cur = _per_row(sigma, x, "sigma")
-    s_next = _per_row(sigma_next, x, "sigma_next")
+    v, x, s_cur, s_next, dt = _flow_inputs(v, x, sigma, sigma_next)
     a = _per_row(noise_level, x, "noise_level")
-    dt = s_next - s_cur
     std = s_next * torch.sin(a * (math.pi / 2.0))
     mean = _coefficient_preserving_mean(x, v, s_cur, dt, s_next, std)
     return _draw_or_score(mean, std, generator=generator, noise=noise, x_next=x_next, reduction=reduction)
@@ -408,12 +408,8 @@ def flow_ddim_step(
     Returns:
         ``StepOutput``; ``std`` is ``[B, 1, ..., 1]``.
     """
-    _check_pair(v, x)
-    v, x = _f32(v), _f32(x)
-    s_cur = _per_row(sigma, x, "sigma")
-    s_next = _per_row(sigma_next, x, "sigma_next")
+    v, x, s_cur, s_next, dt = _flow_inputs(v, x, sigma, sigma_next)
     eta = _per_row(eta, x, "eta")
-    dt = s_next - s_cur
     # 1 - ab = sigma^2 / n^2, and ab_t / ab_prev; s_t as in ddim_step, then std = n(sigma_next) s_t.
     n2_cur = (1.0 - s_cur) ** 2 + s_cur * s_cur
     n2_next = (1.0 - s_next) ** 2 + s_next * s_next

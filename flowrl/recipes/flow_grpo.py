@@ -448,6 +448,7 @@ def train_epoch(model, optimizer, samples: EpochSamples, advantages: torch.Tenso
     Args:
         advantages: ``[n, T]`` (only trained steps are read).
         valid: ``[n]`` bool, samples that take part (finite reward).
+        progress: advanced by the number of samples of every (micro-batch, trained step) pass.
 
     Returns:
         Means over the epoch of the loss statistics (``train/...``).
@@ -729,7 +730,9 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                       f"({cfg.reward.train}) — stopping (checkpoint of epoch {epoch} saved)")
                 status = "all rewards NaN"
                 break
-            train_bar = tqdm(total=int(valid.sum()) * cfg.train.inner_epochs, desc=f"epoch {epoch + 1} training",
+            # One tick per (sample, trained step) forward-backward pass.
+            passes = int(valid.sum()) * int(samples.train_mask.sum()) * cfg.train.inner_epochs
+            train_bar = tqdm(total=passes, desc=f"epoch {epoch + 1} training",
                              leave=False, disable=not dist.is_main, dynamic_ncols=True)
             metrics.update(train_epoch(model, optimizer, samples, advantages, valid, cfg, dist, epoch,
                                        scheduler=scheduler, ema=ema, progress=train_bar))
