@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.cli_args import OneLineParser, UsageError, positive_int
 from samplers import euler_step, initial_noise
 
 __all__ = ["generate", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
@@ -223,32 +224,11 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors become one line on stderr and exit code 2 (no usage dump)."""
-
-    def error(self, message: str):
-        raise _UsageError(f"{message} (see `{self.prog} --help`)")
-
-
 def _seeds_arg(text: str) -> list[int]:
     try:
         return parse_seeds(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _device(text: str | None) -> torch.device:
@@ -258,17 +238,17 @@ def _device(text: str | None) -> torch.device:
     try:
         return resolve_device(text)
     except ValueError as err:
-        raise _UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
 
 
 def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
     parser.add_argument("--model", default="shapes",
                         help="`shapes` (the shipped model, default) or a saved shapes-model directory")
-    parser.add_argument("--steps", type=_positive_int, default=default_steps,
+    parser.add_argument("--steps", type=positive_int, default=default_steps,
                         help=f"Euler ODE steps (default {default_steps})")
     parser.add_argument("--guidance", type=float, default=None,
                         help="classifier-free guidance scale (default: the model's own)")
-    parser.add_argument("--batch-size", type=_positive_int, default=64, help="samples per model call (default 64)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per model call (default 64)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -276,9 +256,9 @@ def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
 def _out_path(text: str, suffixes: tuple[str, ...], what: str) -> Path:
     path = Path(text)
     if path.is_dir():
-        raise _UsageError(f"--out {text!r} is a directory; give a file name ending in {' or '.join(suffixes)}")
+        raise UsageError(f"--out {text!r} is a directory; give a file name ending in {' or '.join(suffixes)}")
     if path.suffix.lower() not in suffixes:
-        raise _UsageError(f"--out {text!r}: {what} must end in {' or '.join(suffixes)}")
+        raise UsageError(f"--out {text!r}: {what} must end in {' or '.join(suffixes)}")
     return path
 
 
@@ -307,7 +287,7 @@ def _run_command(prog: str, body, argv: list[str]) -> int:
         return int(body(argv) or 0)
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
-    except (_UsageError, ModelLoadError, UnknownNameError, RewardError, PromptParseError) as err:
+    except (UsageError, ModelLoadError, UnknownNameError, RewardError, PromptParseError) as err:
         message = err.message if isinstance(err, UnknownNameError) else str(err)
         print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
@@ -320,13 +300,13 @@ def _run_command(prog: str, body, argv: list[str]) -> int:
 
 
 def _sample(argv: list[str]) -> int:
-    parser = _Parser(prog="flowrl sample", description="Sample a labelled image grid: one row per prompt, "
+    parser = OneLineParser(prog="flowrl sample", description="Sample a labelled image grid: one row per prompt, "
                                                        "one column per seed.")
     _common_args(parser, default_steps=20)
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more rows)")
     parser.add_argument("--seeds", type=_seeds_arg, default=parse_seeds("0-7"),
                         help="columns: '0-7' (default), '0,3,5' or '4'")
-    parser.add_argument("--scale", type=_positive_int, default=4, help="nearest-neighbour upscaling (default 4)")
+    parser.add_argument("--scale", type=positive_int, default=4, help="nearest-neighbour upscaling (default 4)")
     parser.add_argument("--reward", default=None, help="optionally score each image with this reward "
                                                        "(drawn under it), e.g. shapes")
     parser.add_argument("--out", default="grid.png", help="output image (default grid.png)")
@@ -368,13 +348,13 @@ def sample_main(argv: list[str] | None = None) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    parser = _Parser(prog="flowrl eval", description="GenEval-style evaluation: generate one image per "
+    parser = OneLineParser(prog="flowrl eval", description="GenEval-style evaluation: generate one image per "
                                                      "(prompt, seed) of a balanced prompt set and score it.")
     _common_args(parser, default_steps=40)
     parser.add_argument("--reward", default="shapes", help="reward model (default shapes)")
     parser.add_argument("--split", choices=("eval", "train"), default="eval",
                         help="prompt split (default eval, the held-out prompts)")
-    parser.add_argument("--n", type=_positive_int, default=None,
+    parser.add_argument("--n", type=positive_int, default=None,
                         help="number of prompts (default 600; with --prompts, every line)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the prompt set (default 1234)")
     parser.add_argument("--prompts", default=None, help="a text file of prompts, one per line, instead of --split")
@@ -426,10 +406,10 @@ def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str,
     try:
         lines = [line.strip() for line in Path(path).read_text().splitlines()]
     except OSError as err:
-        raise _UsageError(f"cannot read --prompts {path!r}: {err.strerror or err}") from None
+        raise UsageError(f"cannot read --prompts {path!r}: {err.strerror or err}") from None
     prompts = [line for line in lines if line and not line.startswith("#")][:n]
     if not prompts:
-        raise _UsageError(f"--prompts {path!r} holds no prompts (one per line; # starts a comment)")
+        raise UsageError(f"--prompts {path!r} holds no prompts (one per line; # starts a comment)")
     rows = []
     for index, prompt in enumerate(prompts):
         try:

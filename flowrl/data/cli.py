@@ -11,42 +11,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flowrl.cli_args import OneLineParser, UsageError, positive_int
+
 __all__ = ["main"]
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors become one line on stderr and exit code 2 (no usage dump)."""
-
-    def error(self, message: str):
-        raise _UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="flowrl data", description="Write datasets as webdataset shards.")
-    sub = parser.add_subparsers(dest="dataset", metavar="DATASET", parser_class=_Parser)
+    parser = OneLineParser(prog="flowrl data", description="Write datasets as webdataset shards.")
+    sub = parser.add_subparsers(dest="dataset", metavar="DATASET", parser_class=OneLineParser)
     sub.required = True
     shapes = sub.add_parser("shapes", help="rendered examples of the shapes world",
                             description="Write rendered examples of the shapes world as webdataset shards "
                                         "(png image, txt prompt, json scene + task kind).")
     shapes.add_argument("--split", choices=("train", "eval"), required=True, help="prompt split")
-    shapes.add_argument("--n", type=_positive_int, required=True, help="number of examples")
+    shapes.add_argument("--n", type=positive_int, required=True, help="number of examples")
     shapes.add_argument("--out", required=True, help="output directory (created if missing)")
     shapes.add_argument("--seed", type=int, default=0, help="stream seed (default 0, as pretraining)")
-    shapes.add_argument("--shard-size", type=_positive_int, default=1000, help="examples per shard (default 1000)")
+    shapes.add_argument("--shard-size", type=positive_int, default=1000, help="examples per shard (default 1000)")
     shapes.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -60,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
-    except _UsageError as err:
-        print(_one_line(err), file=sys.stderr)
+    except UsageError as err:
+        print(f"flowrl data: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)

@@ -26,20 +26,12 @@ import os
 import sys
 from pathlib import Path
 
+from flowrl.cli_args import OneLineParser, UsageError
 from flowrl.demo.limits import Limits
 
 __all__ = ["parse_args", "make_state", "launch", "main"]
 
 PROG = "python app.py"
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def _port(text: str) -> int:
@@ -53,7 +45,7 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned models, "
+    parser = OneLineParser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned models, "
                                             "with their rewards and trajectories.")
     parser.add_argument("--model", default="shapes",
                         help="base model: `shapes` (the shipped model, default) or a saved shapes-model directory")
@@ -74,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Parse the command line; raises ``_UsageError`` (one line) for a mistake."""
+    """Parse the command line; raises ``UsageError`` (one line) for a mistake."""
     args = build_parser().parse_args(argv)
     for spec in args.checkpoint:
         _split_checkpoint(spec)
@@ -86,7 +78,7 @@ def _split_checkpoint(spec: str) -> tuple[str | None, str]:
     if not eq:
         return None, spec
     if not name.strip() or not path.strip():
-        raise _UsageError(f"--checkpoint {spec!r}: write NAME=PATH or PATH")
+        raise UsageError(f"--checkpoint {spec!r}: write NAME=PATH or PATH")
     return name.strip(), path.strip()
 
 
@@ -112,7 +104,7 @@ def _device(text: str | None):
     try:
         return resolve_device(text)
     except ValueError as err:
-        raise _UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
 
 
 def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: list[str] | None = None,
@@ -135,7 +127,7 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
 
     Raises:
         ModelLoadError: the base model or a named checkpoint does not load.
-        _UsageError: no reward loads, or two checkpoints share a name.
+        UsageError: no reward loads, or two checkpoints share a name.
     """
     from flowrl.demo.engine import RewardSet
     from flowrl.demo.models import ModelBank, discover_runs, load_base, load_finetuned
@@ -151,7 +143,7 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
         name, path = _split_checkpoint(spec)
         name = name or _default_name(Path(path))
         if name in bank.names():
-            raise _UsageError(f"--checkpoint {spec!r}: a model is already called {name!r}; write NAME=PATH")
+            raise UsageError(f"--checkpoint {spec!r}: a model is already called {name!r}; write NAME=PATH")
         bank.add(name, lambda p=path: load_finetuned(p, device=device, use_ema=use_ema), source=path,
                  kind="checkpoint", load_now=True)
         explicit.append(name)
@@ -169,7 +161,7 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
     reward_set = RewardSet.load(rewards if rewards else ["shapes"], log=log)
     if not reward_set.loaded:
         reasons = "; ".join(f"{n}: {r}" for n, r in reward_set.failed.items())
-        raise _UsageError(f"no reward could be loaded ({reasons})")
+        raise UsageError(f"no reward could be loaded ({reasons})")
     # Rows preselected in Compare: the base and the named checkpoints; without any, the first discovered
     # fine-tuning runs.
     defaults = explicit if len(explicit) > 1 else explicit + discovered[:2]
@@ -228,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as err:
-        if not isinstance(err, _UsageError) and not isinstance(err, _user_errors()):
+        if not isinstance(err, UsageError) and not isinstance(err, _user_errors()):
             raise
         print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
