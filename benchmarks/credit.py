@@ -7,7 +7,8 @@ evaluation excluded, see ``flowrl.runtime.Deadline``), one run after another, by
         run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null ...
 
 (``outcome`` -> ``flow_grpo.yaml``, ``tp_grpo`` -> ``tp_grpo.yaml``, ``cosine`` -> ``cosine_grpo.yaml``; the
-three differ only in ``advantage``). Evaluation runs on a training-time schedule, so every method gets
+three differ only in ``advantage``; ``shuffled``, the random-advantage control, is ``flow_grpo.yaml`` with
+``advantage.shuffle=true``). Evaluation runs on a training-time schedule, so every method gets
 held-out points at the same minutes whatever its epoch length. Then it reads each run's ``metrics.jsonl`` and
 writes
 
@@ -43,9 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-CONFIGS = {"outcome": "flow_grpo", "tp_grpo": "tp_grpo", "cosine": "cosine_grpo"}
+CONFIGS = {"outcome": "flow_grpo", "tp_grpo": "tp_grpo", "cosine": "cosine_grpo", "shuffled": "flow_grpo"}
+# The control: outcome credit with the epoch's advantages randomly permuted across samples, so the update
+# has the same size and noise but no information; whatever it gains is not learning from the reward.
+METHOD_OVERRIDES = {"shuffled": ["advantage.shuffle=true"]}
 METRIC = "eval/shapes/accuracy"
-COLORS = {"outcome": "tab:blue", "tp_grpo": "tab:red", "cosine": "tab:green"}
+COLORS = {"outcome": "tab:blue", "tp_grpo": "tab:red", "cosine": "tab:green", "shuffled": "tab:gray"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,7 +98,7 @@ def train(method: str, seed: int, args: argparse.Namespace) -> dict:
     if args.model_path is not None:
         overrides["model.path"] = args.model_path
     command = [sys.executable, "-m", "flowrl", "train", str(ROOT / "configs" / "shapes" / f"{CONFIGS[method]}.yaml"),
-               *[f"{k}={v}" for k, v in overrides.items()], *args.overrides]
+               *[f"{k}={v}" for k, v in overrides.items()], *METHOD_OVERRIDES.get(method, []), *args.overrides]
     print(f"credit: {method} seed {seed}: {' '.join(command[1:])}", flush=True)
     start = time.time()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
