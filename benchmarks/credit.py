@@ -276,7 +276,8 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path) -> None:
             top = min(r[key][-1] for r in mine)
             grid = [top * i / 50 for i in range(51)]
             means = [_mean_std([_interp(x, r[key], r["accuracy"]) for r in mine])[0] for x in grid]
-            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{method} ({len(mine)} seeds)")
+            seeds = f"{len(mine)} seed{'s' if len(mine) > 1 else ''}"
+            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{method} ({seeds})")
         ax.axvline(budget, color="gray", linestyle="--", linewidth=0.8)
         ax.set_xlabel(label)
         ax.set_ylabel("held-out accuracy")
@@ -284,7 +285,8 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     axes[0].set_title("(a) accuracy vs images sampled")
     axes[1].set_title("(b) accuracy vs training time")
-    fig.suptitle("Credit assignment on the shapes model: outcome vs TP-GRPO vs cosine")
+    control = " (grey: random-advantage control)" if any(m == "shuffled" for m, _ in runs) else ""
+    fig.suptitle(f"Credit assignment on the shapes model: outcome vs TP-GRPO vs cosine{control}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
