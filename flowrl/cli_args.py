@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["UsageError", "OneLineParser", "positive_int"]
+__all__ = ["UsageError", "OneLineParser", "positive_int", "device_arg"]
 
 
 class UsageError(Exception):
@@ -27,3 +27,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def device_arg(text: str | None):
+    """``--device`` as a ``torch.device`` (None: cuda when available, else cpu); a device that cannot be
+    used here is a ``UsageError`` naming the fix."""
+    from flowrl.runtime import resolve_device
+
+    try:
+        return resolve_device(text)
+    except ValueError as err:
+        raise UsageError(str(err)) from None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.cli_args import OneLineParser, UsageError, positive_int
+from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
 from samplers import euler_step, initial_noise
 
 __all__ = ["generate", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
@@ -231,16 +231,6 @@ def _seeds_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _device(text: str | None) -> torch.device:
-    """``--device`` (default: cuda when available, else cpu); an unusable device is a usage error."""
-    from flowrl.runtime import resolve_device
-
-    try:
-        return resolve_device(text)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
 def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
     parser.add_argument("--model", default="shapes",
                         help="`shapes` (the shipped model, default) or a saved shapes-model directory")
@@ -301,7 +291,7 @@ def _run_command(prog: str, body, argv: list[str]) -> int:
 
 def _sample(argv: list[str]) -> int:
     parser = OneLineParser(prog="flowrl sample", description="Sample a labelled image grid: one row per prompt, "
-                                                       "one column per seed.")
+                                                            "one column per seed.")
     _common_args(parser, default_steps=20)
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more rows)")
     parser.add_argument("--seeds", type=_seeds_arg, default=parse_seeds("0-7"),
@@ -318,7 +308,7 @@ def _sample(argv: list[str]) -> int:
 
         reward = rewards.load(args.reward)
         _check_prompts(reward, args.prompt)
-    model = load_model_arg(args.model, device=_device(args.device))
+    model = load_model_arg(args.model, device=device_arg(args.device))
     model.eval()
     prompts = [p for p in args.prompt for _ in args.seeds]
     seeds = [s for _ in args.prompt for s in args.seeds]
@@ -349,7 +339,7 @@ def sample_main(argv: list[str] | None = None) -> int:
 
 def _eval(argv: list[str]) -> int:
     parser = OneLineParser(prog="flowrl eval", description="GenEval-style evaluation: generate one image per "
-                                                     "(prompt, seed) of a balanced prompt set and score it.")
+                                                          "(prompt, seed) of a balanced prompt set and score it.")
     _common_args(parser, default_steps=40)
     parser.add_argument("--reward", default="shapes", help="reward model (default shapes)")
     parser.add_argument("--split", choices=("eval", "train"), default="eval",
@@ -373,7 +363,7 @@ def _eval(argv: list[str]) -> int:
         rows = prompt_rows(args.split, args.n or 600, args.seed)
     _check_prompts(reward, [r[0] for r in rows])
 
-    device = _device(args.device)
+    device = device_arg(args.device)
     start = time.perf_counter()
     model = load_model_arg(args.model, device=device)
     model.eval()

@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from flowrl.cli_args import OneLineParser, UsageError
+from flowrl.cli_args import OneLineParser, UsageError, device_arg
 from flowrl.demo.limits import Limits
 
 __all__ = ["parse_args", "make_state", "launch", "main"]
@@ -45,8 +45,8 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned models, "
-                                            "with their rewards and trajectories.")
+    parser = OneLineParser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned "
+                                                  "models, with their rewards and trajectories.")
     parser.add_argument("--model", default="shapes",
                         help="base model: `shapes` (the shipped model, default) or a saved shapes-model directory")
     parser.add_argument("--checkpoint", nargs="+", action="extend", default=[], metavar="NAME=PATH",
@@ -98,15 +98,6 @@ def _unique(name: str, taken) -> str:
     return candidate
 
 
-def _device(text: str | None):
-    from flowrl.runtime import resolve_device
-
-    try:
-        return resolve_device(text)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
 def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: list[str] | None = None,
                runs_dir: str | None = "runs", device=None, use_ema: bool = True, limits: Limits | None = None,
                log=None):
@@ -134,7 +125,7 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
     from flowrl.demo.ui import DemoState
 
     log = log or (lambda message: print(f"{PROG}: {message}", file=sys.stderr))
-    device = _device(device) if not hasattr(device, "type") else device
+    device = device_arg(device) if not hasattr(device, "type") else device
     bank = ModelBank()
     bank.add_model("base", load_base(model, device=device), source=model, kind="base")
     explicit = ["base"]
