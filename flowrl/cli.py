@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("flowrl.data.cli:main", "write datasets (e.g. flowrl data shapes --split train --n N --out DIR)"),
     "score": ("rewards.cli:score_main", "score images with reward models"),
     "serve-reward": ("rewards.server:serve_main", "serve reward models over HTTP"),
+    "train-reward": ("rewards.train_reward:main", "train a learned reward (artifact classifier, shapes encoder)"),
 }
 
 

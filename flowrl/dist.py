@@ -71,6 +71,22 @@ class Dist:
         return float(self.accelerator.reduce(tensor, reduction="max") if hasattr(self.accelerator, "reduce")
                      else self.gather(tensor).max())
 
+    def all_reduce_mean_(self, tensors: list[torch.Tensor | None]) -> None:
+        """Average ``tensors`` across processes, in place (None entries are skipped).
+
+        For models outside the prepared (DDP) one, e.g. a reward's discriminator head: its gradients go
+        through here before its optimizer steps. One flat all-reduce for the whole list.
+        """
+        present = [t for t in tensors if t is not None]
+        if self.world_size == 1 or not present:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in present])
+        flat = self.accelerator.reduce(flat, reduction="mean")
+        offset = 0
+        for t in present:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.device, t.dtype))
+            offset += t.numel()
+
     def any(self, flag: bool) -> bool:
         """True on every process if ``flag`` is True on any (e.g. a stop request on one rank)."""
         if self.world_size == 1:

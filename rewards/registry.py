@@ -22,6 +22,8 @@ REWARDS.register("jpeg_compressibility", "rewards.jpeg:JpegCompressibility")
 REWARDS.register("jpeg_incompressibility", "rewards.jpeg:JpegIncompressibility")
 REWARDS.register("vlm_judge", "rewards.vlm_judge:VLMJudge")
 REWARDS.register("remote", "rewards.remote:RemoteReward")
+REWARDS.register("adversarial", "rewards.adversarial:AdversarialReward")
+REWARDS.register("artifact", "rewards.artifact:ArtifactReward")
 # Not bundled: ImageReward. `image-reward` 1.5 resolves beside our pins but fails to import with
 # transformers 5 (BLIP's med.py imports apply_chunking_to_forward from transformers.modeling_utils) and
 # needs OpenAI's `clip` package, which is not on PyPI under that name.
