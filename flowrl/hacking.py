@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 __all__ = ["hacking_panel", "pixel_drift", "feature_drift", "group_diversity", "background_stats",
-           "extra_objects", "strict_correct", "shapes_metrics", "shapes_feature_fn", "FOREGROUND_DISTANCE"]
+           "extra_objects", "strict_correct", "shapes_metrics", "shapes_feature_fn", "diversity_rows",
+           "FOREGROUND_DISTANCE"]
 
 FeatureFn = Callable[[torch.Tensor], torch.Tensor]  # images [B, 3, H, W] in [0, 1] -> features [B, D]
 
@@ -170,6 +171,16 @@ def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, fl
     }
     out.update({f"hack/accuracy_strict/{kind}": float(np.mean(v)) for kind, v in sorted(by_kind.items())})
     return out
+
+
+def diversity_rows(split: str = "eval", n_prompts: int = 16, seeds_per_prompt: int = 8,
+                   seed: int = 4321) -> list[tuple[str, str, int]]:
+    """Fixed ``(prompt, kind, sample seed)`` rows for the diversity metric: ``n_prompts`` prompts of the shapes
+    ``split`` (task kinds cycle), each with ``seeds_per_prompt`` consecutive sample seeds. Group by prompt."""
+    from flowrl.data.shapes import prompt_rows
+
+    rows = prompt_rows(split, n_prompts, seed)
+    return [(prompt, kind, base * 1000 + k) for prompt, kind, base in rows for k in range(seeds_per_prompt)]
 
 
 def _is_shapes_world(prompts: Sequence[str]) -> bool:

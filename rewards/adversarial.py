@@ -295,6 +295,9 @@ class AdversarialReward(Reward):
             raise RewardError(f"adversarial: update got {batch} images but {len(prompts)} prompts")
         if batch == 0:
             raise RewardError("adversarial: update needs at least one fake image")
+        if not torch.isfinite(fake).all():  # one NaN image would poison the head for good
+            raise RewardError("adversarial: update got images with NaN or infinite pixels; pass only the finite "
+                              "samples (the discriminator was not updated)")
         with torch.no_grad():  # the backbone is frozen: the fake tokens serve every step
             fake_features = self.features(fake)
         totals: dict[str, float] = {}

@@ -118,3 +118,22 @@ def test_shapes_feature_fn_gives_encoder_global_tokens():
     features = shapes_feature_fn()(images)
     assert features.shape == (2, 64)
     assert torch.allclose(features.pow(2).mean(-1), torch.ones(2), atol=1e-4)  # RMS-normalised tokens
+
+
+def test_panel_benchmark_compares_two_models(tiny_shapes_dir, tmp_path):
+    """benchmarks/hacking_panel.py on the tiny model against itself: zero drift, identical panels."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import hacking_panel
+
+    result = hacking_panel.main(["--tuned", str(tiny_shapes_dir), "--base", str(tiny_shapes_dir), "--n", "6",
+                                 "--steps", "2", "--group-prompts", "2", "--group-seeds", "2",
+                                 "--out", str(tmp_path / "panel")])
+    base, tuned = result["panel"]["base"], result["panel"]["tuned"]
+    assert tuned["hack/drift_pixel"] == 0.0 and tuned["hack/drift_feature"] == pytest.approx(0.0, abs=1e-6)
+    assert {k: v for k, v in tuned.items() if not k.startswith("hack/drift")} == pytest.approx(base, nan_ok=True)
+    assert json.loads((tmp_path / "panel.json").read_text())["n"] == 6
+    assert "| `hack/bg_shift` |" in (tmp_path / "panel.md").read_text()

@@ -1,0 +1,107 @@
+"""The hacking panel (``flowrl/hacking.py``) of a tuned shapes model against its base model.
+
+Generates, with the deterministic Euler ODE and the same per-sample seeds for both models,
+
+- the held-out evaluation set (``flowrl.data.shapes.eval_prompt_set``: 600 eval-split prompts, one fixed
+  seed each): drift, extra objects, background shift and (strict) accuracy per task kind;
+- a diversity set (``flowrl.hacking.diversity_rows``: 16 eval-split prompts x 8 seeds): diversity,
+
+and writes both models' panels (the base model's drift is 0 by definition and left out) as JSON and a
+Markdown table::
+
+    python benchmarks/hacking_panel.py --tuned runs/shapes_flow_grpo --out benchmarks/results/hacking_main_job \
+        [--artifact-model DIR]      # adds hack/p_artifact, the classifier's mean P(artifact)
+    python benchmarks/hacking_panel.py --tuned DIR --base DIR --n 12 --steps 2 --group-prompts 2 --group-seeds 2 --out X
+
+``--tuned``/``--base`` take what ``app.py`` takes: ``shapes`` (the shipped model), a saved model directory,
+or a fine-tuning run directory (its newest checkpoint; EMA weights when the run kept them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+
+def load(spec: str, device: str = "cpu"):
+    from flowrl.demo.models import load_finetuned
+    from flowrl.sample import load_model_arg
+
+    if spec == "shapes" or (Path(spec) / "model.json").is_file():
+        return load_model_arg(spec, device=device)
+    return load_finetuned(spec, device=device)
+
+
+def panel(model, rows, group_rows, features, *, steps: int, base=None, artifact=None) -> tuple[dict, dict]:
+    """The panel of ``model`` and its images ``{"eval": [N, 3, H, W], "groups": [M, 3, H, W]}``; with an
+    ``artifact`` reward also ``hack/p_artifact``, its mean P(artifact) on the held-out images."""
+    from flowrl.hacking import group_diversity, hacking_panel
+    from flowrl.sample import generate
+
+    images = generate(model, [r[0] for r in rows], [r[2] for r in rows], steps=steps)
+    group_images = generate(model, [r[0] for r in group_rows], [r[2] for r in group_rows], steps=steps)
+    out = hacking_panel(images, [r[0] for r in rows], base_images=None if base is None else base["eval"],
+                        features=features)
+    out.pop("hack/diversity", None)  # one image per prompt here: diversity comes from the group set
+    out["hack/diversity"] = group_diversity(features(group_images), [r[0] for r in group_rows])
+    if artifact is not None:
+        out["hack/p_artifact"] = float(artifact(images, [r[0] for r in rows]).details["artifact/p_artifact"].mean())
+    return out, {"eval": images, "groups": group_images}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tuned", required=True)
+    parser.add_argument("--base", default="shapes")
+    parser.add_argument("--n", type=int, default=600, help="held-out prompts (default 600)")
+    parser.add_argument("--steps", type=int, default=40, help="ODE steps (default 40)")
+    parser.add_argument("--group-prompts", type=int, default=16)
+    parser.add_argument("--group-seeds", type=int, default=8)
+    parser.add_argument("--artifact-model", default=None,
+                        help="an artifact classifier (flowrl train-reward artifact --out DIR): adds hack/p_artifact")
+    parser.add_argument("--out", required=True, help="output path without suffix (.json and .md are written)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from flowrl.data.shapes import eval_prompt_set
+    from flowrl.hacking import diversity_rows, shapes_feature_fn
+
+    start = time.time()
+    rows = eval_prompt_set(args.n)
+    group_rows = diversity_rows("eval", args.group_prompts, args.group_seeds)
+    features = shapes_feature_fn()
+    artifact = None
+    if args.artifact_model is not None:
+        import rewards
+
+        artifact = rewards.load("artifact", path=args.artifact_model)
+    base_panel, base_images = panel(load(args.base), rows, group_rows, features, steps=args.steps, artifact=artifact)
+    base_panel = {k: v for k, v in base_panel.items() if not k.startswith("hack/drift")}
+    tuned_panel, _ = panel(load(args.tuned), rows, group_rows, features, steps=args.steps, base=base_images,
+                           artifact=artifact)
+    result = {"base": args.base, "tuned": args.tuned, "n": len(rows), "steps": args.steps,
+              "diversity_set": f"{args.group_prompts} prompts x {args.group_seeds} seeds",
+              "panel": {"base": base_panel, "tuned": tuned_panel}, "seconds": round(time.time() - start, 1)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"| metric | base ({args.base}) | tuned ({args.tuned}) |", "|---|---|---|"]
+    for key in sorted(set(base_panel) | set(tuned_panel)):
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"| `{key}` | {fmt(base_panel.get(key))} | {fmt(tuned_panel.get(key))} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
