@@ -183,7 +183,8 @@ class AdversarialReward(Reward):
         lr, betas: Adam's (1e-4, (0.5, 0.999)).
         d_steps: discriminator steps per :meth:`update` (each with fresh references and patch subsets).
         seed: seeds the head's initialisation and the generator of every draw.
-        head_path: optional initial head weights (a ``state_dict()`` file saved with torch or safetensors).
+        head_path: optional initial head weights: a file holding ``state_dict()["head"]`` (safetensors, or
+            torch with ``weights_only``), e.g. a discriminator trained in an earlier run.
         rank, world_size: this process's slice of a global batch (see :meth:`update`).
         grad_sync: callable averaging a list of gradient tensors in place across processes
             (``flowrl.dist.Dist.all_reduce_mean_``); None in one process.

@@ -156,6 +156,14 @@ def test_state_round_trip_is_exact(tmp_path):
     for (name, p), q in zip(first.head.named_parameters(), second.head.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(first(fakes, prompts).scores, second(fakes, prompts).scores)
+    # a trained head alone starts another run's discriminator (head_path)
+    from safetensors.torch import save_file
+
+    save_file(first.state_dict()["head"], str(tmp_path / "head.safetensors"))
+    third = rewards.load("adversarial", head_path=str(tmp_path / "head.safetensors"))
+    assert torch.equal(first(fakes, prompts).scores, third(fakes, prompts).scores)
+    with pytest.raises(RewardError, match="does not fit a 64-wide backbone with hidden=256"):
+        rewards.load("adversarial", head_path=str(tmp_path / "head.safetensors"), hidden=256)
     # a discriminator of another backbone width is refused with a clear message
     state = first.state_dict()
     state["dim"] = 768

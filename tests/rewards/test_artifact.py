@@ -40,7 +40,7 @@ def test_each_synthetic_artifact_changes_the_image_and_is_deterministic():
 @pytest.mark.slow
 def test_trained_classifier_reaches_09_heldout_accuracy_and_loads_as_a_reward(tmp_path, capsys):
     out = tmp_path / "artifact"
-    code = train_reward(["artifact", "--synthetic", "shapes", "--n", "1600", "--heldout-n", "600", "--steps", "200",
+    code = train_reward(["artifact", "--synthetic", "shapes", "--n", "2000", "--heldout-n", "600", "--steps", "400",
                          "--batch-size", "48", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
