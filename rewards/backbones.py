@@ -9,7 +9,7 @@ Two backbones, one interface (:class:`Backbone`):
   ``preprocessor_config.json`` in the folder). Global token: the final layer-normed CLS token; patch
   tokens: the final layer-normed patch tokens.
 - ``shapes``: a small convolutional encoder for the 32 x 32 shapes world, shipped with flowrl in
-  ``rewards/shapes_encoder/`` (``config.json`` + ``model.safetensors``, about 0.1M parameters). Patch
+  ``rewards/shapes_encoder/`` (``config.json`` + ``model.safetensors``, 0.2M parameters). Patch
   tokens: a 16 x 16 grid (each token sees about 10 px); global token: a linear map of the grid
   downsampled to 4 x 4. It was trained once by ``flowrl train-reward shapes-encoder --out DIR`` (see
   :func:`train_shapes_encoder`) to reconstruct the image from its patch tokens and to predict, from its

@@ -5,7 +5,7 @@
     flowrl train-reward artifact --synthetic shapes --out DIR [--n 4000] [--heldout-n 1000] [--steps 1200]
     flowrl train-reward artifact --clean DIR_OR_SHARDS --artifact DIR_OR_SHARDS --out DIR [--image-size 64]
         [--heldout-fraction 0.2] [--steps 1200]
-    flowrl train-reward shapes-encoder --out DIR [--steps 2500]
+    OMP_NUM_THREADS=1 flowrl train-reward shapes-encoder --out DIR [--steps 2500]   # byte-identical rebuild
 
 ``artifact`` trains the classifier of ``rewards.load("artifact", path=DIR)``, prints the held-out accuracy
 (per artifact kind for synthetic data) and writes ``DIR/config.json`` (architecture, training settings,
