@@ -58,6 +58,32 @@ def panel(model, rows, group_rows, features, *, steps: int, base=None, artifact=
     return out, {"eval": images, "groups": group_images}
 
 
+def adversarial_probe(tuned_model, base_images, tuned_images, prompts, *, updates: int, pool: int = 512,
+                      batch: int = 32, steps: int = 10, seed: int = 0) -> dict:
+    """Does the adversarial reward see the tuned model's drift? A fresh discriminator (shipped shapes encoder,
+    references rendered for each prompt, default settings) is trained for ``updates`` steps on batches of a
+    pool of ``pool`` tuned-model images of training prompts (``steps``-step ODE, as rollouts), then scores
+    the held-out images of both models."""
+    import rewards
+    from flowrl.data.shapes import prompt_rows
+    from flowrl.sample import generate
+
+    rows = prompt_rows("train", pool, seed=97)
+    fakes = generate(tuned_model, [r[0] for r in rows], [r[2] for r in rows], steps=steps)
+    reward = rewards.load("adversarial", seed=seed)
+    order = torch.randperm(pool, generator=torch.Generator().manual_seed(seed))
+    for step in range(updates):
+        index = order[(step * batch) % pool:(step * batch) % pool + batch]
+        if len(index) < batch:
+            order = torch.randperm(pool, generator=torch.Generator().manual_seed(seed + step))
+            index = order[:batch]
+        metrics = reward.update(fakes[index], [rows[i][0] for i in index.tolist()])
+    base_scores, tuned_scores = reward(base_images, prompts).scores, reward(tuned_images, prompts).scores
+    return {"updates": updates, "pool": pool, "final_d_acc": metrics["adv/d_acc"],
+            "reward_base_mean": float(base_scores.mean()), "reward_tuned_mean": float(tuned_scores.mean()),
+            "frac_base_above_tuned": float((base_scores > tuned_scores).float().mean())}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tuned", required=True)
@@ -68,6 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group-seeds", type=int, default=8)
     parser.add_argument("--artifact-model", default=None,
                         help="an artifact classifier (flowrl train-reward artifact --out DIR): adds hack/p_artifact")
+    parser.add_argument("--adversarial-updates", type=int, default=0,
+                        help="also train a fresh adversarial discriminator on the tuned model's images for this "
+                             "many updates and report how it scores both models' held-out images")
+    parser.add_argument("--adversarial-pool", type=int, default=512, help="tuned images the probe trains on")
     parser.add_argument("--out", required=True, help="output path without suffix (.json and .md are written)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -86,11 +116,17 @@ def main(argv: list[str] | None = None) -> dict:
         artifact = rewards.load("artifact", path=args.artifact_model)
     base_panel, base_images = panel(load(args.base), rows, group_rows, features, steps=args.steps, artifact=artifact)
     base_panel = {k: v for k, v in base_panel.items() if not k.startswith("hack/drift")}
-    tuned_panel, _ = panel(load(args.tuned), rows, group_rows, features, steps=args.steps, base=base_images,
-                           artifact=artifact)
+    tuned_model = load(args.tuned)
+    tuned_panel, tuned_images = panel(tuned_model, rows, group_rows, features, steps=args.steps, base=base_images,
+                                      artifact=artifact)
     result = {"base": args.base, "tuned": args.tuned, "n": len(rows), "steps": args.steps,
               "diversity_set": f"{args.group_prompts} prompts x {args.group_seeds} seeds",
-              "panel": {"base": base_panel, "tuned": tuned_panel}, "seconds": round(time.time() - start, 1)}
+              "panel": {"base": base_panel, "tuned": tuned_panel}}
+    if args.adversarial_updates > 0:
+        result["adversarial_probe"] = adversarial_probe(tuned_model, base_images["eval"], tuned_images["eval"],
+                                                        [r[0] for r in rows], updates=args.adversarial_updates,
+                                                        pool=args.adversarial_pool)
+    result["seconds"] = round(time.time() - start, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -98,6 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     for key in sorted(set(base_panel) | set(tuned_panel)):
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         lines.append(f"| `{key}` | {fmt(base_panel.get(key))} | {fmt(tuned_panel.get(key))} |")
+    if "adversarial_probe" in result:
+        probe = result["adversarial_probe"]
+        lines += ["", f"Adversarial probe ({probe['updates']} updates on {probe['pool']} tuned images): mean reward "
+                  f"base {probe['reward_base_mean']:.3f}, tuned {probe['reward_tuned_mean']:.3f}; base above tuned "
+                  f"on {probe['frac_base_above_tuned']:.3f} of the held-out prompts."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

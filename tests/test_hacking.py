@@ -131,9 +131,12 @@ def test_panel_benchmark_compares_two_models(tiny_shapes_dir, tmp_path):
 
     result = hacking_panel.main(["--tuned", str(tiny_shapes_dir), "--base", str(tiny_shapes_dir), "--n", "6",
                                  "--steps", "2", "--group-prompts", "2", "--group-seeds", "2",
+                                 "--adversarial-updates", "2", "--adversarial-pool", "8",
                                  "--out", str(tmp_path / "panel")])
     base, tuned = result["panel"]["base"], result["panel"]["tuned"]
     assert tuned["hack/drift_pixel"] == 0.0 and tuned["hack/drift_feature"] == pytest.approx(0.0, abs=1e-6)
     assert {k: v for k, v in tuned.items() if not k.startswith("hack/drift")} == pytest.approx(base, nan_ok=True)
     assert json.loads((tmp_path / "panel.json").read_text())["n"] == 6
     assert "| `hack/bg_shift` |" in (tmp_path / "panel.md").read_text()
+    probe = result["adversarial_probe"]
+    assert probe["updates"] == 2 and probe["reward_base_mean"] == pytest.approx(probe["reward_tuned_mean"])
