@@ -38,6 +38,9 @@ __all__ = [
     "from_dict",
     "to_dict",
     "load_yaml",
+    "load_config_data",
+    "config_value",
+    "merge_config",
     "load_config",
     "apply_overrides",
     "parse_overrides",
@@ -276,6 +279,92 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+def _section_type(tp: Any) -> type | None:
+    """The dataclass of a field typed as a dataclass or ``Optional[dataclass]`` (a mergeable section)."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        return sections[0] if len(sections) == 1 else None
+    return None
+
+
+def merge_config(base: dict, override: dict, cls: type | None, *, source: str = "", path: str = "",
+                 extra_keys: tuple[str, ...] = ()) -> dict:
+    """``override`` deep-merged over ``base``: sections (dataclass-typed fields) merge key by key; every
+    other value (numbers, lists, open mappings such as ``reward.train``) replaces the base's.
+
+    Args:
+        base / override: parsed YAML mappings.
+        cls: the config dataclass of this level (its fields decide what is a section); None merges blindly.
+        source: the file ``override`` came from (named in errors).
+        path: the dotted path of this level (named in errors).
+        extra_keys: top-level keys that are not part of ``cls`` (e.g. ``recipe``).
+
+    Raises:
+        ConfigError: ``override`` has a key ``cls`` does not have.
+    """
+    out = dict(base)
+    fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+    hints = typing.get_type_hints(cls) if cls is not None else {}
+    for key, value in override.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if cls is not None and key not in fields and not (not path and key in extra_keys):
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(key_path, f"unknown key in {source}{hint}; the base config has: {', '.join(fields)}")
+        section = _section_type(hints[key]) if key in hints else None
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and (section is not None or cls is None):
+            out[key] = merge_config(out[key], value, section, source=source, path=key_path)
+        else:
+            out[key] = value
+    return out
+
+
+def _base_chain(path: Path) -> list[tuple[Path, dict]]:
+    """``[(file, its own keys), ...]`` from the root ``base:`` down to ``path`` itself."""
+    chain: list[tuple[Path, dict]] = []
+    current = path
+    while True:
+        resolved = current.resolve()
+        if any(resolved == p.resolve() for p, _ in chain):
+            cycle = " -> ".join(str(p) for p, _ in chain) + f" -> {current}"
+            raise ConfigError("base", f"the base chain of {path} loops: {cycle}; remove one of the base: keys")
+        data = load_yaml(current)
+        base = data.pop("base", None)
+        chain.append((current, data))
+        if base is None:
+            return list(reversed(chain))
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError("base", f"{current}: base must be a path to a YAML file (relative to the file), "
+                              f"got {_short(base)}")
+        nxt = current.parent / base
+        if not nxt.is_file():
+            raise ConfigError("base", f"{current}: base file {base!r} does not exist (looked for {nxt})")
+        current = nxt
+
+
+def load_config_data(path: str | Path, cls: type | None = None, *, extra_keys: tuple[str, ...] = ()) -> dict:
+    """The YAML mapping of ``path`` with its ``base:`` files merged underneath (:func:`merge_config`).
+
+    A config may name ``base: other.yaml`` (relative to itself) and keep only what differs; bases may
+    have bases. A missing base, a cycle, or a key the config ``cls`` does not have is a one-line
+    :class:`ConfigError`. ``extra_keys`` are top-level keys outside ``cls`` (e.g. ``recipe``).
+    """
+    data: dict = {}
+    for file, own in _base_chain(Path(path)):
+        data = merge_config(data, own, cls, source=str(file), extra_keys=extra_keys)
+    return data
+
+
+def config_value(path: str | Path, key: str) -> Any:
+    """A top-level key of a config, following its ``base:`` chain (e.g. the ``recipe`` it runs)."""
+    value = None
+    for _, own in _base_chain(Path(path)):
+        value = own.get(key, value)
+    return value
+
+
 def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
     """Parse ``a.b=c`` strings; values are read as YAML scalars/lists (``lr=1e-4``, ``steps=[1,2]``)."""
     parsed = []
@@ -322,7 +411,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         overrides: ``["a.b=c", ...]`` applied after the file.
         drop_keys: top-level keys consumed by the caller (e.g. ``recipe``) and not part of ``cls``.
     """
-    data = load_yaml(path) if path is not None else {}
+    data = load_config_data(path, cls, extra_keys=drop_keys) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     for key in drop_keys:
         data.pop(key, None)

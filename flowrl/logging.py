@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["MetricsLogger", "read_metrics", "plot_metrics"]
+__all__ = ["MetricsLogger", "read_metrics", "plot_metrics", "save_sample_grid"]
 
 
 def _plain(value: Any) -> Any:
@@ -139,3 +139,14 @@ def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[s
         fig.savefig(tmp, dpi=100)
         plt.close(fig)
         tmp.replace(out_dir / f"{name}.png")
+
+
+def save_sample_grid(images, prompts: list[str], path: str | Path, columns: int = 8) -> None:
+    """A run's sample grid: ``images [B, 3, H, W]`` in [0, 1] as a PNG, and their prompts beside it (``.txt``)."""
+    import torchvision
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid = torchvision.utils.make_grid(images, nrow=columns, padding=2, pad_value=0.5)
+    torchvision.utils.save_image(grid, path)
+    path.with_suffix(".txt").write_text("\n".join(prompts) + "\n")

@@ -1,7 +1,8 @@
 """``flowrl train CONFIG [a.b=c ...]``: load a recipe's typed config and run it.
 
 The YAML's top-level ``recipe`` key names the recipe (``pretrain``, ``flow_grpo``, ...); each recipe
-module defines a ``Config`` dataclass and ``main(cfg)``. Under ``accelerate launch`` the same command
+module defines a ``Config`` dataclass and ``main(cfg)``. A YAML may name ``base: other.yaml`` and keep
+only what differs (:func:`flowrl.config.load_config_data`). Under ``accelerate launch`` the same command
 runs on every process.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flowrl.config import ConfigError, load_yaml
+from flowrl.config import ConfigError
+from flowrl.errors import user_errors
 from flowrl.registry import Registry, UnknownNameError
 
 RECIPES: Registry = Registry("recipe")
@@ -19,11 +21,13 @@ RECIPES.register("flow_grpo", "flowrl.recipes.flow_grpo:RECIPE")
 
 
 def load_recipe_config(path: str, overrides: list[str]):
-    """(recipe module entry, validated config) for a YAML file plus overrides."""
-    from flowrl.config import apply_overrides, from_dict
+    """(recipe module entry, validated config) for a YAML file (with its ``base:`` chain) plus overrides."""
+    from flowrl.config import apply_overrides, config_value, from_dict, load_config_data, parse_overrides
 
-    data = apply_overrides(load_yaml(path), overrides)
-    name = data.pop("recipe", None)
+    name = config_value(path, "recipe")
+    for keys, value in parse_overrides(overrides):
+        if keys == ["recipe"]:
+            name = value
     if name is None:
         raise ConfigError("recipe", f"{path} has no 'recipe' key; add e.g. `recipe: flow_grpo` "
                           f"(valid: {', '.join(RECIPES.names())})")
@@ -31,18 +35,9 @@ def load_recipe_config(path: str, overrides: list[str]):
         recipe = RECIPES.get(name)
     except UnknownNameError as err:
         raise ConfigError("recipe", str(err)) from None
+    data = apply_overrides(load_config_data(path, recipe.config_class, extra_keys=("recipe",)), overrides)
+    data.pop("recipe", None)
     return recipe, from_dict(recipe.config_class, data)
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that report a user's mistake or environment (bad config, missing weights or
-    checkpoint, a failing reward, a bad prompt file): shown as one line, never as a traceback."""
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.data.prompts import PromptSetError
-    from flowrl.models.base import ModelLoadError
-    from rewards.base import RewardError
-
-    return (ConfigError, CheckpointError, ModelLoadError, RewardError, PromptSetError)
 
 
 def main(argv: list[str] | None = None) -> int:

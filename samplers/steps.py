@@ -579,6 +579,27 @@ def get_step(name: str) -> StepSpec:
         raise UnknownStepError(name, list(STEPS)) from None
 
 
+def noise_kwargs(name: str, noise_level: float | None) -> dict[str, float]:
+    """The hyperparameters of step ``name`` for a generic "noise level" setting.
+
+    Configs and command lines expose one ``noise_level`` knob; each stochastic family calls it by its own
+    name (``noise_level`` = Flow-SDE's / CPS's ``a``, ``eta`` = Dance-SDE's / DDIM's constant). This is the
+    one place that maps the knob to the family and decides its default: ``None`` leaves the family's own
+    default (:data:`STEPS`), e.g. ``eta = 0.3`` for ``dance_sde``, never another family's.
+
+    Returns:
+        ``{}`` for ``None`` or the deterministic ``ode``; else ``{family_name: float(noise_level)}``.
+
+    Raises:
+        UnknownStepError: unknown ``name``.
+    """
+    spec = get_step(name)
+    if noise_level is None or not spec.defaults:
+        return {}
+    (key,) = spec.defaults  # every stochastic family has exactly one noise hyperparameter
+    return {key: float(noise_level)}
+
+
 @dataclass(frozen=True, eq=False)
 class Step:
     """A step family bound to a schedule and its hyperparameters: the one step interface.

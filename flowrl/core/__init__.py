@@ -1,7 +1,6 @@
 """Modality-agnostic RL math: advantages, credit assignment, policy/KL/preference losses (torch only)."""
 
 from flowrl.core.advantages import (
-    ADVANTAGE_ESTIMATORS,
     PerPromptStatTracker,
     combine_rewards,
     gae,
@@ -9,6 +8,7 @@ from flowrl.core.advantages import (
     rloo_advantages,
     zero_std_fraction,
 )
+from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch, outcome_advantages, register_estimator
 from flowrl.core.losses import (
     POLICY_LOSSES,
     PREFERENCE_LOSSES,
@@ -24,6 +24,7 @@ from flowrl.core.losses import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CreditBatch",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "LossOutput",
@@ -37,6 +38,8 @@ __all__ = [
     "group_advantages",
     "ipo_loss",
     "kl_estimate",
+    "outcome_advantages",
+    "register_estimator",
     "rloo_advantages",
     "simpo_loss",
     "zero_std_fraction",

@@ -26,10 +26,8 @@ from typing import Any, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from flowrl.registry import Registry
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "STD_SCOPES",
     "COMBINE_MODES",
     "PerPromptStatTracker",
@@ -42,9 +40,6 @@ __all__ = [
 
 STD_SCOPES = ("group", "batch", "none")
 COMBINE_MODES = ("reward_sum", "advantage_sum")
-
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
-
 
 # --------------------------------------------------------------------------------------------------
 # argument checking and group bookkeeping
@@ -225,10 +220,6 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> 
     count = groups.count[groups.inverse]
     # clamp only guards the G = 1 division; those samples are constant groups and already 0.
     return groups.centred(rewards) * count / (count - 1).clamp(min=1)
-
-
-ADVANTAGE_ESTIMATORS.register("group", group_advantages)
-ADVANTAGE_ESTIMATORS.register("rloo", rloo_advantages)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
     """
     from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state
     from flowrl.config import ConfigError, from_dict
-    from flowrl.recipes.flow_grpo import ModelConfig, build_model
+    from flowrl.models.config import ModelConfig, build_model
 
     path = Path(path).expanduser()
     if not path.exists():

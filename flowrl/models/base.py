@@ -152,14 +152,17 @@ class FlowModel(nn.Module):
         sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
         return self._predict(self.denoiser, x, sigma, cond).float()
 
-    def velocity_fn(self, guidance_scale: float | None = None) -> VelocityFn:
-        """``velocity_fn(x, sigma, cond)`` with classifier-free guidance applied when the model uses it."""
+    def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
+        """``velocity_fn(x, sigma, cond)`` with classifier-free guidance applied when the model uses it.
+
+        ``detach_uncond``: no gradient through the unconditional branch (Flow-GRPO's training; see
+        ``samplers.classifier_free_guidance``)."""
         scale = self.default_guidance if guidance_scale is None else guidance_scale
         if not self.uses_cfg or scale == 1.0:
             return self.velocity
         from samplers import classifier_free_guidance
 
-        return classifier_free_guidance(self.velocity, self.uncond(1), scale)
+        return classifier_free_guidance(self.velocity, self.uncond(1), scale, detach_uncond=detach_uncond)
 
     # ------------------------------------------------------------------ training state
 

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import RunConfig, bounds, fail, save_config
+from flowrl.logging import save_sample_grid
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
 from flowrl.recipes import Recipe
 
@@ -144,19 +145,10 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
         ema.restore(params)
         model.clear_prompt_cache()
         model.train()
-    _save_grid(images[:64], [r[0] for r in rows[:64]], output_dir / "samples" / f"epoch_{epoch:04d}.png")
+    save_sample_grid(images[:64], [r[0] for r in rows[:64]], output_dir / "samples" / f"epoch_{epoch:04d}.png")
     metrics = {"eval/shapes/accuracy": summary["overall"], "eval/shapes/mean": summary["score_mean"]}
     metrics.update({f"eval/shapes/{k}": v["accuracy"] for k, v in summary["kinds"].items()})
     return metrics
-
-
-def _save_grid(images: torch.Tensor, prompts: list[str], path: Path, columns: int = 8) -> None:
-    import torchvision
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid = torchvision.utils.make_grid(images, nrow=columns, padding=2, pad_value=0.5)
-    torchvision.utils.save_image(grid, path)
-    path.with_suffix(".txt").write_text("\n".join(prompts) + "\n")
 
 
 def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:

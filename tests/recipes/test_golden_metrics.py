@@ -57,7 +57,11 @@ CASES = {
 SKIP_PREFIXES = ("time/", "memory/", "credit/completion_s")
 
 # case -> (metrics that may change, why). Empty: every metric must match.
-INTENDED: dict[str, tuple[tuple[str, ...], str]] = {}
+_STEP_LEVEL_ADVANTAGE = (("train/advantage_abs_mean",),
+                         "the metric now averages |A| over the trained steps of the advantages the update uses; "
+                         "before, it averaged the outcome advantages, which tp_grpo does not use and cosine "
+                         "re-weights")
+INTENDED: dict[str, tuple[tuple[str, ...], str]] = {"tp_grpo": _STEP_LEVEL_ADVANTAGE, "cosine": _STEP_LEVEL_ADVANTAGE}
 
 
 def _run(case: str, model_dir: Path, out: Path) -> list[dict]:

@@ -1,0 +1,302 @@
+"""What every online trainer's ``main`` needs around its objective: the run directory, metrics and plots,
+checkpoints and exact resume, the training-time budget, a graceful stop, the evaluation schedule, and
+a checkpoint before any failure surfaces.
+
+A recipe reads top to bottom (docs/architecture.md, "Adding a trainer")::
+
+    run = OnlineRun(cfg, "my_recipe", dist=dist)
+    model = run.prepare_model(model)
+    ...                                              # optimizer, rewards, sampler: the recipe's own
+    run.track(model=TrainableWeights(model), optimizer=optimizer, ...)
+    run.evaluation(lambda epoch: evaluator(model, epoch, ema))
+    with run:                                        # resume; SIGINT/SIGTERM; checkpoint on failure
+        while run.next_epoch():
+            rollouts = collect_epoch(...)
+            ...
+            with run.updating():                     # the weights change in here
+                metrics.update(train_epoch(...))
+            run.end_epoch(metrics, images=n)         # evaluate if due, log, plot, checkpoint
+    return run.finish()
+
+The checkpoint holds every tracked object's ``state_dict()`` under its name, the random generators'
+states and the counters (``epoch``, ``images_sampled``, ``train_minutes``, ``wall_minutes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.config import bounds, save_config
+
+__all__ = ["DataConfig", "LogConfig", "CheckpointConfig", "TrainableWeights", "OnlineRun"]
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = "shapes:train"  # txt, jsonl or a built-in set
+    eval_prompts: str = "shapes:eval"
+    num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1))
+
+
+@dataclass
+class LogConfig:
+    backends: list[str] = field(default_factory=list)  # tensorboard, wandb
+    project: str = "flowrl"
+
+
+@dataclass
+class CheckpointConfig:
+    every_epochs: int = field(default=5, metadata=bounds(ge=1))
+    keep: int = field(default=2, metadata=bounds(ge=1))
+
+
+class TrainableWeights:
+    """A model adapter's trained tensors (LoRA or the whole denoiser) as a checkpointable state."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.trainable_state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_trainable_state_dict(state)
+
+
+def _next_multiple(minutes: float, every: float | None) -> float | None:
+    """The next multiple of ``every`` strictly after ``minutes`` (None when ``every`` is None)."""
+    return None if every is None else (math.floor(minutes / every + 1e-9) + 1) * every
+
+
+def peak_memory_mb() -> float:
+    """Peak GPU memory allocated, or the process's peak resident memory on a CPU machine, in MiB."""
+    import resource
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class OnlineRun:
+    """One online training run (see the module docstring for the shape of a recipe).
+
+    Args:
+        cfg: the recipe's config; it must have ``run``, ``eval``, ``log`` and ``checkpoint`` sections.
+        recipe: the recipe's registry name (written into ``config.yaml``, used in messages).
+        dist: an injected :class:`flowrl.dist.Dist` (tests); by default one is created.
+        plot_groups: extra ``{plot: [metric keys or prefixes]}`` beside the standard ones.
+    """
+
+    def __init__(self, cfg, recipe: str, *, dist=None, plot_groups: dict[str, list[str]] | None = None):
+        from flowrl.dist import Dist
+        from flowrl.logging import MetricsLogger
+        from flowrl.runtime import prepare_run
+
+        self.cfg, self.recipe = cfg, recipe
+        self.dist = dist or Dist()
+        self.output_dir = prepare_run(cfg.run)
+        if self.dist.is_main:
+            save_config(cfg, self.output_dir / "config.yaml", extra={"recipe": recipe})
+        groups = {"reward": ["train/reward_mean"], "eval": ["eval/"],
+                  "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"], "time": ["time/"]}
+        groups.update(plot_groups or {})
+        self.logger = MetricsLogger(self.output_dir, backends=cfg.log.backends, enabled=self.dist.is_main,
+                                    project=cfg.log.project, plot_groups=groups)
+        self.epoch = 0
+        self.images_sampled = 0
+        self.status = "finished"
+        self._tracked: dict[str, Any] = {}
+        self._evaluate: Callable[[int], dict[str, float]] | None = None
+        self._train_minutes_before = 0.0
+        self._wall_minutes_before = 0.0
+        self._deadline = None
+        self._stop = None
+        self._bar = None
+        self._epoch_start = 0.0
+        self._next_eval_minutes: float | None = None
+        self._updating = False
+        self._stopping = False
+        self._started = False
+
+    # ------------------------------------------------------------------ setup
+
+    def prepare_model(self, model=None):
+        """Build the model of ``cfg.model`` (unless one is given), move it to this process's device and
+        freeze the reference weights (full fine-tuning)."""
+        if model is None:
+            from flowrl.models.config import build_model
+
+            model = build_model(self.cfg.model, self.dist.device)
+        model.to(self.dist.device)
+        model.freeze_reference()
+        return model
+
+    def track(self, **objects: Any) -> None:
+        """Checkpoint these objects (each with ``state_dict()`` / ``load_state_dict()``); None is skipped."""
+        self._tracked.update({name: obj for name, obj in objects.items() if obj is not None})
+
+    def evaluation(self, evaluate: Callable[[int], dict[str, float]]) -> None:
+        """``evaluate(epoch) -> metrics``, run at the start (``eval.at_start``), every ``eval.every_epochs``
+        epochs and every ``eval.every_minutes`` training minutes, and at the last epoch."""
+        self._evaluate = evaluate
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> None:
+        from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state, set_rng_state
+
+        checkpoint = latest_checkpoint(self.output_dir)
+        if checkpoint is None:
+            raise CheckpointError(f"run.resume=true but {self.output_dir}/checkpoints holds no checkpoint; "
+                                  "run without run.resume=true to start fresh")
+        state = load_state(checkpoint)
+        for name, obj in self._tracked.items():
+            obj.load_state_dict(state[name])
+        set_rng_state(state["rng"])
+        self.epoch, self.images_sampled = int(state["epoch"]), int(state["images_sampled"])
+        self._train_minutes_before = float(state["train_minutes"])
+        self._wall_minutes_before = float(state["wall_minutes"])
+        self.logger.truncate_after(self.epoch)
+        if self.dist.is_main:
+            print(f"flowrl: resumed from {checkpoint} at epoch {self.epoch}")
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint the tracked state at the current epoch (main process only)."""
+        from flowrl.checkpoint import rng_state, save_checkpoint
+
+        if not self.dist.is_main:
+            return
+        state = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        state.update({"rng": rng_state(), "epoch": self.epoch, "images_sampled": self.images_sampled,
+                      "train_minutes": self.train_minutes(), "wall_minutes": self.wall_minutes()})
+        save_checkpoint(self.output_dir, self.epoch, state, keep=self.cfg.checkpoint.keep)
+
+    # ------------------------------------------------------------------ time
+
+    def train_minutes(self) -> float:
+        """Training minutes so far, earlier sessions included, evaluation excluded."""
+        return self._deadline.elapsed_minutes() if self._deadline is not None else self._train_minutes_before
+
+    def wall_minutes(self) -> float:
+        return self._wall_minutes_before + (self._deadline.wall_minutes() if self._deadline is not None else 0.0)
+
+    # ------------------------------------------------------------------ the loop
+
+    def __enter__(self) -> "OnlineRun":
+        from flowrl.runtime import Deadline, GracefulStop
+
+        if self.cfg.run.resume:
+            self._resume()
+        self._deadline = Deadline(self.cfg.run.max_minutes, already_spent=self._train_minutes_before)
+        self._next_eval_minutes = _next_multiple(self._train_minutes_before, self.cfg.eval.every_minutes)
+        self._stop = GracefulStop().__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._stop.__exit__(exc_type, exc, tb)
+        if self._bar is not None:
+            self._bar.close()
+        if exc is None:
+            return False
+        self.logger.close()
+        raise self._failure(exc) from exc
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """Save what can be saved, and the error that tells the user where it is."""
+        from flowrl.errors import RunError, user_errors
+
+        where = f"{self.output_dir}/checkpoints"
+        if self._updating:
+            # The weights are part-way through an epoch's update: no consistent state to save.
+            saved = f"(the epoch was not saved; the last checkpoint in {where} resumes with run.resume=true)"
+        else:
+            self.save_checkpoint()
+            saved = f"(checkpoint of epoch {self.epoch} saved in {where}; resume with run.resume=true)"
+        if isinstance(exc, user_errors()):
+            return RunError(f"epoch {self.epoch + 1}: {' '.join(str(exc).split())} {saved}")
+        return RuntimeError(f"epoch {self.epoch + 1}: {type(exc).__name__}: {exc} {saved}")
+
+    def _log_evaluation(self, metrics: dict[str, float]) -> None:
+        self.logger.log({"epoch": self.epoch, "images_sampled": self.images_sampled, "time/train_min": 0.0,
+                         "time/wall_min": self.wall_minutes(), **metrics})
+        self.logger.plot()
+        if self.dist.is_main:
+            print(f"epoch {self.epoch}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
+                                                      if k.endswith(("accuracy", "mean"))))
+
+    def next_epoch(self) -> bool:
+        """Start the next epoch; False when the run is over (epochs or time spent, a stop requested).
+
+        The first call evaluates the model before any training when ``eval.at_start`` is set."""
+        if not self._started:
+            self._started = True
+            if self.epoch == 0 and self.cfg.eval.at_start and self._evaluate is not None:
+                with self._deadline.excluded():
+                    self._log_evaluation(self._evaluate(0))
+            self._bar = tqdm(total=self.cfg.run.max_epochs, initial=self.epoch, desc=self.recipe,
+                             disable=not self.dist.is_main, dynamic_ncols=True)
+        if self._stopping or self.epoch >= self.cfg.run.max_epochs:
+            return False
+        self._epoch_start = time.perf_counter()
+        return True
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Mark the block that changes the weights: a failure inside it saves no checkpoint (the state is
+        between two epochs), a failure anywhere else saves the last completed epoch first."""
+        self._updating = True
+        yield  # an exception leaves the flag set: __exit__ must know the weights are part-updated
+        self._updating = False
+
+    def stop(self, reason: str) -> None:
+        """End the run after this epoch (e.g. the recipe found every reward NaN): checkpoint, then stop."""
+        self._stopping = True
+        self.status = reason
+        self.save_checkpoint()
+
+    def end_epoch(self, metrics: dict[str, Any], *, images: int) -> None:
+        """Close an epoch that sampled ``images`` images: evaluate if due, log ``metrics`` with the
+        counters and timings, redraw the plots, checkpoint if due, and decide whether to stop."""
+        self.epoch += 1
+        self.images_sampled += images
+        metrics.update({"epoch": self.epoch, "images_sampled": self.images_sampled,
+                        "time/epoch_s": time.perf_counter() - self._epoch_start,
+                        "time/train_min": self.train_minutes(), "memory/peak_mb": peak_memory_mb()})
+        stopping = self.dist.any(self._stop.requested or self._deadline.passed())
+        cfg = self.cfg
+        due = (cfg.eval.every_epochs is not None and self.epoch % cfg.eval.every_epochs == 0) or (
+            self._next_eval_minutes is not None and self.train_minutes() >= self._next_eval_minutes)
+        if self._evaluate is not None and (due or stopping or self.epoch == cfg.run.max_epochs):
+            with self._deadline.excluded():
+                metrics.update(self._evaluate(self.epoch))
+            self._next_eval_minutes = _next_multiple(self.train_minutes(), cfg.eval.every_minutes)
+        metrics["time/wall_min"] = self.wall_minutes()
+        self.logger.log(metrics)
+        self.logger.plot()
+        self._bar.update(1)
+        postfix = {"reward": f"{metrics['train/reward_mean']:.3f}"} if "train/reward_mean" in metrics else {}
+        postfix.update({"eval": f"{v:.3f}" for k, v in metrics.items() if k.startswith("eval/")
+                        and k.endswith("/accuracy")})
+        self._bar.set_postfix(**postfix)
+        if self.epoch % cfg.checkpoint.every_epochs == 0 or stopping or self.epoch == cfg.run.max_epochs:
+            self.save_checkpoint()
+        if stopping:
+            self._stopping = True
+            self.status = self._stop.reason or "time budget reached"
+
+    def finish(self) -> int:
+        """Close the logger and the process group; print where the outputs are. Returns the exit code."""
+        self.logger.close()
+        if self.dist.is_main:
+            print(f"flowrl: {self.recipe} stopped at epoch {self.epoch}/{self.cfg.run.max_epochs} ({self.status}); "
+                  f"outputs in {self.output_dir}")
+        self.dist.close()
+        return 0
