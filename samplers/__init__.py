@@ -1,6 +1,6 @@
 """Sampling steps with log-probabilities, schedules, guidance and rollout (torch only).
 
-This package imports only torch, numpy and the standard library (DESIGN.md: ``samplers`` sits below
+This package imports only torch, numpy and the standard library (docs/architecture.md: ``samplers`` sits below
 ``flowrl`` and never imports diffusers, transformers, accelerate or flowrl).
 
 Public API:

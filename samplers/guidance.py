@@ -1,4 +1,4 @@
-"""Classifier-free guidance as one wrapper around a velocity function (MATH.md section 1).
+"""Classifier-free guidance as one wrapper around a velocity function (docs/algorithms.md, section 1).
 
 ``classifier_free_guidance(velocity_fn, uncond, scale)`` returns a velocity function with the same
 contract, ``(x, sigma, cond) -> v``, so rollout and the training pass use guidance the same way.

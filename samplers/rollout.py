@@ -3,7 +3,7 @@
 ``rollout`` runs a schedule from ``x_init`` (at ``sigmas[0]``) to ``sigma = 0`` and records a
 ``Trajectory``. Steps inside the training window use the chosen stochastic step (``flow_sde`` etc.) and
 are trained; all other steps are deterministic Euler (ODE) steps. The final step (to ``sigma = 0``) is
-deterministic and never trained unless ``deterministic_last_step=False`` (MATH.md section 2).
+deterministic and never trained unless ``deterministic_last_step=False`` (docs/algorithms.md, section 2).
 
 Randomness: with ``sample_seeds`` (one int64 per sample, see ``samplers.noise``) the SDE noise of
 sample ``b`` at step ``t`` comes from ``(sample_seeds[b], t)`` only, so a sample's trajectory does not

@@ -1,7 +1,7 @@
-"""Pure denoising steps with exact Gaussian log-probabilities (MATH.md section 2).
+"""Pure denoising steps with exact Gaussian log-probabilities (docs/algorithms.md, section 2).
 
 Every step maps the state ``x`` at ``sigma`` to ``x_next`` at ``sigma_next < sigma`` given the model's
-velocity ``v`` (``v = eps - x0``, MATH.md section 1) and returns ``StepOutput(x_next, log_prob, mean,
+velocity ``v`` (``v = eps - x0``, docs/algorithms.md, section 1) and returns ``StepOutput(x_next, log_prob, mean,
 std)``. Conventions shared by all functions in this module:
 
 * **float32 math.** ``v``, ``x`` (and a given ``x_next``) are cast to float32 first, whatever their
@@ -303,7 +303,7 @@ def cps_step(
     own ``x0`` and noise, at any step size. With a model that predicts posterior means (the best a model
     can do) the fresh noise does not make up for the predictions' lost variance: for Gaussian data one
     small step scales the variance by ``1 - r (1 - r) (1 - cos(a pi / 2))^2``, ``r = sigma^2 / Var(x_sigma)``,
-    a per-step bias that finer schedules do not remove (unlike ``sde_step``). MATH.md does not claim
+    a per-step bias that finer schedules do not remove (unlike ``sde_step``). docs/algorithms.md does not claim
     otherwise; see tests/samplers/test_marginals.py.
 
     Args:

@@ -1,4 +1,4 @@
-"""Advantage estimators (MATH.md section 3).
+"""Advantage estimators (docs/algorithms.md, section 3).
 
 Every estimator here is a pure function over reward tensors of one *whole* batch: the recipe gathers
 rewards across processes first (advantages need complete prompt groups) and keeps its own slice of the
@@ -204,7 +204,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> 
     """REINFORCE leave-one-out advantages: ``A_i = r_i - sum_{j != i} r_j / (G - 1)``.
 
     Computed as the algebraically equal ``G / (G - 1) * (r_i - mean_g(r))``. No std normalisation and no
-    clipping (MATH.md defines neither for RLOO).
+    clipping (docs/algorithms.md defines neither for RLOO).
 
     Args:
         rewards: ``[B]`` rewards of the whole batch.
@@ -236,7 +236,7 @@ class PerPromptStatTracker:
     ``eps``, ``clip`` and the "all equal -> 0" rule follow :func:`group_advantages`.
 
     The history is kept on the CPU in float64 Python lists; ``state_dict`` is plain JSON-able data and
-    belongs in checkpoints (MATH.md section 3) so a resumed run continues with the same statistics.
+    belongs in checkpoints (docs/algorithms.md, section 3) so a resumed run continues with the same statistics.
 
     Args:
         buffer_size: rewards kept per prompt. Default 32 (DDPO).

@@ -2,7 +2,7 @@
 sample ids and per-sample seeds, sharded across processes.
 
 Everything is a pure function of ``(seed, epoch)`` and the global sample index, never of the rank
-(DESIGN.md convention 9): 1 process and N processes see the same samples, and a resumed run sees the
+(docs/architecture.md, "Conventions"): 1 process and N processes see the same samples, and a resumed run sees the
 same samples as one that never stopped.
 """
 

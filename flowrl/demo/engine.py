@@ -280,7 +280,7 @@ class TrajectoryResult:
             (``x - sigma v``, decoded), in [0, 1].
         final: ``[3, H, W]`` the sample.
         reward_name: the reward of the curve (None: no reward curve).
-        R: ``[n + 1]`` ``R_0 .. R_n`` (MATH.md section 4): ``R_0`` the reward of the pure ODE rollout from the
+        R: ``[n + 1]`` ``R_0 .. R_n`` (docs/algorithms.md, section 4): ``R_0`` the reward of the pure ODE rollout from the
             same noise, ``R_t`` that of the ODE completion from the state after SDE step ``t``, ``R_n`` the
             sample's own reward. For the ODE sampler ``[1]``, the sample's reward.
         step_rewards / turning: ``[n]`` TP-GRPO step rewards and turning-point flags.

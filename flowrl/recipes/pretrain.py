@@ -1,4 +1,4 @@
-"""Flow-matching pretraining of the tiny shapes text-to-image model (MATH.md section 1).
+"""Flow-matching pretraining of the tiny shapes text-to-image model (docs/algorithms.md, section 1).
 
 Loss: ``t ~ logit-normal(0, 1)``, ``x_t = (1 - t) x0 + t eps``, ``L = mean ||v_hat(x_t, t, c) - (eps - x0)||^2``,
 with the prompt dropped to the empty string with probability ``cond_dropout`` so that classifier-free
@@ -118,7 +118,7 @@ def _batch(cfg: Config, model: ShapesModel, step: int):
 
 def flow_matching_loss(model: ShapesModel, x0: torch.Tensor, tokens: dict, noise: torch.Tensor,
                        t: torch.Tensor) -> torch.Tensor:
-    """MATH.md section 1: ``mean ||v_hat(x_t, t) - (eps - x0)||^2`` with ``x_t = (1 - t) x0 + t eps``."""
+    """docs/algorithms.md, section 1: ``mean ||v_hat(x_t, t) - (eps - x0)||^2`` with ``x_t = (1 - t) x0 + t eps``."""
     t_ = t.view(-1, 1, 1, 1)
     x_t = (1 - t_) * x0 + t_ * noise
     cond = model.encode_text(tokens)
