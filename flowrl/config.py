@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "apply_overrides",
     "parse_overrides",
     "save_config",
+    "atomic_write_text",
 ]
 
 
@@ -78,15 +80,28 @@ class RunConfig:
     """The ``run`` section every run config has."""
 
     output_dir: str = "runs/default"
-    seed: int = 0
+    seed: int = dataclasses.field(default=0, metadata=bounds(ge=0, lt=2**63))
     max_epochs: int = dataclasses.field(default=10, metadata=bounds(ge=0))
     # Continue from the newest checkpoint in output_dir/checkpoints (error if there is none).
     resume: bool = False
+    # Start fresh in an output_dir that holds an earlier run, deleting that run's files (without it, and
+    # without resume, such a folder is an error: nothing a user made is lost by accident).
+    overwrite: bool = False
     # Training-time budget in minutes, evaluation excluded (None = unlimited). The run checkpoints and
     # stops cleanly when it is spent.
     max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
     # Bitwise-reproducible kernels (slower); required for exact resume comparisons.
     deterministic: bool = False
+    # Run health: stop (after a checkpoint of the last finite weights) when this many optimizer updates in a
+    # row had a non-finite loss or gradient (each is skipped, not applied) ...
+    max_nonfinite_updates: int = dataclasses.field(default=3, metadata=bounds(ge=1))
+    # ... or when this many epochs in a row had only NaN rewards, or rewards equal within every group.
+    max_degenerate_epochs: int = dataclasses.field(default=5, metadata=bounds(ge=1))
+
+    def check(self) -> None:
+        if self.resume and self.overwrite:
+            fail("overwrite", "run.resume=true continues the run in output_dir and run.overwrite=true deletes it; "
+                 "choose one")
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -181,13 +196,18 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # inf / nan would only surface later as NaN weights
+                raise ConfigError(path, f"got {_short(value)}, expected a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -418,9 +438,23 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     return from_dict(cls, data)
 
 
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: a reader (or a kill half-way) sees the old or the new file,
+    never a truncated one."""
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_config(obj: Any, path: str | Path, extra: dict | None = None) -> None:
-    """Write the resolved config as YAML (``extra`` keys, such as ``recipe``, come first)."""
+    """Write the resolved config as YAML (``extra`` keys, such as ``recipe``, come first), atomically."""
     data = dict(extra or {})
     data.update(to_dict(obj))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))

@@ -8,8 +8,14 @@ __all__ = ["RunError", "user_errors"]
 
 
 class RunError(RuntimeError):
-    """A training run stopped because of a user's mistake or environment (the message says where the last
-    checkpoint is and how to resume)."""
+    """A training run stopped: a user's mistake, its environment, an unhealthy run (non-finite updates,
+    degenerate rewards) or an internal error. The message is one line and says where the last checkpoint is
+    and how to resume; ``exit_code`` is 2 for the first kinds and 1 for an internal error (whose traceback is
+    in the run's ``error.log``)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

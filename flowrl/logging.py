@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from flowrl.config import atomic_write_text
+
 __all__ = ["MetricsLogger", "read_metrics", "plot_metrics", "save_sample_grid"]
 
 
@@ -68,7 +70,7 @@ class MetricsLogger:
         if not self.enabled or not self.path.is_file():
             return
         rows = [r for r in read_metrics(self.path) if r.get("epoch", -1) <= epoch]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def log(self, metrics: dict[str, Any], *, step: int | None = None) -> None:
         if not self.enabled:

@@ -23,13 +23,17 @@ import torch
 from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
 from samplers import euler_step, initial_noise
 
-__all__ = ["generate", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
+__all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
            "format_table", "sample_main", "eval_main"]
 
 
 @torch.no_grad()
+class GenerationInterrupted(Exception):
+    """``generate`` stopped early because its ``should_stop`` callback said so."""
+
+
 def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, steps: int = 40,
-             guidance: float | None = None, batch_size: int = 64, progress=None) -> torch.Tensor:
+             guidance: float | None = None, batch_size: int = 64, progress=None, should_stop=None) -> torch.Tensor:
     """Images from the deterministic Euler ODE, one per (prompt, seed).
 
     Args:
@@ -40,6 +44,8 @@ def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, step
         guidance: classifier-free guidance scale (None: the model's default).
         batch_size: samples per model call.
         progress: optional callable(n_done) for progress bars.
+        should_stop: optional callable polled before every model call; when it returns True generation
+            raises :class:`GenerationInterrupted` (so a signal stops a long evaluation within one step).
 
     Returns:
         ``[B, 3, H, W]`` float32 in [0, 1] on the CPU.
@@ -54,6 +60,8 @@ def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, step
         cond = model.encode_prompts(chunk)
         x = initial_noise(model.latent_shape, seeds[start : start + batch_size], device=device)
         for i in range(steps):
+            if should_stop is not None and should_stop():
+                raise GenerationInterrupted(f"stopped at step {i} of batch {start // batch_size}")
             sigma = torch.full((x.shape[0],), float(sigmas[i]), device=device)
             v = velocity(x.to(model.dtype), sigma, cond)
             x = euler_step(v, x, float(sigmas[i]), float(sigmas[i + 1])).x_next

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(recipe.main(cfg) or 0)
     except user_errors() as err:
         print(f"flowrl train: error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
 
 
 if __name__ == "__main__":

@@ -65,9 +65,9 @@ class TrainConfig:
     # Drop samples whose advantage is 0 at every trained step before averaging (Flow-GRPO).
     drop_zero_advantage: bool = False
     aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
-    inner_epochs: int = field(default=1, metadata=bounds(ge=1))
-    minibatches: int = field(default=1, metadata=bounds(ge=1))  # optimizer steps per inner epoch
-    micro_batch_size: int = field(default=32, metadata=bounds(ge=1))  # samples per backward, per process
+    inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
+    minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
+    micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # samples per backward, per process
     ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # None: no EMA
 
 
@@ -100,13 +100,14 @@ def _kl_weights(cfg: TrainConfig, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: torch.Tensor, cfg: Config, dist,
-                epoch: int, *, ema=None, progress=None) -> dict[str, float]:
+                epoch: int, *, ema=None, health=None, progress=None) -> dict[str, float]:
     """Clipped policy loss + KL over the trained steps; one optimizer step per minibatch.
 
     Args:
         rollouts: the epoch's :class:`flowrl.rl.collect.EpochRollouts` (this process's samples).
         advantages: ``[n, T]`` (only trained steps are read).
         valid: ``[n]`` bool, samples that take part (finite reward).
+        health: a :class:`flowrl.rl.passes.UpdateHealth` that counts updates skipped for non-finite values.
         progress: advanced by the number of samples of every (micro-batch, trained step) pass.
 
     Returns:
@@ -159,7 +160,8 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                     if progress is not None:
                         progress.update(len(m))
             grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist,
-                                                                     grad_clip=cfg.optim.grad_clip, ema=ema)})
+                                                                     grad_clip=cfg.optim.grad_clip, ema=ema,
+                                                                     health=health)})
     metrics = {**stats.means(), "train/grad_norm": grad_norms.means().get("train/grad_norm", 0.0),
                "train/optimizer_steps": int(grad_norms.weights.get("train/grad_norm", 0)),
                "train/lr": optimizer.param_groups[0]["lr"],
@@ -199,7 +201,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     a = cfg.advantage
     tracker = PerPromptStatTracker(a.per_prompt_buffer, a.per_prompt_min_count, eps=a.eps, clip=a.clip)
     run.track(model=TrainableWeights(model), optimizer=optimizer, scheduler=scheduler, ema=ema, tracker=tracker)
-    run.evaluation(lambda epoch: evaluator(model, epoch, ema))
+    run.evaluation(lambda epoch, should_stop: evaluator(model, epoch, ema, should_stop))
     step, window = rollout_step(s, model.sigmas(s.num_steps)), rollout_window(s)
 
     with run:
@@ -216,18 +218,14 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                                                             tracker=tracker, model=model, reward=train_reward,
                                                             guidance=s.guidance, batch_size=s.batch_size)
             t1 = time.perf_counter()
-            if metrics["train/nan_rewards"] == s.samples_per_epoch:
-                print(f"flowrl: every reward of epoch {epoch + 1} is NaN; check the reward ({cfg.reward.train}) "
-                      f"— stopping (checkpoint of epoch {epoch} saved)")
-                run.stop("all rewards NaN")
-                break
-            # One tick per (sample, trained step) forward-backward pass.
-            passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs
-            with run.updating(), tqdm(total=passes, desc=f"epoch {epoch + 1} training", leave=False,
-                                      disable=not dist.is_main, dynamic_ncols=True) as bar:
-                metrics.update(train_epoch(model, optimizer, rollouts, advantages, valid, cfg, dist, epoch, ema=ema,
-                                           progress=bar))
-                scheduler.step()
+            if run.check_rewards(metrics, s.samples_per_epoch):  # False: every reward NaN, nothing to learn
+                # One tick per (sample, trained step) forward-backward pass.
+                passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs
+                with run.updating(), tqdm(total=passes, desc=f"epoch {epoch + 1} training", leave=False,
+                                          disable=not dist.is_main, dynamic_ncols=True) as bar:
+                    metrics.update(train_epoch(model, optimizer, rollouts, advantages, valid, cfg, dist, epoch,
+                                               ema=ema, health=run.health, progress=bar))
+            scheduler.step()
             for key, value in rollouts.details.items():
                 gathered = dist.gather(value)
                 finite = gathered[torch.isfinite(gathered)]

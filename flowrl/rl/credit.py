@@ -38,6 +38,7 @@ def completion_rewards(rollouts, model, reward, *, guidance: float, batch_size: 
     Returns:
         ``(R [n_local, n + 1] float32, nfe)`` with ``nfe`` the model evaluations spent (rows x calls).
     """
+    from flowrl.rl.collect import checked_reward
     from samplers import ode_complete
 
     traj = rollouts.trajectory
@@ -67,7 +68,8 @@ def completion_rewards(rollouts, model, reward, *, guidance: float, batch_size: 
         for start in range(0, x0.shape[0], batch_size):
             rows = sample_of_row[start:start + batch_size].tolist()
             images = model.decode(x0[start:start + batch_size])
-            out = reward(images.cpu(), [rollouts.prompts[i] for i in rows], [rollouts.metadata[i] for i in rows])
+            out = checked_reward(reward, images.cpu(), [rollouts.prompts[i] for i in rows],
+                                 [rollouts.metadata[i] for i in rows])
             scores.append(out.scores.detach().float().cpu())
     finally:
         if was_training:

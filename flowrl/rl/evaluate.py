@@ -21,8 +21,8 @@ class EvalConfig:
     # Also evaluate each time training time (evaluation excluded) passes a multiple of this.
     every_minutes: float | None = field(default=None, metadata=bounds(gt=0))
     at_start: bool = True
-    batch_size: int = field(default=100, metadata=bounds(ge=1))
-    grid_size: int = field(default=32, metadata=bounds(ge=0))
+    batch_size: int = field(default=100, metadata=bounds(ge=1, le=4096))
+    grid_size: int = field(default=32, metadata=bounds(ge=0, le=1024))
 
 
 class Evaluator:
@@ -44,9 +44,13 @@ class Evaluator:
         self.cfg, self.rewards, self.prompt_set = cfg, rewards, prompt_set
         self.steps, self.guidance, self.dist, self.output_dir = steps, guidance, dist, Path(output_dir)
 
-    def __call__(self, model, epoch: int, ema=None) -> dict[str, float]:
+    def __call__(self, model, epoch: int, ema=None, should_stop=None) -> dict[str, float]:
         """``{"eval/<reward>/mean": ..., "eval/<reward>/accuracy": ..., ...}``; the EMA weights (if any) are
-        swapped in for the evaluation and restored afterwards."""
+        swapped in for the evaluation and restored afterwards.
+
+        ``should_stop`` is polled before every model call; when it returns True the evaluation raises
+        ``flowrl.sample.GenerationInterrupted`` (the run discards the partial evaluation)."""
+        from flowrl.rl.collect import checked_reward
         from flowrl.sample import generate
 
         dist, prompt_set = self.dist, self.prompt_set
@@ -64,7 +68,8 @@ class Evaluator:
                    dynamic_ncols=True)
         try:
             images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
-                              batch_size=self.cfg.batch_size, progress=bar.update) if rows else None
+                              batch_size=self.cfg.batch_size, progress=bar.update,
+                              should_stop=should_stop) if rows else None
         finally:
             bar.close()
             if ema is not None:
@@ -75,7 +80,7 @@ class Evaluator:
         keep = dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
         for name, reward in self.rewards.items():
             if images is not None:
-                out = reward(images, prompts, [prompt_set.metadata[i] for i in rows])
+                out = checked_reward(reward, images, prompts, [prompt_set.metadata[i] for i in rows])
                 scores, correct = out.scores.float(), out.details.get("correct")
             else:
                 scores, correct = torch.zeros(0), None

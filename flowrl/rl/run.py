@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +45,27 @@ __all__ = ["DataConfig", "LogConfig", "CheckpointConfig", "TrainableWeights", "O
 class DataConfig:
     train_prompts: str = "shapes:train"  # txt, jsonl or a built-in set
     eval_prompts: str = "shapes:eval"
-    num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1))
+    num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1, le=100_000))
 
 
 @dataclass
 class LogConfig:
     backends: list[str] = field(default_factory=list)  # tensorboard, wandb
     project: str = "flowrl"
+
+    def check(self) -> None:
+        import importlib.util
+
+        from flowrl.config import fail
+
+        packages = {"tensorboard": "tensorboard", "wandb": "wandb"}
+        for backend in self.backends:
+            if backend not in packages:
+                fail("backends", f"unknown backend {backend!r}; valid: {', '.join(packages)} (metrics.jsonl and "
+                     "the plots are always written)")
+            if importlib.util.find_spec(packages[backend]) is None:
+                fail("backends", f"{backend} is not installed: pip install {packages[backend]}, or remove it from "
+                     "log.backends")
 
 
 @dataclass
@@ -85,6 +101,54 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "plots", "samples", "tensorboard", "wandb",
+             "error.log")
+
+
+def prepare_output_dir(run, dist) -> Path:
+    """Create ``run.output_dir`` for a fresh run, a resume or an overwrite (``run`` is a RunConfig).
+
+    A folder that already holds a run (its config, metrics or checkpoints) is an error unless
+    ``run.resume`` (continue it) or ``run.overwrite`` (delete its run files first). Stale temporary files
+    of killed checkpoint writers are removed. Every process checks (so all raise the same error); the main
+    process changes the folder.
+
+    Raises:
+        ConfigError: the folder is a file, cannot be created or written, or holds a run nobody asked to
+            resume or overwrite.
+    """
+    import shutil
+
+    from flowrl.checkpoint import clean_stale_files
+    from flowrl.config import ConfigError
+
+    out = Path(run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("run.output_dir", f"{out} is a file, not a folder; choose another run.output_dir")
+    holds_run = out.is_dir() and any((out / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
+    if holds_run and not run.resume and not run.overwrite:
+        raise ConfigError("run.output_dir", f"{out} holds an earlier run; continue it with run.resume=true, start "
+                          "over with run.overwrite=true (deletes its metrics and checkpoints), or choose another "
+                          "run.output_dir")
+    dist.barrier()  # every process has looked before the main one changes anything
+    if dist.is_main:
+        try:
+            if holds_run and run.overwrite:
+                for name in RUN_FILES:
+                    target = out / name
+                    shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".write_test_{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError("run.output_dir", f"cannot write to {out}: {err.strerror or err}; choose a writable "
+                              "run.output_dir") from None
+        clean_stale_files(out)
+    dist.barrier()
+    return out
+
+
 class OnlineRun:
     """One online training run (see the module docstring for the shape of a recipe).
 
@@ -98,10 +162,12 @@ class OnlineRun:
     def __init__(self, cfg, recipe: str, *, dist=None, plot_groups: dict[str, list[str]] | None = None):
         from flowrl.dist import Dist
         from flowrl.logging import MetricsLogger
+        from flowrl.rl.passes import UpdateHealth
         from flowrl.runtime import prepare_run
 
         self.cfg, self.recipe = cfg, recipe
         self.dist = dist or Dist()
+        prepare_output_dir(cfg.run, self.dist)
         self.output_dir = prepare_run(cfg.run)
         if self.dist.is_main:
             save_config(cfg, self.output_dir / "config.yaml", extra={"recipe": recipe})
@@ -110,11 +176,14 @@ class OnlineRun:
         groups.update(plot_groups or {})
         self.logger = MetricsLogger(self.output_dir, backends=cfg.log.backends, enabled=self.dist.is_main,
                                     project=cfg.log.project, plot_groups=groups)
+        self.health = UpdateHealth()  # updates skipped for non-finite losses or gradients
         self.epoch = 0
         self.images_sampled = 0
         self.status = "finished"
+        self.exit_code = 0
+        self._degenerate_epochs = 0
         self._tracked: dict[str, Any] = {}
-        self._evaluate: Callable[[int], dict[str, float]] | None = None
+        self._evaluate: Callable[..., dict[str, float]] | None = None
         self._train_minutes_before = 0.0
         self._wall_minutes_before = 0.0
         self._deadline = None
@@ -125,6 +194,7 @@ class OnlineRun:
         self._updating = False
         self._stopping = False
         self._started = False
+        self._saved_epoch: int | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -143,35 +213,42 @@ class OnlineRun:
         """Checkpoint these objects (each with ``state_dict()`` / ``load_state_dict()``); None is skipped."""
         self._tracked.update({name: obj for name, obj in objects.items() if obj is not None})
 
-    def evaluation(self, evaluate: Callable[[int], dict[str, float]]) -> None:
-        """``evaluate(epoch) -> metrics``, run at the start (``eval.at_start``), every ``eval.every_epochs``
-        epochs and every ``eval.every_minutes`` training minutes, and at the last epoch."""
+    def evaluation(self, evaluate: Callable[..., dict[str, float]]) -> None:
+        """``evaluate(epoch, should_stop) -> metrics``, run at the start (``eval.at_start``), every
+        ``eval.every_epochs`` epochs and every ``eval.every_minutes`` training minutes, and at the last
+        epoch. ``should_stop()`` turns True on SIGINT / SIGTERM: pass it to the sampler so that a long
+        evaluation stops within a step (``flowrl.sample.GenerationInterrupted``)."""
         self._evaluate = evaluate
 
     # ------------------------------------------------------------------ checkpoints
 
     def _resume(self) -> None:
-        from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state, set_rng_state
+        from flowrl.checkpoint import load_latest_state, set_rng_state
 
-        checkpoint = latest_checkpoint(self.output_dir)
-        if checkpoint is None:
-            raise CheckpointError(f"run.resume=true but {self.output_dir}/checkpoints holds no checkpoint; "
-                                  "run without run.resume=true to start fresh")
-        state = load_state(checkpoint)
+        required = tuple(self._tracked) + ("rng", "epoch", "images_sampled", "train_minutes", "wall_minutes")
+        checkpoint, state = load_latest_state(self.output_dir, required, warn=self._warn)
         for name, obj in self._tracked.items():
             obj.load_state_dict(state[name])
         set_rng_state(state["rng"])
         self.epoch, self.images_sampled = int(state["epoch"]), int(state["images_sampled"])
         self._train_minutes_before = float(state["train_minutes"])
         self._wall_minutes_before = float(state["wall_minutes"])
+        self._saved_epoch = self.epoch
         self.logger.truncate_after(self.epoch)
         if self.dist.is_main:
             print(f"flowrl: resumed from {checkpoint} at epoch {self.epoch}")
 
+    def _warn(self, message: str) -> None:
+        if self.dist.is_main:
+            print(message, file=sys.stderr, flush=True)
+
     def save_checkpoint(self) -> None:
-        """Checkpoint the tracked state at the current epoch (main process only)."""
+        """Checkpoint the tracked state at the current epoch (main process only; once per epoch)."""
         from flowrl.checkpoint import rng_state, save_checkpoint
 
+        if self._saved_epoch == self.epoch:
+            return
+        self._saved_epoch = self.epoch
         if not self.dist.is_main:
             return
         state = {name: obj.state_dict() for name, obj in self._tracked.items()}
@@ -210,7 +287,11 @@ class OnlineRun:
         raise self._failure(exc) from exc
 
     def _failure(self, exc: BaseException) -> BaseException:
-        """Save what can be saved, and the error that tells the user where it is."""
+        """Save what can be saved, write the traceback to ``error.log``, and return the one-line error that
+        tells the user what stopped the run and where its last checkpoint is."""
+        import traceback
+
+        from flowrl.checkpoint import CheckpointError
         from flowrl.errors import RunError, user_errors
 
         where = f"{self.output_dir}/checkpoints"
@@ -218,31 +299,65 @@ class OnlineRun:
             # The weights are part-way through an epoch's update: no consistent state to save.
             saved = f"(the epoch was not saved; the last checkpoint in {where} resumes with run.resume=true)"
         else:
-            self.save_checkpoint()
-            saved = f"(checkpoint of epoch {self.epoch} saved in {where}; resume with run.resume=true)"
+            try:
+                self.save_checkpoint()
+                saved = f"(checkpoint of epoch {self.epoch} saved in {where}; resume with run.resume=true)"
+            except CheckpointError as err:
+                saved = f"({err})"
+        if isinstance(exc, RunError):
+            return RunError(f"{exc} {saved}", exit_code=exc.exit_code)
         if isinstance(exc, user_errors()):
             return RunError(f"epoch {self.epoch + 1}: {' '.join(str(exc).split())} {saved}")
-        return RuntimeError(f"epoch {self.epoch + 1}: {type(exc).__name__}: {exc} {saved}")
-
-    def _log_evaluation(self, metrics: dict[str, float]) -> None:
-        self.logger.log({"epoch": self.epoch, "images_sampled": self.images_sampled, "time/train_min": 0.0,
-                         "time/wall_min": self.wall_minutes(), **metrics})
-        self.logger.plot()
+        log = self.output_dir / "error.log"
         if self.dist.is_main:
-            print(f"epoch {self.epoch}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                      if k.endswith(("accuracy", "mean"))))
+            log.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return RunError(f"epoch {self.epoch + 1}: internal error {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:300]} {saved}; the traceback is in {log}", exit_code=1)
+
+    def _has_row(self, epoch: int) -> bool:
+        from flowrl.logging import read_metrics
+
+        return self.logger.path.is_file() and any(r.get("epoch") == epoch for r in read_metrics(self.logger.path))
+
+    def _run_evaluation(self) -> dict[str, float] | None:
+        """The evaluation's metrics, or None when a signal interrupted it (the partial result is discarded)."""
+        from flowrl.sample import GenerationInterrupted
+
+        with self._deadline.excluded():
+            try:
+                return self._evaluate(self.epoch, should_stop=lambda: self._stop.requested)
+            except GenerationInterrupted:
+                self._warn(f"flowrl: evaluation of epoch {self.epoch} interrupted by {self._stop.reason}; "
+                           "its partial results are discarded")
+                return None
 
     def next_epoch(self) -> bool:
         """Start the next epoch; False when the run is over (epochs or time spent, a stop requested).
 
-        The first call evaluates the model before any training when ``eval.at_start`` is set."""
+        The first call evaluates the model before any training when ``eval.at_start`` is set (unless a
+        resumed run already logged that evaluation)."""
         if not self._started:
             self._started = True
-            if self.epoch == 0 and self.cfg.eval.at_start and self._evaluate is not None:
-                with self._deadline.excluded():
-                    self._log_evaluation(self._evaluate(0))
+            if (self.epoch == 0 and self.cfg.eval.at_start and self._evaluate is not None
+                    and not (self.dist.is_main and self._has_row(0))):
+                metrics = self._run_evaluation()
+                if metrics is None:
+                    self._stopping = True
+                    self.status = self._stop.reason
+                    self.save_checkpoint()
+                else:
+                    self.logger.log({"epoch": self.epoch, "images_sampled": self.images_sampled,
+                                     "time/train_min": 0.0, "time/wall_min": self.wall_minutes(), **metrics})
+                    self.logger.plot()
+                    if self.dist.is_main:
+                        print(f"epoch {self.epoch}: " + ", ".join(
+                            f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith(("accuracy", "mean"))))
             self._bar = tqdm(total=self.cfg.run.max_epochs, initial=self.epoch, desc=self.recipe,
                              disable=not self.dist.is_main, dynamic_ncols=True)
+        if not self._stopping and self.dist.any(self._stop.requested):
+            self._stopping = True
+            self.status = self._stop.reason
+            self.save_checkpoint()
         if self._stopping or self.epoch >= self.cfg.run.max_epochs:
             return False
         self._epoch_start = time.perf_counter()
@@ -256,18 +371,48 @@ class OnlineRun:
         yield  # an exception leaves the flag set: __exit__ must know the weights are part-updated
         self._updating = False
 
-    def stop(self, reason: str) -> None:
-        """End the run after this epoch (e.g. the recipe found every reward NaN): checkpoint, then stop."""
-        self._stopping = True
-        self.status = reason
-        self.save_checkpoint()
+    def check_rewards(self, metrics: dict[str, Any], samples: int) -> bool:
+        """Run health of an epoch's rewards (``metrics`` from ``compute_advantages``). Returns whether to
+        train on them: False when every reward is NaN. Either that or rewards equal within every group (no
+        learning signal, ``train/zero_std_frac`` = 1) warns, and ``run.max_degenerate_epochs`` such epochs
+        in a row stop the run with an error (after a checkpoint).
+
+        Raises:
+            RunError: too many degenerate epochs in a row.
+        """
+        from flowrl.errors import RunError
+
+        all_nan = metrics.get("train/nan_rewards", 0) == samples
+        no_signal = not all_nan and metrics.get("train/zero_std_frac") == 1.0
+        if not (all_nan or no_signal):
+            self._degenerate_epochs = 0
+            return True
+        self._degenerate_epochs += 1
+        what = ("every reward is NaN (the reward failed on every image)" if all_nan else
+                "every group's rewards are equal (train/zero_std_frac = 1: no learning signal)")
+        limit = self.cfg.run.max_degenerate_epochs
+        if self._degenerate_epochs >= limit:
+            reward = getattr(getattr(self.cfg, "reward", None), "train", "the reward")
+            raise RunError(f"stopped after epoch {self.epoch}: {what} in {limit} epochs in a row; check the reward "
+                           f"({reward}) or raise run.max_degenerate_epochs")
+        self._warn(f"flowrl: warning: epoch {self.epoch + 1}: {what}" + ("; skipping its update" if all_nan else "")
+                   + f" ({self._degenerate_epochs} of {limit} allowed in a row)")
+        return not all_nan
 
     def end_epoch(self, metrics: dict[str, Any], *, images: int) -> None:
         """Close an epoch that sampled ``images`` images: evaluate if due, log ``metrics`` with the
-        counters and timings, redraw the plots, checkpoint if due, and decide whether to stop."""
+        counters and timings, redraw the plots, checkpoint if due, and decide whether to stop.
+
+        Raises:
+            RunError: ``run.max_nonfinite_updates`` optimizer updates in a row were skipped (after logging
+                and checkpointing this epoch, whose weights are the last finite ones).
+        """
+        from flowrl.errors import RunError
+
         self.epoch += 1
         self.images_sampled += images
         metrics.update({"epoch": self.epoch, "images_sampled": self.images_sampled,
+                        "train/skipped_updates": self.health.skipped,
                         "time/epoch_s": time.perf_counter() - self._epoch_start,
                         "time/train_min": self.train_minutes(), "memory/peak_mb": peak_memory_mb()})
         stopping = self.dist.any(self._stop.requested or self._deadline.passed())
@@ -275,9 +420,16 @@ class OnlineRun:
         due = (cfg.eval.every_epochs is not None and self.epoch % cfg.eval.every_epochs == 0) or (
             self._next_eval_minutes is not None and self.train_minutes() >= self._next_eval_minutes)
         if self._evaluate is not None and (due or stopping or self.epoch == cfg.run.max_epochs):
-            with self._deadline.excluded():
-                metrics.update(self._evaluate(self.epoch))
-            self._next_eval_minutes = _next_multiple(self.train_minutes(), cfg.eval.every_minutes)
+            try:
+                evaluation = self._run_evaluation()
+            except BaseException:
+                self.logger.log({**metrics, "time/wall_min": self.wall_minutes()})  # the epoch's training row
+                raise
+            if evaluation is None:
+                stopping = True
+            else:
+                metrics.update(evaluation)
+                self._next_eval_minutes = _next_multiple(self.train_minutes(), cfg.eval.every_minutes)
         metrics["time/wall_min"] = self.wall_minutes()
         self.logger.log(metrics)
         self.logger.plot()
@@ -286,17 +438,23 @@ class OnlineRun:
         postfix.update({"eval": f"{v:.3f}" for k, v in metrics.items() if k.startswith("eval/")
                         and k.endswith("/accuracy")})
         self._bar.set_postfix(**postfix)
-        if self.epoch % cfg.checkpoint.every_epochs == 0 or stopping or self.epoch == cfg.run.max_epochs:
+        nonfinite = self.health.in_a_row >= cfg.run.max_nonfinite_updates
+        if self.epoch % cfg.checkpoint.every_epochs == 0 or stopping or self.epoch == cfg.run.max_epochs or nonfinite:
             self.save_checkpoint()
+        if nonfinite:
+            raise RunError(f"stopped after epoch {self.epoch}: {self.health.in_a_row} optimizer updates in a row had a "
+                           "non-finite loss or gradient and were skipped (the weights are the last finite ones); "
+                           "lower optim.lr or the guidance, or check the reward's scale")
         if stopping:
             self._stopping = True
             self.status = self._stop.reason or "time budget reached"
 
     def finish(self) -> int:
-        """Close the logger and the process group; print where the outputs are. Returns the exit code."""
+        """Close the logger and the process group; print where the outputs are. Returns the exit code:
+        0, or 130 / 143 for a run stopped by SIGINT / SIGTERM (a scheduler must not read it as done)."""
         self.logger.close()
         if self.dist.is_main:
             print(f"flowrl: {self.recipe} stopped at epoch {self.epoch}/{self.cfg.run.max_epochs} ({self.status}); "
                   f"outputs in {self.output_dir}")
         self.dist.close()
-        return 0
+        return {"SIGINT": 130, "SIGTERM": 143}.get(self.status, 0)

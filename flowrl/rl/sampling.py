@@ -28,18 +28,18 @@ class WindowConfig:
 
 @dataclass
 class SamplingConfig:
-    num_steps: int = field(default=10, metadata=bounds(ge=2))
-    eval_num_steps: int = field(default=40, metadata=bounds(ge=1))
+    num_steps: int = field(default=10, metadata=bounds(ge=2, le=1000))
+    eval_num_steps: int = field(default=40, metadata=bounds(ge=1, le=1000))
     step: Literal["flow_sde", "dance_sde", "cps", "ode"] = "flow_sde"
     # flow_sde / cps: a; dance_sde: eta. None: the step's own default (0.7, 0.7, 0.3).
-    noise_level: float | None = field(default=None, metadata=bounds(ge=0))
+    noise_level: float | None = field(default=None, metadata=bounds(ge=0, le=10))
     reduction: Literal["mean", "sum"] = "mean"
-    guidance: float = field(default=1.0, metadata=bounds(ge=0))  # rollout and training CFG
-    eval_guidance: float | None = field(default=None, metadata=bounds(ge=0))  # None: same as guidance
+    guidance: float = field(default=1.0, metadata=bounds(ge=0, le=100))  # rollout and training CFG
+    eval_guidance: float | None = field(default=None, metadata=bounds(ge=0, le=100))  # None: same as guidance
     window: WindowConfig = field(default_factory=WindowConfig)
-    group_size: int = field(default=8, metadata=bounds(ge=2))
-    groups_per_epoch: int = field(default=8, metadata=bounds(ge=1))
-    batch_size: int = field(default=32, metadata=bounds(ge=1))  # samples per rollout call, per process
+    group_size: int = field(default=8, metadata=bounds(ge=2, le=4096))
+    groups_per_epoch: int = field(default=8, metadata=bounds(ge=1, le=100_000))
+    batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # samples per rollout call, per process
 
     def check(self) -> None:
         w = self.window
