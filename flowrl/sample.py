@@ -27,11 +27,11 @@ __all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load
            "format_table", "sample_main", "eval_main"]
 
 
-@torch.no_grad()
 class GenerationInterrupted(Exception):
     """``generate`` stopped early because its ``should_stop`` callback said so."""
 
 
+@torch.no_grad()
 def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, steps: int = 40,
              guidance: float | None = None, batch_size: int = 64, progress=None, should_stop=None) -> torch.Tensor:
     """Images from the deterministic Euler ODE, one per (prompt, seed).
