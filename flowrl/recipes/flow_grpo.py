@@ -194,10 +194,12 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                           load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts), steps=s.eval_num_steps,
                           guidance=s.guidance if s.eval_guidance is None else s.eval_guidance, dist=dist,
                           output_dir=run.output_dir)
-    params = model.trainable_parameters()
-    optimizer, scheduler = build_optimizer(params, cfg.optim)
-    model.denoiser = dist.prepare(model.denoiser)
-    ema = build_ema(params, cfg.train.ema_decay)
+    optimizer, scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
+    # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
+    model.denoiser, optimizer = dist.prepare_training(model.denoiser, optimizer,
+                                                      micro_batch_size=cfg.train.micro_batch_size,
+                                                      grad_clip=cfg.optim.grad_clip)
+    ema = build_ema(model.trainable_parameters(), cfg.train.ema_decay)  # the prepared (possibly sharded) ones
     a = cfg.advantage
     tracker = PerPromptStatTracker(a.per_prompt_buffer, a.per_prompt_min_count, eps=a.eps, clip=a.clip)
     run.track(model=TrainableWeights(model), optimizer=optimizer, scheduler=scheduler, ema=ema, tracker=tracker)

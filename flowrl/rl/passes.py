@@ -73,7 +73,7 @@ class TrainingPass:
 def training_passes(rows: torch.Tensor, units: Sequence[Any], micro_batch_size: int, dist) -> list[TrainingPass]:
     """The passes of one optimizer step: every micro-batch of ``rows`` times every unit, padded so that
     every process makes the same number of backward calls."""
-    micro = list(rows.split(micro_batch_size))
+    micro = [m for m in rows.split(micro_batch_size) if m.numel()]  # an empty tensor splits into one empty part
     real = [(m, u) for m in micro for u in units]
     count = int(dist.gather(torch.tensor([len(real)])).max())
     filler = (rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long), units[0] if units else None)
