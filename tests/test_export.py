@@ -178,9 +178,10 @@ def test_bad_exports_are_one_line_errors(tiny_shapes_dir, tmp_path, capsys):
     assert "no run at" in capsys.readouterr().err
     # A full fine-tuning run of the shapes model: only `merged` applies; the shapes model has no diffusers pipeline.
     full = shapes_run(tiny_shapes_dir, tmp_path / "full")
+    capsys.readouterr()  # the run's own output
     assert export_main([str(full), "--format", "diffusers", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("flowrl export: error:") and "fine-tunes the whole model" in err and "--format merged" in err
+    assert "\n" not in err and err.startswith("flowrl export: error:") and "fine-tunes the whole model" in err and "--format merged" in err
     assert export_main([str(full), "--checkpoint", "7", "--format", "merged", "--out", str(tmp_path / "m")]) == 2
     assert "has no checkpoint 7; it has 1" in capsys.readouterr().err
     (tmp_path / "busy").mkdir()
@@ -195,6 +196,7 @@ def test_bad_exports_are_one_line_errors(tiny_shapes_dir, tmp_path, capsys):
     for key, value in tuned.denoiser.state_dict().items():
         assert torch.equal(value, merged.denoiser.state_dict()[key]), key
     lora = shapes_run(tiny_shapes_dir, tmp_path / "lora", **{"model.lora": "{rank: 4, alpha: 8.0}"})
+    capsys.readouterr()
     assert export_main([str(lora), "--format", "diffusers", "--out", str(tmp_path / "d2")]) == 2
     assert "the shapes model has no diffusers pipeline" in capsys.readouterr().err
     assert export_main([str(lora), "--format", "peft", "--out", str(tmp_path / "p")]) == 0

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["KNOWN_MODELS", "Footprint", "footprint", "memory_estimate", "weights_status", "format_gib"]
+__all__ = ["KNOWN_MODELS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate", "weights_status", "format_gib"]
 
-_SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+SD35_MEDIUM_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
                 "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
                 "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
                 "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm"}
@@ -25,14 +25,14 @@ _SD35_LARGE = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_chan
                "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
                "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
                "qk_norm": "rms_norm"}
-_SD3_MEDIUM = {**_SD35_MEDIUM, "pos_embed_max_size": 192, "dual_attention_layers": [], "qk_norm": None}
+_SD3_MEDIUM = {**SD35_MEDIUM_TRANSFORMER, "pos_embed_max_size": 192, "dual_attention_layers": [], "qk_norm": None}
 _FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
              "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
              "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
 
 #: Published transformer configs of the models flowrl's configs name (diffusers ``config.json`` fields).
 KNOWN_MODELS: dict[str, tuple[str, dict]] = {
-    "stabilityai/stable-diffusion-3.5-medium": ("sd3", _SD35_MEDIUM),
+    "stabilityai/stable-diffusion-3.5-medium": ("sd3", SD35_MEDIUM_TRANSFORMER),
     "stabilityai/stable-diffusion-3.5-large": ("sd3", _SD35_LARGE),
     "stabilityai/stable-diffusion-3-medium-diffusers": ("sd3", _SD3_MEDIUM),
     "black-forest-labs/FLUX.1-dev": ("flux", _FLUX_DEV),
@@ -47,7 +47,7 @@ _CLIP_G = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 
            "projection_dim": 1280, "vocab_size": 49408, "max_position_embeddings": 77}
 _T5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "d_kv": 64, "vocab_size": 32128,
            "feed_forward_proj": "gated-gelu"}
-_VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+SD3_VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
         "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
         "layers_per_block": 2, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False}
 
@@ -130,7 +130,7 @@ def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
     def t5(config):
         return T5EncoderModel(T5Config(**{k: v for k, v in config.items() if not k.startswith("_")}))
 
-    vae_config = {k: v for k, v in (found.get("vae") or _VAE).items() if not k.startswith("_")}
+    vae_config = {k: v for k, v in (found.get("vae") or SD3_VAE).items() if not k.startswith("_")}
     parts = {"vae": AutoencoderKL.from_config(vae_config)}
     if kind == "sd3":
         parts["text_encoder (CLIP-L)"] = clip(found.get("text_encoder") or _CLIP_L, True)
