@@ -6,6 +6,11 @@
     flowrl eval --model shapes|PATH --reward shapes --split eval --steps 40 [--n 600] [--guidance G] \\
         [--batch-size B] [--prompts FILE] --out eval.json
 
+    SD3 / FLUX and training runs (flowrl.models.select): --model sd3|flux [--path DIR_OR_HUB_ID]
+    [--lora RUN_DIR_OR_EXPORT], --model PIPELINE_DIR, or --run RUN_DIR; eval --prompts FILE.jsonl
+    (GenEval-style: a "prompt" and its metadata per line) hands each prompt's metadata to the reward,
+    and --reward NAME:key=value,... passes arguments (e.g. remote:url=http://127.0.0.1:18085).
+
 Both exit with code 2 and one line on stderr for bad input (unknown model path, bad seeds, unknown
 reward, a prompt the reward cannot read), never with a traceback.
 """
@@ -72,8 +77,9 @@ def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, step
 
 
 def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40, guidance: float | None = None,
-             batch_size: int = 64, progress=None) -> tuple[dict, torch.Tensor]:
-    """Generate one image per ``(prompt, kind, seed)`` row and score it.
+             batch_size: int = 64, progress=None, metadata: list[dict] | None = None) -> tuple[dict, torch.Tensor]:
+    """Generate one image per ``(prompt, kind, seed)`` row and score it (``metadata``: one dict per row for
+    rewards that read it, e.g. a GenEval scorer behind the remote reward).
 
     Returns:
         (summary, images): summary has ``overall`` (mean of ``details['correct']`` if the reward has it,
@@ -82,7 +88,7 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
     prompts = [r[0] for r in rows]
     images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
                       batch_size=batch_size, progress=progress)
-    out = reward(images, prompts)
+    out = reward(images, prompts, metadata)
     correct = out.details.get("correct", out.scores)
     kinds: dict[str, list[float]] = {}
     for (_, kind, _), c in zip(rows, correct.tolist()):
@@ -126,8 +132,9 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
-    """The model named on a command line: ``shapes`` (the shipped checkpoint) or a saved shapes-model
-    directory (also a pretraining run directory, whose ``model/`` is used).
+    """The model named on a command line: ``shapes`` (the shipped checkpoint), a saved shapes-model
+    directory (also a pretraining run directory, whose ``model/`` is used), or a diffusers SD3 / FLUX pipeline
+    directory (``model_index.json``; :mod:`flowrl.models.select` has the other ways to name SD3 / FLUX).
 
     Raises:
         ModelLoadError: nothing loadable there (the message says what to give instead).
@@ -138,6 +145,11 @@ def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
     if spec == "shapes":
         return ShapesModel.from_pretrained(None, device=device)
     path = Path(spec)
+    from flowrl.models.select import load_pipeline_model, pipeline_kind
+
+    kind = pipeline_kind(path) if path.is_dir() else None
+    if kind is not None:  # a diffusers SD3 / FLUX pipeline directory
+        return load_pipeline_model(kind, path, device=device)
     if path.is_dir() and not (path / "model.json").is_file() and (path / "model" / "model.json").is_file():
         path = path / "model"  # a pretraining run directory
     if not path.exists():
@@ -249,6 +261,9 @@ def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per model call (default 64)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from flowrl.models.select import add_model_args
+
+    add_model_args(parser)  # --path, --lora, --run, --dtype, --resolution, --no-ema (SD3 / FLUX, runs)
 
 
 def _out_path(text: str, suffixes: tuple[str, ...], what: str) -> Path:
@@ -314,9 +329,9 @@ def _sample(argv: list[str]) -> int:
     if args.reward:
         import rewards
 
-        reward = rewards.load(args.reward)
+        reward = _load_reward(args.reward)
         _check_prompts(reward, args.prompt)
-    model = load_model_arg(args.model, device=device_arg(args.device))
+    model = _model(args, device_arg(args.device))
     model.eval()
     prompts = [p for p in args.prompt for _ in args.seeds]
     seeds = [s for _ in args.prompt for s in args.seeds]
@@ -362,8 +377,11 @@ def _eval(argv: list[str]) -> int:
 
     import rewards
 
-    reward = rewards.load(args.reward)
-    if args.prompts:
+    reward = _load_reward(args.reward)
+    metadata = None
+    if args.prompts and args.prompts.endswith(".jsonl"):
+        rows, metadata = _rows_from_jsonl(args.prompts, args.n, args.seed)
+    elif args.prompts:
         rows = _rows_from_file(args.prompts, args.n, args.seed)
     else:
         from flowrl.data.shapes import prompt_rows
@@ -373,17 +391,16 @@ def _eval(argv: list[str]) -> int:
 
     device = device_arg(args.device)
     start = time.perf_counter()
-    model = load_model_arg(args.model, device=device)
-    model.eval()
+    model = _model(args, device)
     loaded = time.perf_counter()
     from tqdm import tqdm
 
     with tqdm(total=len(rows), desc="evaluating", unit="img", disable=args.no_progress) as bar:
         summary, _ = evaluate(model, reward, rows, steps=args.steps, guidance=args.guidance,
-                              batch_size=args.batch_size, progress=bar.update)
+                              batch_size=args.batch_size, progress=bar.update, metadata=metadata)
     done = time.perf_counter()
     summary["settings"] = {
-        "model": args.model, "reward": args.reward, "split": None if args.prompts else args.split,
+        "model": model.description, "reward": args.reward, "split": None if args.prompts else args.split,
         "prompts": args.prompts, "n": len(rows), "seed": args.seed, "steps": args.steps,
         "guidance": model.default_guidance if args.guidance is None else args.guidance,
         "batch_size": args.batch_size, "device": str(device),
@@ -421,3 +438,46 @@ def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str,
 def eval_main(argv: list[str] | None = None) -> int:
     """``flowrl eval``; returns the exit code."""
     return _run_command("flowrl eval", _eval, list(sys.argv[1:] if argv is None else argv))
+
+
+# ----------------------------------------------------------------------------- SD3 / FLUX, runs, reward specs
+
+
+def _model(args, device):
+    """The model of ``--model`` / ``--path`` / ``--lora`` / ``--run`` (flowrl.models.select), in eval mode."""
+    from flowrl.models.select import model_from_args
+
+    model = model_from_args(args, device)
+    model.eval()
+    return model
+
+
+def _load_reward(spec: str):
+    """``NAME`` or ``NAME:key=value,...`` (e.g. ``remote:url=http://127.0.0.1:18085``)."""
+    import rewards
+    from flowrl.demo.engine import parse_reward_spec
+
+    try:
+        name, kwargs = parse_reward_spec(spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        return rewards.load(name, **kwargs)
+    except TypeError as err:  # an argument the reward does not take
+        raise UsageError(f"--reward {spec!r}: {err}") from None
+
+
+def _rows_from_jsonl(path: str, n: int | None, seed: int) -> tuple[list[tuple[str, str, int]], list[dict]]:
+    """Rows and metadata of a GenEval-style prompt file: one JSON object per line with ``prompt`` and any
+    metadata (GenEval's ``tag`` names the task kind; a ``seed`` key fixes that row's noise)."""
+    from flowrl.data.prompts import PromptSetError, load_prompts
+
+    try:
+        prompt_set = load_prompts(path, n)
+    except PromptSetError as err:
+        raise UsageError(f"--prompts: {err}") from None
+    rows = []
+    for index, (prompt, meta) in enumerate(zip(prompt_set.prompts, prompt_set.metadata)):
+        kind = str(meta.get("tag") or meta.get("kind") or "other")
+        rows.append((prompt, kind, int(meta.get("seed", index + seed * 100_000))))
+    return rows, list(prompt_set.metadata)

@@ -130,7 +130,7 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
     stats, grad_norms = MetricMeans(), MetricMeans()
     for inner in range(t_cfg.inner_epochs):
         for rows in minibatch_rows(rollouts.sample_ids, t_cfg.minibatches, seed=cfg.run.seed, epoch=epoch,
-                                   inner=inner):
+                                   inner=inner, total=cfg.sampling.samples_per_epoch):
             rows = rows[take_part[rows]]
             n_global = global_count(dist, rows)
             if n_global == 0 or not steps:

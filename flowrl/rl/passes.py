@@ -25,20 +25,24 @@ __all__ = ["minibatch_rows", "TrainingPass", "training_passes", "global_count", 
 
 
 def minibatch_rows(sample_ids: torch.Tensor, minibatches: int, *, seed: int, epoch: int,
-                   inner: int) -> list[torch.Tensor]:
+                   inner: int, total: int | None = None) -> list[torch.Tensor]:
     """Local row indices of each of ``minibatches`` minibatches.
 
     Args:
         sample_ids: ``[n]`` global sample ids of this process's rows.
         minibatches: optimizer steps per inner epoch.
         seed / epoch / inner: the partition is a pure function of these and the global ids.
+        total: the number of samples over every process (global ids are ``0 .. total - 1``). Give it under
+            several processes: the default, this process's largest id + 1, is the total only on the process
+            holding the last ids, and the others would draw a different partition.
 
     Returns:
         ``minibatches`` long tensors of local row indices (a partition of ``range(n)``).
     """
     from samplers import derive_seed
 
-    total = int(sample_ids.max()) + 1 if sample_ids.numel() else 0
+    if total is None:
+        total = int(sample_ids.max()) + 1 if sample_ids.numel() else 0
     generator = torch.Generator().manual_seed(derive_seed(seed, epoch, inner, 0x3B))
     global_order = torch.randperm(max(total, 1), generator=generator)
     global_chunk = torch.empty_like(global_order)
