@@ -298,7 +298,11 @@ def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
     else:
         model.save_pretrained(out)
     info = dict(model.finetune_info)
-    _write_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")}})
+    # The run's sampling settings: flowrl loads them with the pipeline (plain diffusers takes them as arguments).
+    sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance")
+                if isinstance(getattr(model, k, None), (int, float, list, tuple))}
+    _write_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
+                      "sampling": sampling})
     return out
 
 

@@ -64,7 +64,20 @@ def load_pipeline_model(kind: str, path: str | Path | None, *, device: torch.dev
     """
     from flowrl.models.registry import load_model
 
+    found = pipeline_kind(path) if path is not None and Path(path).is_dir() else None
+    if found is not None and found != kind:
+        raise ModelLoadError(f"{path} is a {found} pipeline, not {kind}; give --model {found}")
     kwargs = {"device": device, "dtype": dtype or _default_dtype(device)}
+    exported = Path(path) / "flowrl_export.json" if path is not None else None
+    if exported is not None and exported.is_file():  # `flowrl export --format merged`: sample as the run did
+        try:
+            sampling = json.loads(exported.read_text()).get("sampling") or {}
+        except (OSError, ValueError):
+            sampling = {}
+        for key, name in (("max_sequence_length", "max_sequence_length"), ("resolution", "resolution"),
+                          ("default_guidance", "guidance_scale")):
+            if sampling.get(key) is not None:
+                kwargs[name] = sampling[key]
     if resolution is not None:
         kwargs["resolution"] = resolution
     model = load_model(kind, None if path is None else str(path), **kwargs)

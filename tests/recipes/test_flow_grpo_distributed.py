@@ -153,9 +153,11 @@ def test_two_machines_on_loopback_train_stop_and_resume_exactly(tiny_shapes_dir,
 @pytest.mark.slow
 def test_fsdp2_on_two_cpu_processes_resumes_and_equals_one_process(tiny_shapes_dir, tmp_path):
     out, single = tmp_path / "fsdp2", tmp_path / "single"
-    worker = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), "tests/recipes/fsdp_cpu_worker.py", CONFIG]
-    first = run(worker + overrides(tiny_shapes_dir, out, **RESUMABLE))
+    def worker():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), "tests/recipes/fsdp_cpu_worker.py", CONFIG]
+
+    first = run(worker() + overrides(tiny_shapes_dir, out, **RESUMABLE))
     assert "fsdp_cpu_worker: backend fsdp2" in first.stdout
     assert "flowrl: flow_grpo on fsdp2, 2 process(es)" in first.stdout
     shards = latest_checkpoint(out) / "accelerate"
@@ -165,8 +167,7 @@ def test_fsdp2_on_two_cpu_processes_resumes_and_equals_one_process(tiny_shapes_d
     state = load_state(latest_checkpoint(out))  # flowrl's state.pt: whole tensors, loadable anywhere
     assert all(type(v) is torch.Tensor for v in state["model"].values())
     assert all(type(v) is torch.Tensor for v in state["ema"]["shadow_params"])
-    worker[5] = str(free_port())
-    second = run(worker + overrides(tiny_shapes_dir, out, **RESUMABLE, **{"run.max_epochs": 2, "run.resume": "true"}))
+    second = run(worker() + overrides(tiny_shapes_dir, out, **RESUMABLE, **{"run.max_epochs": 2, "run.resume": "true"}))
     assert "resumed from" in second.stdout
     in_process(tiny_shapes_dir, single, **RESUMABLE, **{"run.max_epochs": 2})
     assert_same_weights(single, out, atol=1e-5)
