@@ -209,7 +209,8 @@ def table(result: dict) -> str:
             "images / s | peak GiB rollout / training |")
     lines = [head, "|" + "---|" * 9]
     for r in result["results"]:
-        lines.append(f"| {r['config']} | {r['trained_params_m']:,.1f}M | {r['rollout_s']:.2f} | {r['pipeline_s']:.2f} | "
+        lines.append(f"| {r['config']} | {r['trained_params_m']:,.1f}M | {r['rollout_s']:.2f} | "
+                     f"{r['pipeline_s']:.2f} | "
                      f"{100 * r['overhead']:+.1f}% | {r['training_s']:.2f} | {r['epoch_s']:.2f} | "
                      f"{r['images_per_s']:.2f} | {r['peak_rollout_gib']:.1f} / {r['peak_training_gib']:.1f} |")
     return "\n".join(lines)
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="timed epochs per configuration (default 2)")
     parser.add_argument("--configs", nargs="+", default=None, choices=CONFIGS,
                         help="default: lora/native full/native, and the xformers ones when xformers is installed")
-    parser.add_argument("--out", default=None, help=f"JSON results (default {RESULT.relative_to(ROOT)}; none with --smoke)")
+    parser.add_argument("--out", default=None,
+                        help=f"JSON results (default {RESULT.relative_to(ROOT)}; none with --smoke)")
     args = parser.parse_args(argv)
     s = settings(args.smoke)
     if not args.smoke and not torch.cuda.is_available():

@@ -316,7 +316,8 @@ def _parser():
                                                              "folder, a PEFT adapter or a merged pipeline.")
     parser.add_argument("run", help="a run directory (run.output_dir of `flowrl train`) or one of its "
                                     "checkpoints/step_<N> directories")
-    parser.add_argument("--checkpoint", type=int, default=None, help="the epoch of the checkpoint (default: the newest)")
+    parser.add_argument("--checkpoint", type=int, default=None,
+                        help="the epoch of the checkpoint (default: the newest)")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, required=True,
                         help="diffusers: pipe.load_lora_weights(DIR); peft: PeftModel.from_pretrained(transformer, "
                              "DIR); merged: the whole pipeline with the update merged in")

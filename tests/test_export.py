@@ -45,7 +45,8 @@ def train_lora_run(kind: str, out: Path, prompt_file: Path, **extra) -> Path:
         "eval.every_minutes": "null", "eval.grid_size": 0, "checkpoint.every_epochs": 1,
     }
     settings.update(extra)
-    recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"), [f"{k}={v}" for k, v in settings.items()])
+    recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"),
+                                     [f"{k}={v}" for k, v in settings.items()])
     assert recipe.main(cfg) == 0
     return out
 
@@ -166,7 +167,8 @@ def shapes_run(model_dir: Path, out: Path, **extra) -> Path:
                 "sampling.group_size": 4, "sampling.batch_size": 4, "train.micro_batch_size": 4, "optim.lr": 0.05,
                 "eval.at_start": "false", "eval.every_epochs": 10, "eval.grid_size": 0, "checkpoint.every_epochs": 1,
                 "reward.train": "{jpeg_compressibility: 1.0}", "reward.eval": "[jpeg_compressibility]", **extra}
-    recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"), [f"{k}={v}" for k, v in settings.items()])
+    recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"),
+                                     [f"{k}={v}" for k, v in settings.items()])
     assert recipe.main(cfg) == 0
     return out
 
@@ -181,7 +183,8 @@ def test_bad_exports_are_one_line_errors(tiny_shapes_dir, tmp_path, capsys):
     capsys.readouterr()  # the run's own output
     assert export_main([str(full), "--format", "diffusers", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("flowrl export: error:") and "fine-tunes the whole model" in err and "--format merged" in err
+    assert "\n" not in err and err.startswith("flowrl export: error:")
+    assert "fine-tunes the whole model" in err and "--format merged" in err
     assert export_main([str(full), "--checkpoint", "7", "--format", "merged", "--out", str(tmp_path / "m")]) == 2
     assert "has no checkpoint 7; it has 1" in capsys.readouterr().err
     (tmp_path / "busy").mkdir()

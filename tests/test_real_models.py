@@ -109,7 +109,8 @@ def test_eval_a_geneval_style_jsonl_hands_metadata_to_the_reward(walk, tmp_path,
     code = eval_main(["--run", str(walk["run"]), "--reward", "recording", "--prompts", str(prompts), "--steps", "3",
                       "--out", str(out), "--no-progress"])
     assert code == 0, capsys.readouterr().err
-    assert [m["tag"] for m in seen] == ["colors", "counting", "position"] and seen[0]["include"] == [{"class": "circle"}]
+    assert [m["tag"] for m in seen] == ["colors", "counting", "position"]
+    assert seen[0]["include"] == [{"class": "circle"}]
     summary = json.loads(out.read_text())
     assert summary["overall"] == pytest.approx(2 / 3)
     assert {k: v["accuracy"] for k, v in summary["kinds"].items()} == {"colors": 1.0, "counting": 0.0, "position": 1.0}

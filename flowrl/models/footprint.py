@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["KNOWN_MODELS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate", "weights_status", "format_gib"]
+__all__ = ["KNOWN_MODELS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate",
+           "weights_status", "format_gib"]
 
 SD35_MEDIUM_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
                 "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,

@@ -19,7 +19,10 @@ A recipe reads top to bottom (docs/architecture.md, "Adding a trainer")::
     return run.finish()
 
 The checkpoint holds every tracked object's ``state_dict()`` under its name, the random generators'
-states and the counters (``epoch``, ``images_sampled``, ``train_minutes``, ``wall_minutes``).
+states and the counters (``epoch``, ``images_sampled``, ``train_minutes``, ``wall_minutes``) in ``state.pt``;
+the optimizer the recipe prepared with ``dist.prepare_training`` (and, under FSDP2 / ZeRO, the sharded weights),
+the gradient scaler and every process's generators go through ``accelerator.save_state`` into ``accelerate/``
+(docs/distributed.md, "Checkpoints"). Every process takes part in ``save_checkpoint`` and ``resume``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass, field
@@ -252,22 +256,20 @@ class OnlineRun:
         """Load one checkpoint into every tracked object (every process)."""
         from flowrl.checkpoint import ACCELERATE_DIR, CheckpointError, set_rng_state
 
+        accelerate_dir = checkpoint / ACCELERATE_DIR
         for name, obj in self._tracked.items():
-            if self._restored_by_accelerate(obj):
+            if self._restored_by_accelerate(obj) and accelerate_dir.is_dir():
                 continue
-            if name not in state:  # a prepared optimizer of a checkpoint written before accelerate's state
+            if name not in state:  # neither in state.pt (e.g. the optimizer) nor an accelerate/ to load it from
                 raise CheckpointError(f"checkpoint {checkpoint} is incomplete (no {name}, no {ACCELERATE_DIR}/)")
-            value = state[name]
+            value = state[name]  # (a checkpoint written before accelerate/ existed keeps its optimizer here)
             if self.dist.shards_weights and not isinstance(obj, TrainableWeights):
                 value = self.dist.shard_like(value, obj.state_dict())
             obj.load_state_dict(value)
         set_rng_state(state["rng"])
-        accelerate_dir = checkpoint / ACCELERATE_DIR
         if accelerate_dir.is_dir():
             # The optimizer (and sharded weights), the scaler and each process's own random generators.
             self.dist.load_state(str(accelerate_dir))
-        elif any(self._restored_by_accelerate(obj) for obj in self._tracked.values()):
-            raise CheckpointError(f"checkpoint {checkpoint} has no {ACCELERATE_DIR}/ (sharded state)")
 
     def _resume(self) -> None:
         """Load the newest checkpoint every process can read; a corrupt or partial newer one is skipped with
@@ -294,7 +296,8 @@ class OnlineRun:
             if not self.dist.any(problem is not None):
                 try:
                     self._restore(checkpoint, state)
-                except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as err:
+                except (CheckpointError, OSError, ValueError, KeyError, RuntimeError, EOFError,
+                        pickle.UnpicklingError) as err:  # a truncated or foreign file in accelerate/
                     problem = (f"cannot restore checkpoint {checkpoint}: "
                                f"{' '.join(str(err).split())[:200]}").split("; delete")[0]
                 if not self.dist.any(problem is not None):

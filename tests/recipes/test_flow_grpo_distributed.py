@@ -102,7 +102,8 @@ def assert_same_weights(a_dir, b_dir, *, atol=0.0):
     a, b = load_state(latest_checkpoint(a_dir)), load_state(latest_checkpoint(b_dir))
     assert a["epoch"] == b["epoch"] and set(a["model"]) == set(b["model"])
     for key, value in a["model"].items():
-        assert torch.allclose(value, b["model"][key], atol=atol, rtol=0), (key, float((value - b["model"][key]).abs().max()))
+        gap = float((value - b["model"][key]).abs().max())
+        assert torch.allclose(value, b["model"][key], atol=atol, rtol=0), (key, gap)
     if "ema" in a:
         for x, y in zip(a["ema"]["shadow_params"], b["ema"]["shadow_params"], strict=True):
             assert torch.allclose(x, y, atol=atol, rtol=0)
@@ -201,3 +202,13 @@ def test_dtype_agreement_rules():
     for precision, dtype in [("bf16", "float16"), ("fp16", "bfloat16"), ("fp8", "float32")]:
         with pytest.raises(ConfigError, match=r"^model.dtype: "):
             check_dtype_agrees(precision, dtype)
+
+
+def test_an_fsdp_launch_that_accelerate_runs_as_ddp_on_cpu_says_so(monkeypatch):
+    from flowrl.dist import Dist
+
+    dist = Dist(cpu=True)
+    assert dist.notes() == []
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert dist.notes() == ["the launch config asks for FSDP but accelerate runs it as single on cpu (FSDP needs "
+                            "GPUs); the weights are not sharded"]
