@@ -108,8 +108,8 @@ def _peak_reset(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gib(device: str) -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+def _peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None  # no GPU: not measured
 
 
 def pipeline_epoch(model, batch, table: dict, s: dict) -> float:
@@ -192,16 +192,21 @@ def run_config(name: str, s: dict, repeats: int, smoke: bool, dist, workdir: Pat
                      "peak_rollout_gib": peak_rollout, "peak_training_gib": _peak_gib(s["device"]),
                      "grad_norm": metrics["train/grad_norm"]})
     timed = rows[1:] or rows
-    med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    med = {k: statistics.median(r[k] for r in timed) if timed[0][k] is not None else None for k in timed[0]}
     images = s["groups"] * s["group_size"]
     epoch_s = med["rollout_s"] + med["training_s"]
     trained = sum(p.numel() for p in model.trainable_parameters())
     del model, optimizer
     if s["device"] == "cuda":
         torch.cuda.empty_cache()
-    return {"config": name, "trained_params_m": round(trained / 1e6, 2), **{k: round(v, 4) for k, v in med.items()},
+    return {"config": name, "trained_params": trained, "trained_params_m": round(trained / 1e6, 2),
+            **{k: None if v is None else round(v, 4) for k, v in med.items()},
             "overhead": round(med["rollout_s"] / med["pipeline_s"] - 1, 4), "epoch_s": round(epoch_s, 3),
             "images_per_s": round(images / epoch_s, 3)}
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def table(result: dict) -> str:
@@ -212,7 +217,7 @@ def table(result: dict) -> str:
         lines.append(f"| {r['config']} | {r['trained_params_m']:,.1f}M | {r['rollout_s']:.2f} | "
                      f"{r['pipeline_s']:.2f} | "
                      f"{100 * r['overhead']:+.1f}% | {r['training_s']:.2f} | {r['epoch_s']:.2f} | "
-                     f"{r['images_per_s']:.2f} | {r['peak_rollout_gib']:.1f} / {r['peak_training_gib']:.1f} |")
+                     f"{r['images_per_s']:.2f} | {_gib(r['peak_rollout_gib'])} / {_gib(r['peak_training_gib'])} |")
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ def test_gpu_benchmark_smoke_runs_the_whole_epoch_and_the_diffusers_reference(tm
     assert json.loads(out.read_text()) == result and result["smoke"] is True
     assert [r["config"] for r in result["results"]] == ["lora/native", "full/native"]  # no xformers on a CPU
     lora, full = result["results"]
-    assert lora["trained_params_m"] < full["trained_params_m"]
+    # LoRA trains the adapters only (r 32 is wider than the tiny model's layers, so it is not smaller here)
+    assert 0 < lora["trained_params"] != full["trained_params"] > 0
     for row in result["results"]:
         for key in ("rollout_s", "pipeline_s", "training_s", "epoch_s", "images_per_s", "overhead"):
             assert math.isfinite(row[key]), (row["config"], key)
