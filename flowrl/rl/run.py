@@ -334,12 +334,18 @@ class OnlineRun:
             CheckpointError: on every process, when any process failed to write its part (nothing partial
                 is left; the previous checkpoints are untouched).
         """
+        self._save(solo=False)
+
+    def _save(self, *, solo: bool) -> None:
         from flowrl.checkpoint import (ACCELERATE_DIR, CheckpointError, abandon_checkpoint, begin_checkpoint,
                                        finish_checkpoint, rng_state)
 
         if self._saved_epoch == self.epoch:
             return
         self._saved_epoch = self.epoch
+        if solo:
+            self._save_alone()
+            return
         dist = self.dist
         state: dict[str, Any] = {}
         if dist.is_main or dist.shards_weights:  # gathering sharded state is collective
@@ -376,6 +382,28 @@ class OnlineRun:
         if dist.any(error is not None):
             raise error or CheckpointError(f"another process could not write checkpoint {self.epoch}; see its "
                                            "message above")
+
+    def _save_alone(self) -> None:
+        """The checkpoint a failure leaves in a run of several processes. The other processes may be anywhere
+        (waiting in a collective, failing too), so the main process saves alone, without collectives, what it
+        holds whole: ``state.pt`` with the optimizer inside (the layout before ``accelerate/``, which resumes).
+        Sharded state (FSDP2 / ZeRO) cannot be saved by one process.
+
+        Raises:
+            CheckpointError: sharded state, or the write failed.
+        """
+        from flowrl.checkpoint import CheckpointError, rng_state, save_checkpoint
+
+        if not self.dist.is_main:
+            return
+        if self.dist.shards_weights:
+            raise CheckpointError(f"after a failure one process cannot save the sharded ({self.dist.backend}) state; "
+                                  f"the last checkpoint in {self.output_dir}/checkpoints resumes with run.resume=true")
+        state = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        state.update({"rng": rng_state(), "epoch": self.epoch, "images_sampled": self.images_sampled,
+                      "train_minutes": self.train_minutes(), "wall_minutes": self.wall_minutes()})
+        save_checkpoint(self.output_dir, self.epoch, state, write_extra=self._write_extra(state),
+                        keep=self.cfg.checkpoint.keep)
 
     def _write_extra(self, state: dict[str, Any]):
         """Files beside ``state.pt``: the LoRA of a diffusers pipeline as a diffusers LoRA folder (the weights
@@ -436,7 +464,8 @@ class OnlineRun:
             saved = f"(the epoch was not saved; the last checkpoint in {where} resumes with run.resume=true)"
         else:
             try:
-                self.save_checkpoint()
+                # Several processes: the others may not be here, so the main process saves alone.
+                self._save(solo=self.dist.world_size > 1)
                 saved = f"(checkpoint of epoch {self.epoch} saved in {where}; resume with run.resume=true)"
             except CheckpointError as err:
                 saved = f"({err})"

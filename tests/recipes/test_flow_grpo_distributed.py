@@ -212,3 +212,22 @@ def test_an_fsdp_launch_that_accelerate_runs_as_ddp_on_cpu_says_so(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     assert dist.notes() == ["the launch config asks for FSDP but accelerate runs it as single on cpu (FSDP needs "
                             "GPUs); the weights are not sharded"]
+
+
+@pytest.mark.slow
+def test_a_failure_in_a_two_process_run_saves_from_the_main_process_and_resumes(tiny_shapes_dir, tmp_path):
+    """Every process fails (the reward server is down): the main process saves alone, without collectives (the
+    others may be anywhere), in the layout with the optimizer inside state.pt; the run then resumes under two
+    processes and equals one process with double accumulation."""
+    out, single = tmp_path / "failed", tmp_path / "single"
+    launch = LAUNCH + ["--config_file", "configs/accelerate/cpu_2proc.yaml", "-m", "flowrl", "train", CONFIG]
+    down = f"reward.train={{remote: {{weight: 1.0, kwargs: {{url: 'http://127.0.0.1:{free_port()}'}}}}}}"
+    failed = subprocess.run(launch + overrides(tiny_shapes_dir, out, **{"eval.at_start": "true"}) + [down], cwd=ROOT,
+                            env=env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=600)
+    assert failed.returncode != 0 and "checkpoint of epoch 0 saved" in failed.stderr, failed.stderr[-3000:]
+    saved = latest_checkpoint(out)
+    assert "optimizer" in load_state(saved) and not (saved / "accelerate").exists()
+    resumed = run(launch + overrides(tiny_shapes_dir, out, **{"run.resume": "true"}), {"ACCELERATE_USE_CPU": "1"})
+    assert "resumed from" in resumed.stdout
+    in_process(tiny_shapes_dir, single)
+    assert_same_weights(single, out, atol=1e-5)
