@@ -334,7 +334,7 @@ def _run(reward, items: Iterator, total: int | None, out: Path, batch_size: int,
     from tqdm import tqdm
 
     from .base import RewardError
-    from .server import score_grouped
+    from .batching import score_grouped
 
     writer = _Writer(out)
     columns: dict[str, list[float]] = {}
