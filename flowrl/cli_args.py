@@ -120,7 +120,8 @@ def output_file(text: str, *, flag: str = "--out", suffixes: tuple[str, ...] = (
     if path.is_dir():
         raise UsageError(f"{flag} {text!r} is a directory; give a file name{ending}")
     if suffixes and path.suffix.lower() not in suffixes:
-        raise UsageError(f"{flag} {text!r}: {what} must end in {' or '.join(suffixes)}")
+        raise UsageError(f"{flag} {text!r}: {what} must end in {' or '.join(suffixes)}; choose a file name with "
+                         "one of these endings")
     if path.exists() and not path.is_file():
         raise UsageError(f"{flag} {text!r} is not a regular file; give a file name{ending}")
     _writable_folder(path.parent, flag, text)

@@ -73,7 +73,7 @@ def parse_reward_args(items: list[str], names: list[str]) -> dict[str, dict[str,
         key, eq, raw = item.partition("=")
         name, dot, arg = key.partition(".")
         if not eq or not dot or not name or not arg:
-            raise ArgumentError(f"--reward-arg {item!r} must look like NAME.KEY=VALUE, e.g. pickscore.model=/models/ps")
+            raise ArgumentError(f"--reward-arg {item!r} must look like NAME.KEY=VALUE; e.g. pickscore.model=/models/ps")
         if name not in names:
             raise ArgumentError(f"--reward-arg {item!r}: {name!r} is not one of the rewards given to --reward "
                                 f"({', '.join(names)})")
@@ -106,7 +106,7 @@ def build_from_args(spec: str, reward_args: list[str], device: str | None):
     items = parse_reward_string(spec)
     names = [name for name, _ in items]
     if len(set(names)) != len(names):
-        raise ArgumentError(f"--reward lists a reward twice: {spec!r}")
+        raise ArgumentError(f"--reward lists a reward twice: {spec!r}; give each reward once (with a weight)")
     kwargs = parse_reward_args(reward_args, names)
     mapping = {name: {"weight": weight, "kwargs": kwargs.get(name, {})} for name, weight in items}
     return build_reward(mapping, device=device)
@@ -161,7 +161,7 @@ def _resolve_prompts(directory: Path, files: list[Path], prompts_file: str | Non
     if prompts_file is not None:
         path = Path(prompts_file)
         if not path.is_file() and not path.is_dir():
-            raise ArgumentError(f"--prompts file {prompts_file!r} does not exist")
+            raise ArgumentError(f"--prompts file {prompts_file!r} does not exist; give a .txt or .jsonl prompts file")
         text = _read_prompt_text(path, f"--prompts {prompts_file!r}")
         if path.suffix == ".jsonl":
             table: dict[str, str] = {}
@@ -368,14 +368,15 @@ def score_main(argv: list[str]) -> int:
         return int(stop.code or 0)
     try:
         if args.batch_size < 1:
-            raise ArgumentError(f"--batch-size must be >= 1, got {args.batch_size}")
+            raise ArgumentError(f"--batch-size must be >= 1, got {args.batch_size}; e.g. --batch-size 16")
         budget_mb = _default_memory_mb() if args.max_memory_mb is None else args.max_memory_mb
         if not (math.isfinite(budget_mb) and budget_mb > 0):
-            raise ArgumentError(f"--max-memory-mb must be a positive number, got {args.max_memory_mb}")
+            raise ArgumentError(f"--max-memory-mb must be a positive number, got {args.max_memory_mb}; give the MiB "
+                                "one batch of images may use, e.g. 4096")
         if args.device not in (None, "auto"):
             device_arg(args.device)  # one-line error for meta, mps without Metal, missing GPUs
         if Path(args.out).suffix not in (".jsonl", ".csv"):
-            raise ArgumentError(f"--out must end in .jsonl or .csv, got {args.out!r}")
+            raise ArgumentError(f"--out must end in .jsonl or .csv, got {args.out!r}; e.g. --out scores.jsonl")
         check_reward_names(args.reward, args.reward_arg)  # cheap checks before reading any input
         if Path(args.out).is_dir():
             raise ArgumentError(f"--out {args.out!r} is a folder; give a file name ending in .jsonl or .csv")
@@ -395,8 +396,10 @@ def score_main(argv: list[str]) -> int:
                 shards = shard_paths(source)
             except ShardError as err:
                 if is_dir:
-                    raise ArgumentError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) or .tar shards in {source!r}") from None
-                raise ArgumentError(f"--images {source!r} is not a folder of images or a .tar shard ({err})") from None
+                    raise ArgumentError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) or .tar shards in {source!r}; "
+                                        "give a folder of images or webdataset shards") from None
+                raise ArgumentError(f"--images {source!r} is not a folder of images or a .tar shard ({err}); give a "
+                                    "folder of images, a .tar shard or a shard pattern") from None
             if args.prompts is not None:
                 raise ArgumentError("--prompts applies to an image folder; shards carry their prompts as txt/prompt "
                                     "entries")

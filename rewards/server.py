@@ -42,6 +42,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -499,7 +500,7 @@ def serve_main(argv: list[str]) -> int:
     """``flowrl serve-reward --reward NAME[,NAME] [--host H] [--port P] ...``; returns an exit code."""
     from flowrl.registry import UnknownNameError
 
-    from .cli import ArgumentError, build_from_args, check_reward_names
+    from .cli import ArgumentError, build_from_args, check_reward_names, one_line
 
     prog = "flowrl serve-reward"
     try:
@@ -507,19 +508,25 @@ def serve_main(argv: list[str]) -> int:
     except SystemExit as stop:  # --help
         return int(stop.code or 0)
     except ArgumentError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     try:
         if not 0 <= args.port <= 65535:
-            raise ArgumentError(f"--port must be in 0..65535, got {args.port}")
-        if args.max_batch < 1 or args.max_pixels < 1 or args.max_request_mb <= 0 or args.max_memory_mb <= 0 \
-                or args.max_connections < 1:
-            raise ArgumentError("--max-batch, --max-pixels, --max-request-mb, --max-memory-mb and "
-                                "--max-connections must be positive")
-        if args.max_wait_ms < 0 or args.request_timeout <= 0:
-            raise ArgumentError("--max-wait-ms must be >= 0 and --request-timeout > 0")
+            raise ArgumentError(f"--port must be in 0..65535, got {args.port}; 0 picks a free port")
+        for flag in ("max_batch", "max_pixels", "max_request_mb", "max_memory_mb", "max_connections",
+                     "request_timeout"):
+            value = getattr(args, flag)
+            if not (math.isfinite(value) and value > 0):
+                raise ArgumentError(f"--{flag.replace('_', '-')} must be positive, got {value}; see `{prog} --help` "
+                                    "for the defaults")
+        if not (math.isfinite(args.max_wait_ms) and args.max_wait_ms >= 0):
+            raise ArgumentError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}; 0 scores every request at once")
         if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
-            raise ArgumentError("--ssl-certfile and --ssl-keyfile go together")
+            raise ArgumentError("--ssl-certfile and --ssl-keyfile go together; give both or neither")
+        if args.device not in (None, "auto"):
+            from flowrl.cli_args import device_arg
+
+            device_arg(args.device)  # meta, mps without Metal, missing GPUs: one line, before any model loads
         api_key = read_api_key(args.api_key_file)
         if api_key is None and not is_loopback_host(args.host):
             raise ServerConfigError(
@@ -534,7 +541,7 @@ def serve_main(argv: list[str]) -> int:
                               request_timeout=args.request_timeout, ssl_certfile=args.ssl_certfile,
                               ssl_keyfile=args.ssl_keyfile, verbose=args.verbose)
     except ArgumentError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except UnknownNameError as err:
         print(f"{prog}: error: {err.message}", file=sys.stderr)
