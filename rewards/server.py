@@ -553,6 +553,8 @@ def serve_main(argv: list[str]) -> int:
         print(f"{prog}: error: cannot listen on {args.host}:{args.port} ({err.strerror or err}); pick another "
               "--port or stop what uses it", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not is_loopback_host(args.host) and not server.tls:
         print(f"{prog}: warning: plain HTTP on {args.host}: the API key and images travel unencrypted; use "
               "--ssl-certfile/--ssl-keyfile or a TLS proxy", file=sys.stderr)

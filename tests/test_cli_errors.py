@@ -127,3 +127,27 @@ def test_one_line_error(argv, code, fragment, places, tmp_path, capsys, monkeypa
     assert line.startswith(f"flowrl {filled[0]}: ") and "error: " in line, line
     assert "; " in line.partition("error: ")[2], f"no '; <fix>' part: {line}"
     assert fragment.format(tmp=tmp_path, **places) in line, line
+
+
+# ----------------------------------------------------------------------------------------------- file readers
+# The same files read by library code (training reads its prompt sets through load_prompts): one-line errors
+# of the types the command lines print.
+
+
+def test_prompt_and_config_readers_reject_binary_files_in_one_line(places, tmp_path):
+    from flowrl.config import ConfigError, load_yaml
+    from flowrl.data.prompts import PromptSetError, load_prompts
+
+    for path in (places["binary_txt"], tmp_path / "p.jsonl"):
+        if path.suffix == ".jsonl":
+            path.write_bytes(b'{"prompt": "a circle"}\n\xff\xfe')
+        with pytest.raises(PromptSetError) as info:
+            load_prompts(str(path))
+        assert "is not UTF-8 text" in str(info.value) and "; give a UTF-8 .txt file" in str(info.value)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"is not a text file \(byte 0x89 at offset 0 is not UTF-8\)"):
+        load_yaml(places["binary"])
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply|not valid YAML"):
+        load_yaml(deep)

@@ -161,6 +161,7 @@ def server_process():
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow  # 8 s on an idle machine, 40 s when the 2 cores are shared
 def test_fuzz_no_5xx_health_stays_up_memory_bounded(server_process):
     proc, url, port = server_process
     rng = random.Random(0)
@@ -258,3 +259,9 @@ def test_fuzz_no_5xx_health_stays_up_memory_bounded(server_process):
     assert growth < (MEMORY_MB + 128) * 2 ** 20, f"peak RSS grew by {growth / 2 ** 20:.0f} MiB"
     limits = httpx.get(url + "/health").json()
     assert limits["batching"]["image_memory_peak"] <= limits["limits"]["max_memory_bytes"]
+    from collections import Counter
+
+    print(f"\nfuzz: statuses {dict(sorted(Counter(statuses).items()))}, raw {dict(Counter(raw_statuses))}, "
+          f"health probes {len(health)} (all 200), slow client {slow_results[0]!r}, server peak RSS growth "
+          f"{growth / 2 ** 20:.0f} MiB (budget {MEMORY_MB} MiB), image memory peak "
+          f"{limits['batching']['image_memory_peak'] / 2 ** 20:.1f} MiB")
