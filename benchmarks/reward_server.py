@@ -13,12 +13,15 @@ one ``RemoteReward``, like training processes sharing one reward server. For eac
 
 Reported: images per second (wall clock from the clients' common start to the last answer), the server's CPU seconds per image (its own
 process, robust to other load on a shared machine), the coalesced batch sizes, the server's peak resident
-memory growth while serving, and ``overhead = sequential / local - 1`` (the transport: PNG encoding, HTTP,
-decoding). Scores are checked to equal local scores of the uint8 images.
+memory growth while serving, and the overhead of scoring through the server vs locally (the transport: PNG
+encoding, HTTP, decoding): in wall time (``local / sequential images per second - 1``) and in CPU time
+(server + client CPU per image vs local CPU per image), the latter robust to other load on the machine. Scores are checked to equal local scores of the uint8 images.
 
-Rewards: the tiny CLIP of :mod:`rewards.testing` at 256x256 (almost no compute: shows the transport and
-the batching mechanics) and EasyOCR with its real English weights at 160x160 (per-image compute of a real
-reward model on a CPU). Run: ``python benchmarks/reward_server.py`` or ``python -m benchmarks reward_server``;
+Rewards: the tiny CLIP of :mod:`rewards.testing` at 256x256 (almost no compute: shows the transport), EasyOCR
+with its real English weights at 160x160 (per-image compute of a real reward model on a CPU), and a synthetic
+reward whose every call costs 200 ms plus 2 ms per image, served in this process (:class:`FixedCostReward`):
+a model of a GPU reward, whose batch of 32 costs little more than a batch of 8. Only it shows what
+coalescing buys; CPU rewards cost the same per image at any batch size. Run: ``python benchmarks/reward_server.py`` or ``python -m benchmarks reward_server``;
 writes ``benchmarks/results/reward_server.json``.
 """
 
@@ -102,8 +105,9 @@ def _client_process(url: str, images: torch.Tensor, prompts: list[str], requests
     remote(images[:1], prompts[:1])  # warm-up: connection, first model call
     barrier.wait()  # every client is warm
     barrier.wait()  # the server's counters are read: go
+    cpu = time.process_time()
     scores = [remote(images, prompts).scores for _ in range(requests)]
-    out.put((time.perf_counter(), scores[-1].tolist()))
+    out.put((time.perf_counter(), scores[-1].tolist(), time.process_time() - cpu))
 
 
 def _measure_server(server: _Server, n_clients: int, batches: list, prompts: list[str], requests: int,
@@ -117,12 +121,14 @@ def _measure_server(server: _Server, n_clients: int, batches: list, prompts: lis
     for proc in procs:
         proc.start()
     probe = rewards.load("remote", url=server.url)
+    in_process = isinstance(server, _InProcessServer)
     barrier.wait()
     stats0 = probe.health()["batching"]
-    rss = server.status_bytes("VmRSS")
-    server.reset_peak()
+    if not in_process:
+        rss = server.status_bytes("VmRSS")
+        server.reset_peak()
     barrier.wait()
-    start, cpu0 = time.perf_counter(), server.cpu_seconds()
+    start, cpu0 = time.perf_counter(), (0.0 if in_process else server.cpu_seconds())
     finished = []
     while len(finished) < len(procs):  # a client that dies must not hang the benchmark
         try:
@@ -130,21 +136,26 @@ def _measure_server(server: _Server, n_clients: int, batches: list, prompts: lis
         except queue.Empty:
             if any(proc.exitcode not in (None, 0) for proc in procs):
                 raise RuntimeError("a client process failed") from None
-    wall = max(t for t, _ in finished) - start
-    cpu = server.cpu_seconds() - cpu0
-    peak_growth = server.status_bytes("VmHWM") - rss
+    wall = max(t for t, _, _ in finished) - start
+    client_cpu = sum(c for _, _, c in finished)
+    cpu = 0.0 if in_process else server.cpu_seconds() - cpu0
+    peak_growth = 0 if in_process else server.status_bytes("VmHWM") - rss
     for proc in procs:
         proc.join()
     expected = sorted(r.tolist() for r in reference[:n_clients])
-    assert sorted(scores for _, scores in finished) == expected, "remote scores differ from local scores"
+    assert sorted(scores for _, scores, _ in finished) == expected, "remote scores differ from local scores"
     stats1 = probe.health()["batching"]
     images = n_clients * requests * PER_REQUEST
     batches_run = max(stats1["batches"] - stats0["batches"], 1)
-    return {"images_per_s": round(images / wall, 2), "wall_s": round(wall, 2),
-            "server_cpu_s_per_image": round(cpu / images, 5),
-            "mean_model_batch": round((stats1["images"] - stats0["images"]) / batches_run, 2),
-            "largest_model_batch": stats1["largest_batch"],
-            "server_peak_rss_growth_mib": round(peak_growth / 2 ** 20, 1)}
+    result = {"images_per_s": round(images / wall, 2), "wall_s": round(wall, 2),
+              "mean_model_batch": round((stats1["images"] - stats0["images"]) / batches_run, 2),
+              "largest_model_batch": stats1["largest_batch"]}
+    if not in_process:
+        result.update({"server_cpu_s_per_image": round(cpu / images, 5),
+                       "client_cpu_s_per_image": round(client_cpu / images, 5),
+                       "cpu_s_per_image": round((cpu + client_cpu) / images, 5),
+                       "server_peak_rss_growth_mib": round(peak_growth / 2 ** 20, 1)})
+    return result
 
 
 def _bench_reward(name: str, spec: str, reward_args: list[str], local_reward, images: torch.Tensor,
@@ -153,18 +164,21 @@ def _bench_reward(name: str, spec: str, reward_args: list[str], local_reward, im
     with torch.no_grad():
         local_reward(batches[0][:2], prompts[:2])  # warm-up
         reference = [local_reward(b, prompts).scores.float() for b in batches]
-        local_times = []
+        local_times, local_cpu = [], []
         for _ in range(rounds):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for b in batches:
                 local_reward(b, prompts)
             local_times.append((time.perf_counter() - start) / len(batches))
+            local_cpu.append((time.process_time() - cpu) / len(batches))
     local = {"images_per_s": round(PER_REQUEST / statistics.median(local_times), 2),
-             "median_batch_s": round(statistics.median(local_times), 4)}
+             "median_batch_s": round(statistics.median(local_times), 4),
+             "cpu_s_per_image": round(statistics.median(local_cpu) / PER_REQUEST, 5)}
     result = {"image_size": list(images.shape[-2:]), "local": local}
     for label, n_clients, flags in (("sequential", 1, {}), ("concurrent", CLIENTS, {}),
                                     ("concurrent_unbatched", CLIENTS, {"max_batch": PER_REQUEST})):
-        server = _Server(spec, reward_args, max_wait_ms=10, **flags)
+        server = (_InProcessServer(local_reward, max_wait_ms=10, **flags) if spec is None
+                  else _Server(spec, reward_args, max_wait_ms=10, **flags))
         try:  # the same number of images in every setup
             result[label] = _measure_server(server, n_clients, batches, prompts,
                                             rounds if n_clients > 1 else rounds * CLIENTS, reference)
@@ -172,11 +186,44 @@ def _bench_reward(name: str, spec: str, reward_args: list[str], local_reward, im
             server.close()
         print(f"  {name} {label}: {result[label]}", flush=True)
     result["overhead_sequential_vs_local"] = round(local["images_per_s"] / result["sequential"]["images_per_s"] - 1, 4)
+    if "cpu_s_per_image" in result["sequential"]:  # CPU time, server + client vs local: robust to other load
+        result["overhead_cpu_vs_local"] = round(result["sequential"]["cpu_s_per_image"] / local["cpu_s_per_image"] - 1, 4)
     result["batching_speedup"] = round(result["concurrent"]["images_per_s"]
                                        / result["concurrent_unbatched"]["images_per_s"], 3)
     result["concurrent_vs_sequential"] = round(result["concurrent"]["images_per_s"]
                                                / result["sequential"]["images_per_s"], 3)
     return result
+
+
+class FixedCostReward(rewards.Reward):
+    """Synthetic: each call sleeps ``fixed_s + per_image_s * B`` (like a GPU model's launch and transfer
+    cost) and scores the mean pixel value."""
+
+    name = "fixed_cost"
+    batch_size = 1024
+    bytes_per_pixel = 64.0
+
+    def __init__(self, fixed_s: float = 0.2, per_image_s: float = 0.002):
+        self.fixed_s, self.per_image_s = fixed_s, per_image_s
+
+    def score(self, images, prompts, metadata):
+        time.sleep(self.fixed_s + self.per_image_s * len(prompts))
+        return rewards.RewardOutput(images.mean(dim=(1, 2, 3)))
+
+
+class _InProcessServer:
+    """A RewardServer on a thread of this process (for rewards the CLI cannot name)."""
+
+    def __init__(self, reward, **kwargs):
+        from rewards.server import make_server
+
+        self.server = make_server(reward, **kwargs)
+        self.server.start_background()
+        self.url = self.server.url
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def _text_images(n: int, size: int = 160) -> tuple[torch.Tensor, list[str]]:
@@ -203,6 +250,9 @@ def main(rounds: int = 5, write: bool = True) -> dict:
             # all clients send the same 8 words (one prompt list), each its own rendering
             results["ocr (EasyOCR en, 160x160)"] = _bench_reward(
                 "ocr", "ocr", [], ocr, text_images, text_prompts[:PER_REQUEST], max(2, rounds // 2))
+            results["fixed_cost (synthetic: 200 ms + 2 ms per image per call)"] = _bench_reward(
+                "fixed_cost", None, [], FixedCostReward(), _smooth_images(CLIENTS * PER_REQUEST, 64),
+                prompts, rounds)
     finally:
         torch.set_num_threads(previous)
     result = {

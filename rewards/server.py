@@ -269,7 +269,7 @@ class RewardServer:
         reward: the reward to serve.
         name: its name in ``/health`` (default ``reward.name``).
         api_key: required as a bearer token on ``/score`` (None: no authentication, loopback only).
-        max_request_bytes: largest accepted body.
+        max_request_bytes: largest accepted body (lowered to a third of the memory for bodies).
         max_batch: most images per request, and per coalesced model batch.
         max_pixels: most pixels per image (lowered further to what ``max_memory_bytes`` allows).
         max_memory_bytes: working memory for bodies and images (see the module docstring).
@@ -306,10 +306,11 @@ class RewardServer:
         self.reward = reward
         self.reward_name = name or reward.name
         self.api_key = api_key
-        self.max_request_bytes = int(max_request_bytes)
         self.max_batch = int(max_batch)
         self.max_memory_bytes = int(max_memory_bytes)
         self.body_budget = ByteBudget(max(int(max_memory_bytes * BODY_SHARE), BODY_FACTOR * 64 * 1024))
+        # A body must fit its share of memory (3x its length while parsed).
+        self.max_request_bytes = min(int(max_request_bytes), self.body_budget.capacity // BODY_FACTOR)
         self.image_budget = ByteBudget(int(max_memory_bytes) - self.body_budget.capacity)
         self.bytes_per_pixel = bytes_per_pixel(reward) + DECODE_BYTES_PER_PIXEL
         self.max_pixels = max(1, min(int(max_pixels), int(self.image_budget.capacity // self.bytes_per_pixel)))

@@ -142,7 +142,10 @@ def test_a_request_whose_images_would_exceed_the_budget_is_413_naming_the_cost(s
     two = httpx.post(shapes_server.url + "/score", json={"images": [one, one], "prompts": ["a circle"] * 2})
     assert two.status_code == 413
     assert "2 images of 8192 pixels in all would need 6.1 MiB to score with shapes" in two.json()["error"]
-    assert shapes_server.health()["batching"]["image_memory_peak"] == 4096 * 776
+    health = shapes_server.health()
+    assert health["batching"]["image_memory_peak"] == 4096 * 776
+    # bodies get a quarter of the 8 MiB, counted at 3x their length: the body limit follows
+    assert health["limits"]["max_request_bytes"] == 2 * 2 ** 20 // 3
 
 
 def test_unscorable_prompt_is_422_and_the_client_says_why(shapes_server):
