@@ -295,9 +295,9 @@ def _run_command(prog: str, body, argv: list[str]) -> int:
         print(f"{prog}: error: out of memory; use fewer prompts, seeds or a smaller --batch-size", file=sys.stderr)
         return 2
     except OSError as err:  # e.g. the disk filled up while writing the output
-        where = f" {err.filename!r}" if getattr(err, "filename", None) else ""
-        print(f"{prog}: error: cannot write{where} ({one_line(err.strerror or err)}); free space or choose "
-              "another --out", file=sys.stderr)
+        where = f" at {err.filename!r}" if getattr(err, "filename", None) else ""
+        print(f"{prog}: error: {one_line(err.strerror or err)}{where}; check that path and the free disk space",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

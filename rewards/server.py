@@ -107,9 +107,42 @@ def read_api_key(path: str | None = None, env: str = API_KEY_ENV) -> str | None:
 # ----------------------------------------------------------------------------------------------- the app
 
 
-def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    # Errors close the connection: the body may be unread, and a confused client starts afresh.
-    return JSONResponse({"error": message}, status_code=status, headers={"Connection": "close", **(headers or {})})
+def _error(status: int, message: str, headers: dict | None = None, close: bool = True) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status,
+                        headers={**({"Connection": "close"} if close else {}), **(headers or {})})
+
+
+async def _drain(request, limit: int, timeout: float) -> bool:
+    """Read and drop what is left of a request's body before answering it early (wrong path, wrong key,
+    busy): a server that closes a socket with unread data makes the kernel reset the connection, which can
+    destroy the answer before the client reads it. False when the rest is too long or too slow to drop."""
+    headers = request.headers
+    if headers.get("content-length", "0") == "0" and "chunked" not in headers.get("transfer-encoding", "").lower():
+        return True  # no body: answer at once (a client that half-closes still gets its answer)
+
+    async def consume() -> bool:
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                return False
+        return True
+
+    try:
+        return await asyncio.wait_for(consume(), timeout)
+    except RuntimeError:  # the body was read already
+        return True
+    except (asyncio.TimeoutError, ClientDisconnect):
+        return False
+
+
+async def _answer_error(server: "RewardServer", request, status: int, message: str,
+                        headers: dict | None = None) -> JSONResponse:
+    """The JSON error, keeping the connection open when the request was read to its end."""
+    if status in (408, 413):  # the body is stalled or too large to read: close instead
+        return _error(status, message, headers)
+    complete = await _drain(request, server.max_request_bytes, min(server.request_timeout, 10.0))
+    return _error(status, message, headers, close=not complete)
 
 
 async def _read_body(request, limit: int, declared: int | None) -> bytes:
@@ -172,16 +205,18 @@ def create_app(server: "RewardServer"):
 
     @app.exception_handler(RequestError)
     async def _request_error(request, err: RequestError):
-        return _error(err.status, err.message, {"WWW-Authenticate": "Bearer"} if err.status == 401 else None)
+        return await _answer_error(server, request, err.status, err.message,
+                                   {"WWW-Authenticate": "Bearer"} if err.status == 401 else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, err: StarletteHTTPException):
         if err.status_code == 404:
-            return _error(404, f"unknown path {request.url.path!r}; use GET /health or POST /score")
-        if err.status_code == 405:
-            return _error(405, f"{request.method} is not allowed on {request.url.path}; use GET /health or "
-                               "POST /score")
-        return _error(err.status_code, str(err.detail))
+            message = f"unknown path {request.url.path!r}; use GET /health or POST /score"
+        elif err.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; use GET /health or POST /score"
+        else:
+            message = str(err.detail)
+        return await _answer_error(server, request, err.status_code, message)
 
     @app.exception_handler(Exception)
     async def _internal_error(request, err: Exception):  # a bug: say so, keep serving
