@@ -18,7 +18,9 @@ from rewards.memory import (DEFAULT_BYTES_PER_PIXEL, MEASURED_BYTES_PER_PIXEL, b
 def test_table_bounds_the_measured_peak(name):
     measured = measure_bytes_per_pixel(name, size=512)
     table = MEASURED_BYTES_PER_PIXEL[name]
-    assert measured <= table <= 1.6 * measured, (name, measured, table)
+    # An upper bound (what the budget relies on), and not a wild over-estimate (the allocator can reuse freed
+    # memory, so a measurement may come out below the 1024x1024 one the table was made from).
+    assert measured <= table <= 2.0 * measured, (name, measured, table)
 
 
 def test_composed_rewards_cost_their_most_expensive_part_and_declared_costs_win():
