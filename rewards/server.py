@@ -184,7 +184,6 @@ def create_app(server: "RewardServer"):
 
     @asynccontextmanager
     async def lifespan(app):
-        server._started_loop(asyncio.get_running_loop())
         server.batcher.start()
         try:
             yield
@@ -371,7 +370,6 @@ class RewardServer:
                                 ssl_keyfile=ssl_keyfile)
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ info
 
@@ -460,9 +458,6 @@ class RewardServer:
                                     "retry later") from None
 
     # ------------------------------------------------------------------ running
-
-    def _started_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
 
     def serve_forever(self) -> None:
         """Serve in this thread until Ctrl-C / SIGTERM (uvicorn handles both in the main thread)."""
