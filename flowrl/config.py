@@ -282,16 +282,33 @@ def to_dict(obj: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping with a clear error for a missing file or a syntax error."""
+    """Read a YAML mapping; a missing, unreadable, binary or malformed file is a one-line ConfigError."""
     path = Path(path)
+    fix = "give a YAML config file such as configs/shapes/flow_grpo.yaml"
+    if path.is_dir():
+        raise ConfigError("<config>", f"config file {str(path)!r} is a folder; {fix}")
     if not path.is_file():
         raise ConfigError("<config>", f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        size = path.stat().st_size
+        if size > 16 * 2 ** 20:  # configs are a few kB; this is some other file
+            raise ConfigError("<config>", f"{path} is {size} bytes, too large for a config; {fix}")
+        data_bytes = path.read_bytes()
+    except OSError as err:
+        raise ConfigError("<config>", f"cannot read {path} ({err.strerror or err}); check its permissions") from None
+    try:
+        text = data_bytes.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("<config>", f"{path} is not a text file (byte 0x{data_bytes[err.start]:02x} at offset "
+                                      f"{err.start} is not UTF-8); {fix}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError("<config>", f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    except RecursionError:
+        raise ConfigError("<config>", f"{path} is nested too deeply to be a config; {fix}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

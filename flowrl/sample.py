@@ -12,7 +12,8 @@
     and --reward NAME:key=value,... passes arguments (e.g. remote:url=http://127.0.0.1:18085).
 
 Both exit with code 2 and one line on stderr for bad input (unknown model path, bad seeds, unknown
-reward, a prompt the reward cannot read), never with a traceback.
+reward, a prompt the reward cannot read, an output path that cannot be written, sizes that would
+exhaust memory or never finish), never with a traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
+from flowrl.cli_args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
+                             positive_int, read_text_file)
 from samplers import euler_step, initial_noise
 
 __all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
@@ -105,30 +107,43 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
 # ----------------------------------------------------------------------------- helpers of the commands
 
 
-def parse_seeds(text: str) -> list[int]:
+MAX_SEED = 2 ** 63 - 1  # seeds are int64 tensors (per-sample noise); torch.Generator takes them all
+MAX_SEEDS = 1024  # columns of one grid
+MAX_IMAGES = 4096  # images of one `flowrl sample` call (prompts x seeds)
+MAX_STEPS = 1000
+MAX_EVAL_PROMPTS = 100_000
+MAX_SCALE = 16
+
+
+def parse_seeds(text: str, max_count: int = MAX_SEEDS) -> list[int]:
     """Seeds from ``"0-7"`` (inclusive range), ``"0,3,5"`` (list), ``"4"`` or mixes (``"0-3,8"``).
 
     Raises:
-        ValueError: the text is not of that form (the message shows the forms).
+        ValueError: the text is not of that form, a seed is outside ``0..2**63-1``, or it names more than
+            ``max_count`` seeds (checked before any range is expanded; the message shows the forms).
     """
     forms = "expected a seed ('4'), an inclusive range ('0-7') or a comma-separated list ('0,3,5' or '0-3,8')"
-    seeds: list[int] = []
+    spans: list[tuple[int, int]] = []
     items = [item.strip() for item in str(text).split(",")]
     if not text or not all(items):
         raise ValueError(f"bad seeds {text!r}: {forms}")
     for item in items:
         low, dash, high = item.partition("-")
         try:
-            if dash:
-                first, last = int(low), int(high)
-                if last < first:
-                    raise ValueError
-                seeds.extend(range(first, last + 1))
-            else:
-                seeds.append(int(item))
+            first, last = (int(low), int(high)) if dash else (int(item), int(item))
+            if last < first:
+                raise ValueError
         except ValueError:
             raise ValueError(f"bad seeds {text!r} (at {item!r}): {forms}; seeds are non-negative") from None
-    return seeds
+        if first < 0 or last > MAX_SEED:
+            raise ValueError(f"bad seeds {text!r}: seed {last if last > MAX_SEED else first} is outside 0..{MAX_SEED} "
+                             "(seeds are 64-bit signed integers); use smaller seeds")
+        spans.append((first, last))
+    count = sum(last - first + 1 for first, last in spans)
+    if count > max_count:
+        raise ValueError(f"--seeds {text!r} names {count} seeds, more than the {max_count} one command takes; "
+                         "give a shorter range")
+    return [seed for first, last in spans for seed in range(first, last + 1)]
 
 
 def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
@@ -254,9 +269,9 @@ def _seeds_arg(text: str) -> list[int]:
 def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
     parser.add_argument("--model", default="shapes",
                         help="`shapes` (the shipped model, default) or a saved shapes-model directory")
-    parser.add_argument("--steps", type=positive_int, default=default_steps,
-                        help=f"Euler ODE steps (default {default_steps})")
-    parser.add_argument("--guidance", type=float, default=None,
+    parser.add_argument("--steps", type=bounded_int(1, MAX_STEPS, "more steps change nothing visible"),
+                        default=default_steps, help=f"Euler ODE steps, 1-{MAX_STEPS} (default {default_steps})")
+    parser.add_argument("--guidance", type=finite_float, default=None,
                         help="classifier-free guidance scale (default: the model's own)")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per model call (default 64)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
@@ -267,12 +282,7 @@ def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
 
 
 def _out_path(text: str, suffixes: tuple[str, ...], what: str) -> Path:
-    path = Path(text)
-    if path.is_dir():
-        raise UsageError(f"--out {text!r} is a directory; give a file name ending in {' or '.join(suffixes)}")
-    if path.suffix.lower() not in suffixes:
-        raise UsageError(f"--out {text!r}: {what} must end in {' or '.join(suffixes)}")
-    return path
+    return output_file(text, suffixes=suffixes, what=what)
 
 
 def _check_prompts(reward, prompts: list[str]) -> None:
@@ -304,6 +314,14 @@ def _run_command(prog: str, body, argv: list[str]) -> int:
         message = err.message if isinstance(err, UnknownNameError) else str(err)
         print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"{prog}: error: out of memory; use fewer prompts, seeds or a smaller --batch-size", file=sys.stderr)
+        return 2
+    except OSError as err:  # e.g. the disk filled up while writing the output
+        where = f" at {err.filename!r}" if getattr(err, "filename", None) else ""
+        print(f"{prog}: error: {one_line(err.strerror or err)}{where}; check that path and the free disk space",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -319,11 +337,15 @@ def _sample(argv: list[str]) -> int:
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more rows)")
     parser.add_argument("--seeds", type=_seeds_arg, default=parse_seeds("0-7"),
                         help="columns: '0-7' (default), '0,3,5' or '4'")
-    parser.add_argument("--scale", type=positive_int, default=4, help="nearest-neighbour upscaling (default 4)")
+    parser.add_argument("--scale", type=bounded_int(1, MAX_SCALE), default=4,
+                        help=f"nearest-neighbour upscaling, 1-{MAX_SCALE} (default 4)")
     parser.add_argument("--reward", default=None, help="optionally score each image with this reward "
                                                        "(drawn under it), e.g. shapes")
     parser.add_argument("--out", default="grid.png", help="output image (default grid.png)")
     args = parser.parse_args(argv)
+    if len(args.prompt) * len(args.seeds) > MAX_IMAGES:
+        raise UsageError(f"{len(args.prompt)} prompts x {len(args.seeds)} seeds = {len(args.prompt) * len(args.seeds)} "
+                         f"images, more than the {MAX_IMAGES} of one grid; use fewer prompts or seeds")
     out = _out_path(args.out, (".png", ".jpg", ".jpeg", ".webp"), "the grid")
     reward = None
     if args.reward:
@@ -367,9 +389,10 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--reward", default="shapes", help="reward model (default shapes)")
     parser.add_argument("--split", choices=("eval", "train"), default="eval",
                         help="prompt split (default eval, the held-out prompts)")
-    parser.add_argument("--n", type=positive_int, default=None,
-                        help="number of prompts (default 600; with --prompts, every line)")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the prompt set (default 1234)")
+    parser.add_argument("--n", type=bounded_int(1, MAX_EVAL_PROMPTS), default=None,
+                        help=f"number of prompts, up to {MAX_EVAL_PROMPTS} (default 600; with --prompts, every line)")
+    parser.add_argument("--seed", type=bounded_int(0, 2 ** 31 - 1), default=1234,
+                        help="seed of the prompt set (default 1234)")
     parser.add_argument("--prompts", default=None, help="a text file of prompts, one per line, instead of --split")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -418,11 +441,12 @@ def _eval(argv: list[str]) -> int:
 def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str, int]]:
     from flowrl.data.shapes import PromptParseError, parse_prompt
 
-    try:
-        lines = [line.strip() for line in Path(path).read_text().splitlines()]
-    except OSError as err:
-        raise UsageError(f"cannot read --prompts {path!r}: {err.strerror or err}") from None
+    text = read_text_file(path, what=f"--prompts {path!r}", fix="give a text file with one prompt per line")
+    lines = [line.strip() for line in text.splitlines()]
     prompts = [line for line in lines if line and not line.startswith("#")][:n]
+    if len(prompts) > MAX_EVAL_PROMPTS:
+        raise UsageError(f"--prompts {path!r} holds {len(prompts)} prompts, more than the {MAX_EVAL_PROMPTS} one "
+                         "evaluation takes; pass --n or split the file")
     if not prompts:
         raise UsageError(f"--prompts {path!r} holds no prompts (one per line; # starts a comment)")
     rows = []
