@@ -158,27 +158,27 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+        raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value in allowed and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}{hint}")
+        raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}{hint}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         return _build(tp, value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(path, f"got {_short(value)}, expected a list of {len(args)} items")
+                raise ConfigError(path, f"got {_short(value)}; expected a list of {len(args)} items")
             items = [_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
         else:
             inner = args[0] if args else Any
@@ -186,7 +186,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         key_tp, val_tp = typing.get_args(tp) or (Any, Any)
         return {_convert(k, key_tp, f"{path}.{k}"): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
@@ -206,14 +206,14 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 pass
         if number is not None:
             if not math.isfinite(number):  # inf / nan would only surface later as NaN weights
-                raise ConfigError(path, f"got {_short(value)}, expected a finite number")
+                raise ConfigError(path, f"got {_short(value)}; expected a finite number")
             return number
     elif tp is str:
         if isinstance(value, str):
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+    raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
 
 
 def _check_bounds(value: Any, limits: dict, path: str) -> None:
@@ -226,7 +226,7 @@ def _check_bounds(value: Any, limits: dict, path: str) -> None:
     if violated:
         allowed = " and ".join(f"{sym} {limit}" for key, (_, sym) in rules.items()
                                if (limit := limits.get(key)) is not None)
-        raise ConfigError(path, f"got {_short(value)}, must be {allowed}")
+        raise ConfigError(path, f"got {_short(value)}; must be {allowed}")
 
 
 def _build(cls: type[T], data: dict, path: str) -> T:

@@ -10,11 +10,13 @@ A row is ``(argv, exit code, message fragment)``. ``argv`` runs in this process 
 - ``{images}``    a folder of two 16x16 PNGs (``{images_binary_sidecars}``: with binary ``.txt`` sidecars)
 - ``{model}``     a tiny shapes model
 - ``{busy_port}`` a TCP port something already listens on
+- ``{config}``    the main job's training config
 """
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ E = ["eval", "--model", "{model}", "--n", "2"]
 SC = ["score", "--reward", "jpeg_compressibility", "--images", "{images}", "--empty-prompts"]
 D = ["data", "shapes", "--split", "train", "--n", "2"]
 R = ["serve-reward", "--reward", "jpeg_compressibility", "--port", "0"]
+T = ["train", "{config}", "model.path={model}", "run.output_dir={tmp}/run"]  # a valid training command to break
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 ROWS = [
@@ -75,6 +78,23 @@ ROWS = [
     (D[:-2] + ["--n", "1000000000", "--out", "{tmp}/d"], 2, "--n: expected a positive integer up to 10000000"),
     (D + ["--seed", BIG_SEED, "--out", "{tmp}/d"], 2, f"--seed: expected an integer from 0 to {2 ** 63 - 1}"),
     (SC + ["--max-memory-mb", "-1", "--out", "{tmp}/s.jsonl"], 2, "--max-memory-mb must be a positive number"),
+    # --- training: config values that would fail late, loop forever, exhaust memory or turn NaN
+    (T + ["reward.train={{no_such_reward: 1.0}}"], 2, "reward.train: unknown reward 'no_such_reward'"),
+    (T + ["reward.eval=[no_such_reward]"], 2, "reward.eval: unknown reward 'no_such_reward'"),
+    (T + ["optim.lr=.inf"], 2, "optim.lr: got inf; expected a finite number"),
+    (T + ["sampling.guidance=1e30"], 2, "sampling.guidance: got 1e+30; must be >= 0 and <= 100"),
+    (T + ["sampling.num_steps=10000000"], 2, "sampling.num_steps: got 10000000; must be >= 2 and <= 1000"),
+    (T + ["data.num_eval_prompts=1000000000"], 2, "data.num_eval_prompts: got 1000000000; must be >= 1 and <= 100000"),
+    (T + [f"run.seed={BIG_SEED}"], 2, f"run.seed: got {BIG_SEED}; must be >= 0 and < {BIG_SEED}"),
+    (T + ["log.backends=[tensorbored]"], 2, "log.backends: unknown backend 'tensorbored'; valid: tensorboard, wandb"),
+    (T + ["run.resume=true", "run.overwrite=true"], 2, "run.overwrite: run.resume=true continues the run"),
+    (T + ["run.resume=true"], 2, "holds no checkpoint; run without run.resume=true to start fresh"),
+    (["train", "{config}", "model.path={tmp}/nowhere", "run.output_dir={tmp}/run"], 2,
+     "is missing model.json, unet/config.json"),
+    (["train", "{config}", "model.path={model}", "run.output_dir={text}"], 2, "is a file, not a folder; choose"),
+    (["train", "{config}", "model.path={model}", "run.output_dir=/dev/null/run"], 2,
+     "run.output_dir: cannot write to /dev/null/run: Not a directory; choose a writable run.output_dir"),
+    (["train", "{config}", "sampling.group_sise=4"], 2, "sampling.group_sise: unknown key (did you mean 'group_size'?)"),
     # --- the reward server
     (R[:-2] + ["--host", "0.0.0.0", "--port", "0"], 2, "exposes the server beyond this machine and it has no API key"),
     (R + ["--api-key-file", "{binary}"], 2, "cannot read the API key file"),
@@ -105,8 +125,10 @@ def places(tmp_path_factory, tiny_shapes_dir):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
+    config = Path(__file__).resolve().parents[1] / "configs" / "shapes" / "flow_grpo.yaml"
     yield {"binary": binary, "binary_txt": root / "binary.txt", "text": text, "images": images,
-           "images_binary_sidecars": sidecars, "model": tiny_shapes_dir, "busy_port": busy.getsockname()[1]}
+           "images_binary_sidecars": sidecars, "model": tiny_shapes_dir, "busy_port": busy.getsockname()[1],
+           "config": config}
     busy.close()
 
 

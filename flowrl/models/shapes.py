@@ -166,7 +166,7 @@ class ShapesModel(FlowModel):
                     if path == SHIPPED_CHECKPOINT else
                     "point model.path at a directory written by `flowrl train configs/shapes/pretrain.yaml` "
                     "(its checkpoints/*/model) or leave it unset for the shipped model")
-            raise ModelLoadError(f"shapes model at {str(path)!r} is missing {', '.join(missing)}: {hint}")
+            raise ModelLoadError(f"shapes model at {str(path)!r} is missing {', '.join(missing)}; {hint}")
         try:
             meta = json.loads((path / "model.json").read_text())
             config = from_dict(ShapesModelConfig, meta["config"])

@@ -40,7 +40,7 @@ class AdvantageConfig:
 
     def check(self) -> None:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
-            fail("estimator", f"got {self.estimator!r}, expected one of {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+            fail("estimator", f"got {self.estimator!r}; expected one of {', '.join(ADVANTAGE_ESTIMATORS.names())}")
         if self.per_prompt_min_count > self.per_prompt_buffer:
             fail("per_prompt_min_count", f"{self.per_prompt_min_count} exceeds per_prompt_buffer "
                  f"{self.per_prompt_buffer} (a history never holds more rewards than the buffer)")

@@ -120,6 +120,7 @@ def prepare_output_dir(run, dist) -> Path:
     Raises:
         ConfigError: the folder is a file, cannot be created or written, or holds a run nobody asked to
             resume or overwrite.
+        CheckpointError: ``run.resume`` with no checkpoint to resume from.
     """
     import shutil
 
@@ -134,6 +135,12 @@ def prepare_output_dir(run, dist) -> Path:
         raise ConfigError("run.output_dir", f"{out} holds an earlier run; continue it with run.resume=true, start "
                           "over with run.overwrite=true (deletes its metrics and checkpoints), or choose another "
                           "run.output_dir")
+    if run.resume:
+        from flowrl.checkpoint import CheckpointError, checkpoints
+
+        if not checkpoints(out):  # say so before a model loads
+            raise CheckpointError(f"run.resume=true but {out}/checkpoints holds no checkpoint; run without "
+                                  "run.resume=true to start fresh")
     dist.barrier()  # every process has looked before the main one changes anything
     if dist.is_main:
         try:
