@@ -269,7 +269,7 @@ class TokenPolicy:
 
     # ------------------------------------------------------------------------------------------ scoring
 
-    def score(self, inputs: PolicyInputs, *, temperature: float = 1.0) -> torch.Tensor:
+    def score(self, inputs: PolicyInputs, *, temperature: float = 1.0, module=None) -> torch.Tensor:
         """Per-token log-probs of the batch's own tokens: ``logp[b, t] = log softmax(logits[b, t-1] / T)[ids[b, t]]``.
 
         Only positions from the first trained token onward are computed (``logits_to_keep``), so long
@@ -278,6 +278,8 @@ class TokenPolicy:
         Args:
             inputs: from :meth:`build_inputs`.
             temperature: the sampling temperature (log-probs of the tempered distribution).
+            module: the module to run (e.g. the DDP-wrapped model in training); default: the policy's model,
+                or the reference inside :meth:`reference`.
 
         Returns:
             ``[B, T]`` float32, 0 where ``inputs.loss_mask`` is 0.
@@ -290,7 +292,7 @@ class TokenPolicy:
             return torch.zeros(mask.shape, device=self.device)
         first = max(int(trained[0]), 1)
         keep = T - first + 1  # logits at positions first-1 .. T-1 predict tokens first .. T
-        model = self._scoring_model or self.model
+        model = module if module is not None else (self._scoring_model or self.model)
         out = model(**inputs.tensors, logits_to_keep=keep, use_cache=False)
         logits = out.logits[:, -keep:-1].float() / temperature
         targets = ids[:, first:]
