@@ -65,14 +65,18 @@ class _RowSampler:
     """A logits processor that samples each row from its own generator (temperature, then top-p through
     transformers' own warper) and leaves only that token possible, so ``generate`` (run greedy) keeps it."""
 
-    def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float, greedy: bool):
+    def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float, greedy: bool,
+                 banned: list[int] = ()):
         from transformers import TopPLogitsWarper
 
         self.generators, self.temperature, self.greedy = generators, temperature, greedy
+        self.banned = list(banned)
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
+        if self.banned:
+            scores = scores.index_fill(1, torch.tensor(self.banned, device=scores.device), float("-inf"))
         if self.greedy:
             chosen = scores.argmax(dim=-1)
         else:
@@ -120,6 +124,13 @@ class TokenPolicy:
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id)
         image_token = getattr(processor, "image_token", None)
         self.image_token_id = tok.convert_tokens_to_ids(image_token) if image_token and self.family.vision else None
+        # Multimodal placeholder tokens are never sampled (and so never scored): an image token in an action
+        # would have no image features behind it when the sequence is re-scored.
+        banned = set()
+        for token in getattr(tok, "all_special_tokens", []) + list(tok.get_added_vocab()):
+            if any(word in token for word in ("image", "vision", "video", "<row_", "fake_token")):
+                banned.add(int(tok.convert_tokens_to_ids(token)))
+        self.banned_token_ids = sorted(banned)
 
     # ------------------------------------------------------------------------------------------ loading
 
@@ -188,6 +199,7 @@ class TokenPolicy:
             model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=targets))
         else:
+            model.requires_grad_(True)
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         if gradient_checkpointing:
             base = model.get_base_model() if lora is not None else model
@@ -295,6 +307,7 @@ class TokenPolicy:
         model = module if module is not None else (self._scoring_model or self.model)
         out = model(**inputs.tensors, logits_to_keep=keep, use_cache=False)
         logits = out.logits[:, -keep:-1].float() / temperature
+        logits = _ban(logits, self.banned_token_ids)
         targets = ids[:, first:]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
         full = torch.zeros(mask.shape, device=self.device, dtype=logp.dtype)
@@ -349,7 +362,7 @@ class TokenPolicy:
         self.model.eval()
         try:
             result = self.model.generate(**inputs.tensors, generation_config=config,
-                                         logits_processor=LogitsProcessorList([_RowSampler(generators, temperature, top_p, greedy)]),
+                                         logits_processor=LogitsProcessorList([_RowSampler(generators, temperature, top_p, greedy, self.banned_token_ids)]),
                                          **extra)
         finally:
             self.model.train(was_training)
@@ -358,7 +371,7 @@ class TokenPolicy:
         if new.shape[1]:
             logits = torch.stack(result.logits, dim=1).float().cpu()  # [B, L, V] raw logits
             scale = 1.0 if greedy else temperature
-            logps = torch.log_softmax(logits / scale, dim=-1).gather(-1, new[..., None])[..., 0]
+            logps = torch.log_softmax(_ban(logits / scale, self.banned_token_ids), dim=-1).gather(-1, new[..., None])[..., 0]
         else:
             logps = torch.zeros(new.shape)
         return [self._finish(new[i].tolist(), logps[i], max_new_tokens, stop_strings) for i in range(new.shape[0])]
@@ -385,6 +398,13 @@ class TokenPolicy:
             if s in text:
                 text = text[: text.index(s) + len(s)]
         return Generation(ids, logps[:n].clone(), text.strip(), finish)
+
+
+def _ban(logits: torch.Tensor, banned: list[int]) -> torch.Tensor:
+    """``logits [..., V]`` with the banned ids at -inf (the distribution the policy samples from and is scored on)."""
+    if not banned:
+        return logits
+    return logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
 
 
 def language_model_projections(model) -> list[str]:
