@@ -9,7 +9,8 @@ __all__ = ["evaluate_policy", "format_kind_table"]
 
 
 def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
-                    max_new_tokens: int = 16, prefix: str | None = None, progress=None) -> dict[str, float]:
+                    max_new_tokens: int = 16, prefix: str | None = None, progress=None,
+                    system_prompt: str | None = None) -> dict[str, float]:
     """Accuracy of greedy episodes on the first ``n`` held-out tasks of ``env_name``.
 
     Returns:
@@ -34,7 +35,8 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
             chunk = tasks[start:start + batch_size]
             episodes += play_episodes(policy, spec.make, chunk, list(range(start, start + len(chunk))), seed=0,
                                       sampling=SamplingSettings(greedy=True, max_new_tokens=max_new_tokens,
-                                                                batch_size=batch_size), max_turns=turns)
+                                                                batch_size=batch_size), max_turns=turns,
+                                      system_prompt=system_prompt)
             if progress is not None:
                 progress(len(chunk))
     finally:
@@ -72,3 +74,70 @@ def format_kind_table(metrics: dict[str, float], prefix: str, kinds) -> str:
     lines += [f"{k.ljust(width)}  {metrics[prefix + k]:8.3f}" for k in kinds if prefix + k in metrics]
     lines += [f"{'-' * width}  --------", f"{'overall'.ljust(width)}  {metrics[prefix + 'accuracy']:8.3f}"]
     return "\n".join(lines)
+
+
+def _model_arg(text: str) -> str:
+    """``shapes_vlm`` (the shipped model), a model folder, or a run directory holding ``model/``."""
+    from pathlib import Path
+
+    from flowrl.policies.shapes_vlm import resolve_model_path
+
+    path = Path(text)
+    if text != "shapes_vlm" and (path / "model" / "config.json").is_file():
+        return str(path / "model")
+    return resolve_model_path(text)
+
+
+def vqa_eval_main(argv: list[str]) -> int:
+    """``flowrl eval --task vqa|zoom [--model shapes_vlm|DIR] [--n N] [--out FILE.json]``: held-out accuracy of
+    a VLM policy (greedy) with a table per question kind."""
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
+
+    parser = OneLineParser(prog="flowrl eval --task", description="Held-out accuracy of a VLM policy on Shapes-VQA "
+                                                                  "(or the zoom environment), per question kind.")
+    parser.add_argument("--task", choices=("vqa", "zoom"), required=True)
+    parser.add_argument("--model", default="shapes_vlm", help="shapes_vlm (the shipped model, default), a model "
+                                                              "folder, or a run directory with model/")
+    parser.add_argument("--n", type=positive_int, default=None, help="examples (default 500 for vqa, 200 for zoom)")
+    parser.add_argument("--batch-size", type=positive_int, default=100)
+    parser.add_argument("--max-turns", type=positive_int, default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=None, help="write the metrics as JSON here")
+    try:
+        args = parser.parse_args(argv)
+        if args.out and not args.out.endswith(".json"):
+            raise UsageError(f"--out {args.out!r}: the results must end in .json")
+        from flowrl.policies import PolicyLoadError, TokenPolicy
+
+        device = device_arg(args.device)
+        try:
+            policy = TokenPolicy.from_pretrained(_model_arg(args.model), device=device)
+        except PolicyLoadError as err:
+            raise UsageError(str(err)) from None
+    except UsageError as err:
+        print(f"flowrl eval: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    env = f"shapes_{args.task}"
+    n = args.n or (500 if args.task == "vqa" else 200)
+    start = time.perf_counter()
+    metrics = evaluate_policy(policy, env, n, batch_size=args.batch_size, max_turns=args.max_turns)
+    from flowrl.envs.registry import get_env
+
+    prefix = f"eval/{args.task}/"
+    print(format_kind_table(metrics, prefix, get_env(env).kinds))
+    for key, value in metrics.items():
+        if "tool_calls" in key or key.endswith("_frac"):
+            print(f"{key.removeprefix(prefix)}: {value:.3f}")
+    print(f"({n} held-out examples, greedy, {time.perf_counter() - start:.1f} s)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"model": args.model, "task": args.task, "n": n, **metrics}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0

@@ -76,7 +76,7 @@ def sample_seed(*parts: int) -> int:
 
 
 def play_episodes(policy, make_env: Callable[[], Any], tasks: list[Task], indices: list[int], *, seed: int,
-                  sampling: SamplingSettings, max_turns: int = 1) -> list[Episode]:
+                  sampling: SamplingSettings, max_turns: int = 1, system_prompt: str | None = None) -> list[Episode]:
     """Play one episode per task.
 
     Args:
@@ -87,6 +87,8 @@ def play_episodes(policy, make_env: Callable[[], Any], tasks: list[Task], indice
         seed: the run's seed for this epoch and round (combine the run seed, epoch and round into it).
         sampling: temperature, top-p, max tokens, stop strings, batching.
         max_turns: actions allowed per episode.
+        system_prompt: an optional system turn before the environment's first observation (e.g. the R1
+            answer format).
 
     Returns:
         The episodes, in the order of ``tasks``.
@@ -97,7 +99,8 @@ def play_episodes(policy, make_env: Callable[[], Any], tasks: list[Task], indice
     episodes = []
     for task, env, index in zip(tasks, envs, indices):
         obs = env.reset(task)
-        ep = Episode(task, [Turn(obs.role, obs.text, list(obs.images))], index=index,
+        first = [Turn("system", system_prompt)] if system_prompt else []
+        ep = Episode(task, first + [Turn(obs.role, obs.text, list(obs.images))], index=index,
                      counts=dict.fromkeys(("truncated", "empty", "malformed", "tool_call", "turn_limit"), 0.0))
         ep.anchors.append(obs.anchor)
         ep.image = env.image(task) if hasattr(env, "image") else None

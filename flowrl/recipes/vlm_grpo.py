@@ -107,6 +107,7 @@ class EnvConfig:
     name: Literal["shapes_vqa", "shapes_zoom"] = "shapes_vqa"
     kinds: list[str] | None = None  # None: every kind of the environment
     max_turns: int | None = field(default=None, metadata=bounds(ge=1))  # None: the environment's default
+    system_prompt: str | None = None  # a system turn before the first observation (e.g. an answer format)
 
 
 @dataclass
@@ -207,6 +208,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     threads: int | None = field(default=None, metadata=bounds(ge=1))
+    clock: Literal["wall", "cpu"] = "wall"  # what run.max_minutes counts (see flowrl/recipes/vlm_sft.py)
 
     def check(self) -> None:
         a = self.algorithm
@@ -339,7 +341,7 @@ def collect_epoch(policy, cfg: Config, epoch: int, dist, answer_rewards, env_spe
         per = math.ceil(n / dist.world_size)
         lo, hi = dist.rank * per, min((dist.rank + 1) * per, n)
         mine = play_episodes(policy, env_spec.make, flat[lo:hi], list(range(lo, hi)), seed=round_seed,
-                             sampling=settings, max_turns=max_turns)
+                             sampling=settings, max_turns=max_turns, system_prompt=cfg.env.system_prompt)
         if progress is not None:
             progress(len(mine))
         episodes = dist.gather_object(mine) if dist.world_size > 1 else mine
@@ -577,7 +579,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import AnswerRewards
     from flowrl.logging import MetricsLogger
-    from flowrl.runtime import Deadline, GracefulStop, prepare_run
+    from flowrl.recipes.vlm_sft import make_deadline
+    from flowrl.runtime import GracefulStop, prepare_run
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -620,7 +623,7 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
         if dist.is_main:
             print(f"flowrl: resumed from {checkpoint} at epoch {epoch}")
 
-    deadline = Deadline(cfg.run.max_minutes, already_spent=train_minutes_before)
+    deadline = make_deadline(cfg.clock, cfg.run.max_minutes, train_minutes_before)
 
     def checkpoint_now() -> None:
         if not dist.is_main:
@@ -634,7 +637,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     def evaluate() -> dict[str, float]:
         # Every process evaluates the same set (greedy, deterministic); only the main one logs.
         return evaluate_policy(policy, cfg.env.name, cfg.eval.num_examples, batch_size=cfg.eval.batch_size,
-                               max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens)
+                               max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens,
+                               system_prompt=cfg.env.system_prompt)
 
     next_eval = _next_multiple(train_minutes_before, cfg.eval.every_minutes)
     status = "finished"

@@ -22,6 +22,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -31,7 +32,49 @@ from flowrl.config import RunConfig, bounds, fail, save_config
 from flowrl.policies.shapes_vlm import ShapesVLMConfig
 from flowrl.recipes import Recipe
 
-__all__ = ["Config", "main", "RECIPE"]
+__all__ = ["Config", "main", "RECIPE", "CpuDeadline", "make_deadline"]
+
+
+class CpuDeadline:
+    """``run.max_minutes`` counted in this process's CPU time (all threads), evaluation excluded.
+
+    On a shared machine wall time depends on everyone else's load; CPU time does not (much), so a budget in
+    CPU minutes reproduces. Same interface as :class:`flowrl.runtime.Deadline`.
+    """
+
+    def __init__(self, minutes: float | None, already_spent: float = 0.0):
+        import contextlib
+
+        self.minutes, self.already_spent = minutes, already_spent
+        self.start_cpu, self.start_wall = time.process_time(), time.monotonic()
+        self.excluded_cpu = 0.0
+        self._contextlib = contextlib
+
+    def excluded(self):
+        @self._contextlib.contextmanager
+        def block():
+            start = time.process_time()
+            try:
+                yield
+            finally:
+                self.excluded_cpu += time.process_time() - start
+        return block()
+
+    def wall_minutes(self) -> float:
+        return (time.monotonic() - self.start_wall) / 60.0
+
+    def elapsed_minutes(self) -> float:
+        return self.already_spent + (time.process_time() - self.start_cpu - self.excluded_cpu) / 60.0
+
+    def passed(self) -> bool:
+        return self.minutes is not None and self.elapsed_minutes() >= self.minutes
+
+
+def make_deadline(clock: str, minutes: float | None, already_spent: float):
+    """A wall-clock :class:`flowrl.runtime.Deadline` or a :class:`CpuDeadline`."""
+    from flowrl.runtime import Deadline
+
+    return CpuDeadline(minutes, already_spent) if clock == "cpu" else Deadline(minutes, already_spent)
 
 
 @dataclass
@@ -48,6 +91,9 @@ class OptimConfig:
     weight_decay: float = field(default=0.01, metadata=bounds(ge=0))
     warmup_steps: int = field(default=100, metadata=bounds(ge=0))
     min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
+    # Cosine decay over this many epochs (None: run.max_epochs), so a run stopped early and resumed with a
+    # longer max_epochs keeps its schedule.
+    decay_epochs: int | None = field(default=None, metadata=bounds(ge=1))
     grad_clip: float = field(default=1.0, metadata=bounds(gt=0))
 
 
@@ -69,6 +115,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint_minutes: float = field(default=5.0, metadata=bounds(gt=0))
     threads: int | None = field(default=None, metadata=bounds(ge=1))  # torch.set_num_threads (None: torch's default)
+    # What run.max_minutes and time/train_min count: wall-clock time, or this process's CPU time (reproducible
+    # on a shared machine).
+    clock: Literal["wall", "cpu"] = "wall"
 
     def check(self) -> None:
         if self.model.hidden_size % self.model.heads:
@@ -78,7 +127,7 @@ class Config:
 
 
 def _lr_factor(cfg: Config):
-    total = max(cfg.run.max_epochs * cfg.data.steps_per_epoch, 1)
+    total = max((cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch, 1)
     warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
 
     def factor(step: int) -> float:
@@ -141,7 +190,7 @@ def main(cfg: Config) -> int:
     from flowrl.logging import MetricsLogger
     from flowrl.policies import TokenPolicy
     from flowrl.policies.shapes_vlm import build_model
-    from flowrl.runtime import Deadline, GracefulStop, prepare_run
+    from flowrl.runtime import GracefulStop, prepare_run
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -174,7 +223,7 @@ def main(cfg: Config) -> int:
     elif (output_dir / "metrics.jsonl").exists():
         (output_dir / "metrics.jsonl").unlink()
 
-    deadline = Deadline(cfg.run.max_minutes, already_spent=minutes_before)
+    deadline = make_deadline(cfg.clock, cfg.run.max_minutes, minutes_before)
 
     def checkpoint_now() -> None:
         state = {"model": policy.trainable_state_dict(), "optimizer": optimizer.state_dict(),
@@ -206,7 +255,8 @@ def main(cfg: Config) -> int:
                 epoch = math.ceil(step / cfg.data.steps_per_epoch)
                 metrics = {"epoch": epoch, "step": step, "train/loss": sum(losses) / max(len(losses), 1),
                            "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
-                           "time/epoch_s": time.monotonic() - epoch_start, "time/train_min": deadline.elapsed_minutes()}
+                           "time/epoch_s": time.monotonic() - epoch_start, "time/train_min": deadline.elapsed_minutes(),
+                           "time/wall_min": deadline.wall_minutes()}
                 losses = []
                 if epoch % cfg.eval.every_epochs == 0 or stopping or step == total_steps:
                     with deadline.excluded():
