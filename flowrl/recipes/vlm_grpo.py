@@ -298,7 +298,6 @@ def _score_episodes(episodes: list, answer_rewards, cfg: Config, variant: Varian
     turn_rewards = torch.zeros(len(episodes), K)
     turn_mask = torch.zeros(len(episodes), K, dtype=torch.bool)
     overlong = torch.zeros(len(episodes))
-    budget = cfg.sampling.max_new_tokens * max(e.num_turns for e in episodes)
     if variant.overlong_penalty:
         # DAPO's soft overlong punishment on the episode's generated tokens, against the whole budget.
         budget = cfg.sampling.max_new_tokens
@@ -332,7 +331,7 @@ def collect_epoch(policy, cfg: Config, epoch: int, dist, answer_rewards, env_spe
     rounds, seen_groups, zero_std_groups = 0, 0, 0
     stats = {"truncated": 0.0, "empty": 0.0, "malformed": 0.0, "tool_call": 0.0, "turn_limit": 0.0, "episodes": 0.0}
     rounds_allowed = s.max_sampling_rounds if variant.dynamic_sampling else 1
-    all_scored = []
+    all_played = []
     while rounds < rounds_allowed and len(kept) < s.groups_per_epoch:
         round_seed = _seed(cfg.run.seed, epoch, rounds)
         tasks = env_spec.train_tasks("train", s.groups_per_epoch, seed=round_seed % (2**31), kinds=kinds)
@@ -345,26 +344,33 @@ def collect_epoch(policy, cfg: Config, epoch: int, dist, answer_rewards, env_spe
         if progress is not None:
             progress(len(mine))
         episodes = dist.gather_object(mine) if dist.world_size > 1 else mine
-        rewards, _, _, _ = _score_episodes(episodes, answer_rewards, cfg, variant)
-        for g in range(s.groups_per_epoch):
-            group = episodes[g * s.group_size:(g + 1) * s.group_size]
-            r = rewards[g * s.group_size:(g + 1) * s.group_size]
-            seen_groups += 1
-            constant = bool(r.max() == r.min())
-            zero_std_groups += int(constant)
-            if (not variant.dynamic_sampling or not constant) and len(kept) < s.groups_per_epoch:
-                kept.append(group)
-        all_scored += episodes
+        groups = [episodes[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
+        seen_groups += len(groups)
+        if variant.dynamic_sampling:  # keep only groups whose rewards differ (scored here to decide)
+            rewards = _score_episodes(episodes, answer_rewards, cfg, variant)[0]
+            for g, group in enumerate(groups):
+                r = rewards[g * s.group_size:(g + 1) * s.group_size]
+                if bool(r.max() == r.min()):
+                    zero_std_groups += 1
+                elif len(kept) < s.groups_per_epoch:
+                    kept.append(group)
+        else:
+            kept = groups
+        all_played += episodes
         rounds += 1
     if not kept:  # every group was constant in every round: train on the first round (zero advantages)
-        kept = [all_scored[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
+        kept = [all_played[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
     # Every process trains on an equal shard: keep a multiple of the world size of groups x group size.
     while len(kept) > 1 and (len(kept) * s.group_size) % dist.world_size:
         kept.pop()
     episodes = [e for group in kept for e in group]
     group_ids = torch.tensor([g for g, group in enumerate(kept) for _ in group])
     rewards, turn_rewards, turn_mask, details = _score_episodes(episodes, answer_rewards, cfg, variant)
-    for e in all_scored:
+    if not variant.dynamic_sampling:
+        from flowrl.core.advantages import zero_std_fraction
+
+        zero_std_groups = round(zero_std_fraction(rewards, group_ids) * len(kept))
+    for e in all_played:
         stats["episodes"] += 1
         for key in ("truncated", "empty", "malformed", "tool_call", "turn_limit"):
             stats[key] += e.counts[key]
@@ -409,11 +415,6 @@ def _token_advantages(inputs, turn_adv: torch.Tensor) -> torch.Tensor:
     return torch.where(inputs.turn_index >= 0, adv, torch.zeros_like(adv))
 
 
-def _shard(n: int, dist) -> range:
-    per = n // dist.world_size
-    return range(dist.rank * per, (dist.rank + 1) * per)
-
-
 def _micro_batches(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i:i + size] for i in range(0, len(indices), size)]
 
@@ -426,7 +427,6 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
     a, v, t = cfg.algorithm, cfg.algorithm.resolved(), cfg.train
     temperature = cfg.sampling.temperature
     N = len(batch.episodes)
-    shard = list(_shard(N, dist))
     rng = random.Random(_seed(cfg.run.seed, epoch, 7))
     budget = cfg.sampling.max_new_tokens * (cfg.env.max_turns or max(e.num_turns for e in batch.episodes))
     # Inputs, old and reference log-probs per micro-batch, computed once before any update.
@@ -452,8 +452,8 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
         order = list(range(N)) if t.inner_epochs == 1 else rng.sample(range(N), N)
         size = math.ceil(N / t.minibatches)
         plans += [order[i:i + size] for i in range(0, N, size)]
-    # Compute old log-probs for every micro-batch first: the ratio is exactly 1 at the first update.
-    for minibatch in plans[:1] if t.inner_epochs == 1 and t.minibatches == 1 else plans:
+    # Old log-probs of every micro-batch first, before any update: the ratio is exactly 1 at the first update.
+    for minibatch in plans:
         mine = minibatch[dist.rank * len(minibatch) // dist.world_size:(dist.rank + 1) * len(minibatch) // dist.world_size]
         for micro in _micro_batches(mine, t.micro_batch_size):
             prepared(micro)
@@ -470,7 +470,6 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
     count = 0.0
     steps = 0
     params = policy.trainable_parameters()
-    mask_all = batch.turn_mask
     for minibatch in plans:
         # Global denominators of this minibatch (every process knows every episode).
         lengths = torch.tensor([sum(batch.episodes[i].action_lengths) for i in minibatch], dtype=torch.float)
@@ -520,8 +519,6 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
             count += w
             if progress is not None:
                 progress(len(micro))
-        if not micros:  # a process without episodes in this minibatch still joins the gradient all-reduce
-            pass
         grad_norm = dist.clip_grad_norm_(params, cfg.optim.grad_clip)
         sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(grad_norm)
         optimizer.step()
@@ -536,7 +533,6 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
     metrics["train/optimizer_steps"] = steps
     metrics["train/lr"] = optimizer.param_groups[0]["lr"]
     metrics["train/rollout_logp_gap"] = gap_sum / max(gap_n, 1.0)
-    del mask_all
     return metrics
 
 
