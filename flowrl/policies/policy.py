@@ -91,6 +91,19 @@ class _RowSampler:
         return out
 
 
+class _StopStrings:
+    """Stops a row once its decoded continuation contains a stop string. (transformers' StopStringCriteria
+    builds a cleaned vocabulary by tokenizing a probe string, which fails for word-level tokenizers; decoding
+    the few generated tokens works for any tokenizer.)"""
+
+    def __init__(self, tokenizer, stop_strings, prompt_length: int):
+        self.tokenizer, self.stop_strings, self.prompt_length = tokenizer, tuple(stop_strings), prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_length:], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stop_strings) for t in texts], device=input_ids.device)
+
+
 class TokenPolicy:
     """A language or vision-language model seen as a policy over tokens.
 
@@ -356,8 +369,10 @@ class TokenPolicy:
                                   use_cache=True)
         extra = {}
         if stop_strings:
-            config.stop_strings = list(stop_strings)
-            extra["tokenizer"] = self.tokenizer
+            from transformers import StoppingCriteriaList
+
+            extra["stopping_criteria"] = StoppingCriteriaList(
+                [_StopStrings(self.tokenizer, stop_strings, inputs.input_ids.shape[1])])
         was_training = self.model.training
         self.model.eval()
         try:

@@ -193,3 +193,18 @@ def test_text_only_family_refuses_images(tmp_path):
 def test_missing_model_is_one_clear_error(tmp_path):
     with pytest.raises(PolicyLoadError, match="config.json"):
         TokenPolicy.from_pretrained(tmp_path / "nothing")
+
+
+def test_stop_strings_and_max_tokens(policy):
+    conversations = _multi_turn(policy)[2:]
+    (free,) = policy.generate(conversations, seeds=[0], max_new_tokens=6, greedy=True)
+    words = [policy.tokenizer.decode([t], skip_special_tokens=True) for t in free.token_ids]
+    k = next((i for i, w in enumerate(words) if w.strip() and i >= 1), None)
+    if free.finish != "length" or k is None:
+        pytest.skip("the random model stopped at once")
+    (cut,) = policy.generate(conversations, seeds=[0], max_new_tokens=6, greedy=True, stop_strings=(words[k].strip(),))
+    # The action ends with the first token whose text completes the stop string; it is kept.
+    first = next(i for i, w in enumerate(words) if words[k].strip() in w)
+    assert cut.token_ids == free.token_ids[: first + 1] and cut.finish == "stop"
+    assert cut.text.endswith(words[k].strip())
+    assert len(free.token_ids) == 6 and torch.allclose(cut.logprobs, free.logprobs[: first + 1])
