@@ -134,3 +134,14 @@ def test_two_processes_equal_one_process_with_double_accumulation(tiny_vlm, tmp_
     assert ra["train/reward_mean"] == rb["train/reward_mean"]
     assert abs(ra["train/grad_norm"] - rb["train/grad_norm"]) < 1e-5 * max(1.0, ra["train/grad_norm"])
     assert ra["train/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_updates_climb_the_reward(tiny_vlm, tmp_path):
+    # Reward: a colour word anywhere in the answer. GRPO at a high learning rate must make it more frequent.
+    run_recipe(GRPO, overrides(tiny_vlm, tmp_path, "run.max_epochs=12", "sampling.groups_per_epoch=4",
+                               "sampling.group_size=8", "train.micro_batch_size=32", "optim.lr=3e-3",
+                               "eval.num_examples=5"))
+    rewards = [r["train/reward_mean"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/reward_mean" in r]
+    assert len(rewards) == 12
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
