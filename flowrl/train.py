@@ -21,6 +21,8 @@ from flowrl.registry import Registry, UnknownNameError
 RECIPES: Registry = Registry("recipe")
 RECIPES.register("pretrain", "flowrl.recipes.pretrain:RECIPE")
 RECIPES.register("flow_grpo", "flowrl.recipes.flow_grpo:RECIPE")
+RECIPES.register("vlm_sft", "flowrl.recipes.vlm_sft:RECIPE")
+RECIPES.register("vlm_grpo", "flowrl.recipes.vlm_grpo:RECIPE")
 
 
 def load_recipe_config(path: str, overrides: list[str]):
