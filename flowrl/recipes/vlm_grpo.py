@@ -380,24 +380,22 @@ def collect_epoch(policy, cfg: Config, epoch: int, dist, answer_rewards, env_spe
 
 
 def compute_advantages(batch: EpochBatch, cfg: Config) -> torch.Tensor:
-    """``[N, K]`` per-turn advantages (outcome estimators repeat the episode's advantage on every turn)."""
-    from flowrl.core.advantages import group_advantages, rloo_advantages
-    from flowrl.core.turn_credit import anchor_index, gigpo_advantages, turn_return_advantages
+    """``[N, K]`` per-turn advantages from the estimator named by ``algorithm.turn_credit``
+    (:mod:`flowrl.core.estimators`: ``outcome`` repeats the episode's advantage on every turn it played,
+    ``gigpo`` and ``turn_return`` are turn-level credit)."""
+    from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
+    from flowrl.core.turn_credit import anchor_index
 
     a, v = cfg.algorithm, cfg.algorithm.resolved()
-    if a.turn_credit == "gigpo":
-        anchors = anchor_index([e.anchors for e in batch.episodes], batch.group_ids.tolist())
-        return gigpo_advantages(batch.turn_rewards, batch.turn_mask, batch.group_ids, anchors, gamma=a.gamma,
-                                step_weight=a.step_weight, std_scope="none" if v.std_scope == "none" else "group",
-                                eps=a.eps, clip=a.adv_clip)
-    if a.turn_credit == "turn_return":
-        return turn_return_advantages(batch.turn_rewards, batch.turn_mask, batch.group_ids, gamma=a.gamma,
-                                      std_scope="none" if v.std_scope == "none" else "group", eps=a.eps, clip=a.adv_clip)
-    if v.estimator == "rloo":
-        adv = rloo_advantages(batch.rewards, batch.group_ids)
-    else:
-        adv = group_advantages(batch.rewards, batch.group_ids, std_scope=v.std_scope, eps=a.eps, clip=a.adv_clip)
-    return adv[:, None] * batch.turn_mask.float()
+    estimator = ADVANTAGE_ESTIMATORS.get(a.turn_credit)
+    K = batch.turn_rewards.shape[1]
+    anchors = (anchor_index([e.anchors for e in batch.episodes], batch.group_ids.tolist())
+               if "anchor_ids" in estimator.needs else None)
+    credit = CreditBatch(rewards=batch.rewards, group_ids=batch.group_ids, steps=list(range(K)), num_steps=K,
+                         turn_rewards=batch.turn_rewards, turn_mask=batch.turn_mask, anchor_ids=anchors)
+    advantages, _ = estimator(credit, normalizer=v.estimator, std_scope=v.std_scope, eps=a.eps, clip=a.adv_clip,
+                              gamma=a.gamma, step_weight=a.step_weight)
+    return advantages
 
 
 def _conversation(episode) -> list:
