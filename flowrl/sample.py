@@ -28,9 +28,10 @@ import torch
 
 from flowrl.cli_args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
                              positive_int, read_text_file)
+from flowrl.grid import image_grid
 from samplers import euler_step, initial_noise
 
-__all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
+__all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg",
            "format_table", "sample_main", "eval_main"]
 
 
@@ -181,70 +182,6 @@ def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
         raise ModelLoadError(f"cannot load a shapes model from {spec!r}: {err}") from None
 
 
-def _font(size: int = 12):
-    from PIL import ImageFont
-
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow < 10.1: fixed-size bitmap font
-        return ImageFont.load_default()
-
-
-GRID_PAD = 4  # px between cells and around the grid
-GRID_HEADER = 18  # px of the column-header strip
-GRID_CELL_LABEL = 14  # px of the strip under each cell when cells have labels
-GRID_MAX_LABEL = 60  # characters of a row label before it is cut
-
-
-def image_grid(images: torch.Tensor, row_labels: list[str], col_labels: list[str], *, scale: int = 4,
-               cell_labels: list[str] | None = None):
-    """A labelled grid of images: one row per row label (drawn on the left), one column per column
-    label (drawn on top), each image upscaled ``scale`` x with nearest-neighbour pixels.
-
-    Args:
-        images: ``[R * C, 3, H, W]`` in [0, 1], row-major.
-        row_labels: ``R`` labels (prompts).
-        col_labels: ``C`` labels (seeds).
-        scale: integer upscaling of each image.
-        cell_labels: optional ``R * C`` labels drawn under each image (rewards).
-
-    Returns:
-        An RGB ``PIL.Image`` of height ``GRID_HEADER + R * (cell + GRID_PAD) + GRID_PAD`` where ``cell``
-        is ``H * scale`` (+ ``GRID_CELL_LABEL`` with cell labels).
-    """
-    from PIL import Image, ImageDraw
-
-    rows, cols = len(row_labels), len(col_labels)
-    if images.shape[0] != rows * cols:
-        raise ValueError(f"{images.shape[0]} images for a {rows} x {cols} grid")
-    font = _font()
-    labels = [t if len(t) <= GRID_MAX_LABEL else t[: GRID_MAX_LABEL - 3] + "..." for t in row_labels]
-    label_width = int(max(font.getlength(t) for t in labels)) + 2 * GRID_PAD
-    h, w = images.shape[2] * scale, images.shape[3] * scale
-    cell_h = h + (GRID_CELL_LABEL if cell_labels else 0)
-    width = label_width + cols * (w + GRID_PAD) + GRID_PAD
-    height = GRID_HEADER + rows * (cell_h + GRID_PAD) + GRID_PAD
-    canvas = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(canvas)
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    for c, text in enumerate(col_labels):
-        x = label_width + c * (w + GRID_PAD) + w / 2
-        draw.text((x, GRID_HEADER / 2 + 1), text, fill=(0, 0, 0), font=font, anchor="mm")
-    for r, text in enumerate(labels):
-        y = GRID_HEADER + r * (cell_h + GRID_PAD)
-        draw.text((GRID_PAD, y + h / 2), text, fill=(0, 0, 0), font=font, anchor="lm")
-        for c in range(cols):
-            i = r * cols + c
-            x = label_width + c * (w + GRID_PAD)
-            tile = Image.fromarray(pixels[i]).resize((w, h), Image.Resampling.NEAREST)
-            canvas.paste(tile, (x, y))
-            draw.rectangle([x - 1, y - 1, x + w, y + h], outline=(200, 200, 200))
-            if cell_labels:
-                draw.text((x + w / 2, y + h + GRID_CELL_LABEL / 2 + 1), cell_labels[i], fill=(60, 60, 60),
-                          font=font, anchor="mm")
-    return canvas
-
-
 def format_table(summary: dict) -> str:
     """A GenEval-style table: accuracy and n per task kind, then overall."""
     from flowrl.data.shapes import TASK_KINDS
@@ -362,12 +299,12 @@ def _sample(argv: list[str]) -> int:
     with tqdm(total=len(prompts), desc="sampling", unit="img", disable=args.no_progress) as bar:
         images = generate(model, prompts, seeds, steps=args.steps, guidance=args.guidance,
                           batch_size=args.batch_size, progress=bar.update)
-    cell_labels = None
+    captions = None
     if reward is not None:
         scores = reward(images, prompts).scores.tolist()
-        cell_labels = [f"{args.reward} {s:.2f}" for s in scores]
-    grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], scale=args.scale,
-                      cell_labels=cell_labels)
+        captions = [f"{args.reward} {s:.2f}" for s in scores]
+    grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], captions,
+                      cell=max(images.shape[2], images.shape[3]) * args.scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(out)
     print(f"wrote {out} ({len(args.prompt)} prompts x {len(args.seeds)} seeds, {args.steps} steps)")

@@ -193,7 +193,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(dist.device),
                           load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts), steps=s.eval_num_steps,
                           guidance=s.guidance if s.eval_guidance is None else s.eval_guidance, dist=dist,
-                          output_dir=run.output_dir)
+                          output_dir=run.output_dir, logger=run.logger)
     optimizer, scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
     # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
     model.denoiser, optimizer = dist.prepare_training(model.denoiser, optimizer,

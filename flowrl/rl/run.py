@@ -186,11 +186,17 @@ class OnlineRun:
         self.output_dir = prepare_run(cfg.run)
         if self.dist.is_main:
             save_config(cfg, self.output_dir / "config.yaml", extra={"recipe": recipe})
-        groups = {"reward": ["train/reward_mean"], "eval": ["eval/"],
-                  "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"], "time": ["time/"]}
+        # What tells a user whether training works, one unit per axis.
+        groups = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": ["train/grad_norm"],
+                  "signal": ["train/zero_std_frac", "train/clip_frac"],
+                  "policy": ["train/approx_kl", "train/kl_ref"], "hack": ["hack/"],
+                  "time_per_epoch": ["time/*_s"], "time_total": ["time/*_min"]}
+        units = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
+                 "grad_norm": "gradient norm before clipping", "signal": "fraction",
+                 "policy": "KL (nats per element)", "time_per_epoch": "seconds per epoch", "time_total": "minutes"}
         groups.update(plot_groups or {})
         self.logger = MetricsLogger(self.output_dir, backends=cfg.log.backends, enabled=self.dist.is_main,
-                                    project=cfg.log.project, plot_groups=groups)
+                                    project=cfg.log.project, plot_groups=groups, plot_units=units)
         self.health = UpdateHealth()  # updates skipped for non-finite losses or gradients
         self.epoch = 0
         self.images_sampled = 0
