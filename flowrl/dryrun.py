@@ -91,6 +91,9 @@ def _tiny_model(data: dict, workdir: Path, notes: list[str]) -> None:
         ShapesModel.build(config, seed=0).save_pretrained(path)
         model["path"] = str(path)
         notes.append("model: a tiny shapes model (random weights) with the config's LoRA and dtype")
+    elif name is None and isinstance(model.get("path"), str) and not Path(model["path"]).exists():
+        _tiny_policy(model, workdir, notes)  # a VLM policy named by a hub id
+        return
     else:
         return  # the pretraining recipe's own architecture (the shapes model config) is already small
     backend = model.get("attention_backend", "native")
@@ -100,6 +103,23 @@ def _tiny_model(data: dict, workdir: Path, notes: list[str]) -> None:
         model["attention_backend"] = "native"
         notes.append(f"model.attention_backend: {backend} cannot run here ({str(err).split(': ', 1)[-1]}); the dry "
                      "run uses native")
+
+
+def _tiny_policy(model: dict, workdir: Path, notes: list[str]) -> None:
+    """Point a VLM policy's ``model.path`` (a hub id without local weights) at a tiny model of its family."""
+    from flowrl.policies import testing
+
+    hub_id = model["path"]
+    key = hub_id.lower().replace("_", "").replace("-", "").replace(".", "")
+    builders = [("qwen25vl", testing.tiny_qwen2_5_vl), ("qwen2vl", testing.tiny_qwen2_vl),
+                ("smolvlm", testing.tiny_smolvlm), ("idefics3", testing.tiny_idefics3)]
+    build = next((b for tag, b in builders if tag in key), testing.tiny_causal_lm)
+    model["path"] = build(workdir / "tiny_policy")
+    model["gradient_checkpointing"] = False
+    if model.get("dtype") == "bfloat16" and not _cuda():
+        model["dtype"] = "float32"
+    notes.append(f"model: a tiny random model of the same family as {hub_id} (no weights here; the real run "
+                 f"needs `huggingface-cli download {hub_id}`)")
 
 
 def _cuda() -> bool:
@@ -193,6 +213,11 @@ def _epoch_work(cfg) -> list[str]:
         data = getattr(cfg, "data", None)
         if data is not None and hasattr(data, "steps_per_epoch"):
             lines.append(f"{data.steps_per_epoch} optimizer steps per epoch of {data.batch_size} images")
+        return lines
+    if not hasattr(s, "num_steps"):  # a text policy (VLM recipes): episodes of generated tokens
+        samples = s.samples_per_epoch if hasattr(s, "samples_per_epoch") else s.group_size * s.groups_per_epoch
+        lines.append(f"{samples} episodes per epoch ({s.groups_per_epoch} prompts x {s.group_size}), up to "
+                     f"{s.max_new_tokens} new tokens per turn, in generate calls of {s.batch_size}")
         return lines
     model = getattr(cfg, "model", None)
     cfg_rows = 2 if (s.guidance != 1.0 and getattr(model, "name", "") != "flux") else 1
