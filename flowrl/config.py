@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -38,10 +39,14 @@ __all__ = [
     "from_dict",
     "to_dict",
     "load_yaml",
+    "load_config_data",
+    "config_value",
+    "merge_config",
     "load_config",
     "apply_overrides",
     "parse_overrides",
     "save_config",
+    "atomic_write_text",
 ]
 
 
@@ -75,15 +80,28 @@ class RunConfig:
     """The ``run`` section every run config has."""
 
     output_dir: str = "runs/default"
-    seed: int = 0
+    seed: int = dataclasses.field(default=0, metadata=bounds(ge=0, lt=2**63))
     max_epochs: int = dataclasses.field(default=10, metadata=bounds(ge=0))
     # Continue from the newest checkpoint in output_dir/checkpoints (error if there is none).
     resume: bool = False
+    # Start fresh in an output_dir that holds an earlier run, deleting that run's files (without it, and
+    # without resume, such a folder is an error: nothing a user made is lost by accident).
+    overwrite: bool = False
     # Training-time budget in minutes, evaluation excluded (None = unlimited). The run checkpoints and
     # stops cleanly when it is spent.
     max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
     # Bitwise-reproducible kernels (slower); required for exact resume comparisons.
     deterministic: bool = False
+    # Run health: stop (after a checkpoint of the last finite weights) when this many optimizer updates in a
+    # row had a non-finite loss or gradient (each is skipped, not applied) ...
+    max_nonfinite_updates: int = dataclasses.field(default=3, metadata=bounds(ge=1))
+    # ... or when this many epochs in a row had only NaN rewards, or rewards equal within every group.
+    max_degenerate_epochs: int = dataclasses.field(default=5, metadata=bounds(ge=1))
+
+    def check(self) -> None:
+        if self.resume and self.overwrite:
+            fail("overwrite", "run.resume=true continues the run in output_dir and run.overwrite=true deletes it; "
+                 "choose one")
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -140,27 +158,27 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+        raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value in allowed and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}{hint}")
+        raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}{hint}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         return _build(tp, value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(path, f"got {_short(value)}, expected a list of {len(args)} items")
+                raise ConfigError(path, f"got {_short(value)}; expected a list of {len(args)} items")
             items = [_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
         else:
             inner = args[0] if args else Any
@@ -168,7 +186,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         key_tp, val_tp = typing.get_args(tp) or (Any, Any)
         return {_convert(k, key_tp, f"{path}.{k}"): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
@@ -178,19 +196,24 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # inf / nan would only surface later as NaN weights
+                raise ConfigError(path, f"got {_short(value)}; expected a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+    raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
 
 
 def _check_bounds(value: Any, limits: dict, path: str) -> None:
@@ -203,7 +226,7 @@ def _check_bounds(value: Any, limits: dict, path: str) -> None:
     if violated:
         allowed = " and ".join(f"{sym} {limit}" for key, (_, sym) in rules.items()
                                if (limit := limits.get(key)) is not None)
-        raise ConfigError(path, f"got {_short(value)}, must be {allowed}")
+        raise ConfigError(path, f"got {_short(value)}; must be {allowed}")
 
 
 def _build(cls: type[T], data: dict, path: str) -> T:
@@ -259,21 +282,124 @@ def to_dict(obj: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping with a clear error for a missing file or a syntax error."""
+    """Read a YAML mapping; a missing, unreadable, binary or malformed file is a one-line ConfigError."""
     path = Path(path)
+    fix = "give a YAML config file such as configs/shapes/flow_grpo.yaml"
+    if path.is_dir():
+        raise ConfigError("<config>", f"config file {str(path)!r} is a folder; {fix}")
     if not path.is_file():
         raise ConfigError("<config>", f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        size = path.stat().st_size
+        if size > 16 * 2 ** 20:  # configs are a few kB; this is some other file
+            raise ConfigError("<config>", f"{path} is {size} bytes, too large for a config; {fix}")
+        data_bytes = path.read_bytes()
+    except OSError as err:
+        raise ConfigError("<config>", f"cannot read {path} ({err.strerror or err}); check its permissions") from None
+    try:
+        text = data_bytes.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("<config>", f"{path} is not a text file (byte 0x{data_bytes[err.start]:02x} at offset "
+                                      f"{err.start} is not UTF-8); {fix}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError("<config>", f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    except RecursionError:
+        raise ConfigError("<config>", f"{path} is nested too deeply to be a config; {fix}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("<config>", f"{path} must hold a mapping at the top level")
     return data
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass of a field typed as a dataclass or ``Optional[dataclass]`` (a mergeable section)."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        return sections[0] if len(sections) == 1 else None
+    return None
+
+
+def merge_config(base: dict, override: dict, cls: type | None, *, source: str = "", path: str = "",
+                 extra_keys: tuple[str, ...] = ()) -> dict:
+    """``override`` deep-merged over ``base``: sections (dataclass-typed fields) merge key by key; every
+    other value (numbers, lists, open mappings such as ``reward.train``) replaces the base's.
+
+    Args:
+        base / override: parsed YAML mappings.
+        cls: the config dataclass of this level (its fields decide what is a section); None merges blindly.
+        source: the file ``override`` came from (named in errors).
+        path: the dotted path of this level (named in errors).
+        extra_keys: top-level keys that are not part of ``cls`` (e.g. ``recipe``).
+
+    Raises:
+        ConfigError: ``override`` has a key ``cls`` does not have.
+    """
+    out = dict(base)
+    fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+    hints = typing.get_type_hints(cls) if cls is not None else {}
+    for key, value in override.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if cls is not None and key not in fields and not (not path and key in extra_keys):
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(key_path, f"unknown key in {source}{hint}; the base config has: {', '.join(fields)}")
+        section = _section_type(hints[key]) if key in hints else None
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and (section is not None or cls is None):
+            out[key] = merge_config(out[key], value, section, source=source, path=key_path)
+        else:
+            out[key] = value
+    return out
+
+
+def _base_chain(path: Path) -> list[tuple[Path, dict]]:
+    """``[(file, its own keys), ...]`` from the root ``base:`` down to ``path`` itself."""
+    chain: list[tuple[Path, dict]] = []
+    current = path
+    while True:
+        resolved = current.resolve()
+        if any(resolved == p.resolve() for p, _ in chain):
+            cycle = " -> ".join(str(p) for p, _ in chain) + f" -> {current}"
+            raise ConfigError("base", f"the base chain of {path} loops: {cycle}; remove one of the base: keys")
+        data = load_yaml(current)
+        base = data.pop("base", None)
+        chain.append((current, data))
+        if base is None:
+            return list(reversed(chain))
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError("base", f"{current}: base must be a path to a YAML file (relative to the file), "
+                              f"got {_short(base)}")
+        nxt = current.parent / base
+        if not nxt.is_file():
+            raise ConfigError("base", f"{current}: base file {base!r} does not exist (looked for {nxt})")
+        current = nxt
+
+
+def load_config_data(path: str | Path, cls: type | None = None, *, extra_keys: tuple[str, ...] = ()) -> dict:
+    """The YAML mapping of ``path`` with its ``base:`` files merged underneath (:func:`merge_config`).
+
+    A config may name ``base: other.yaml`` (relative to itself) and keep only what differs; bases may
+    have bases. A missing base, a cycle, or a key the config ``cls`` does not have is a one-line
+    :class:`ConfigError`. ``extra_keys`` are top-level keys outside ``cls`` (e.g. ``recipe``).
+    """
+    data: dict = {}
+    for file, own in _base_chain(Path(path)):
+        data = merge_config(data, own, cls, source=str(file), extra_keys=extra_keys)
+    return data
+
+
+def config_value(path: str | Path, key: str) -> Any:
+    """A top-level key of a config, following its ``base:`` chain (e.g. the ``recipe`` it runs)."""
+    value = None
+    for _, own in _base_chain(Path(path)):
+        value = own.get(key, value)
+    return value
 
 
 def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
@@ -322,16 +448,30 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         overrides: ``["a.b=c", ...]`` applied after the file.
         drop_keys: top-level keys consumed by the caller (e.g. ``recipe``) and not part of ``cls``.
     """
-    data = load_yaml(path) if path is not None else {}
+    data = load_config_data(path, cls, extra_keys=drop_keys) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     for key in drop_keys:
         data.pop(key, None)
     return from_dict(cls, data)
 
 
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: a reader (or a kill half-way) sees the old or the new file,
+    never a truncated one."""
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_config(obj: Any, path: str | Path, extra: dict | None = None) -> None:
-    """Write the resolved config as YAML (``extra`` keys, such as ``recipe``, come first)."""
+    """Write the resolved config as YAML (``extra`` keys, such as ``recipe``, come first), atomically."""
     data = dict(extra or {})
     data.update(to_dict(obj))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))

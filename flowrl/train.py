@@ -1,7 +1,11 @@
-"""``flowrl train CONFIG [a.b=c ...]``: load a recipe's typed config and run it.
+"""``flowrl train CONFIG [a.b=c ...] [--dry-run]``: load a recipe's typed config and run it.
+
+``--dry-run`` runs one epoch of the config's recipe on a tiny model of its architecture, offline, and prints what
+the real run needs (weights, rewards, prompt files, a memory estimate, the work of an epoch): ``flowrl.dryrun``.
 
 The YAML's top-level ``recipe`` key names the recipe (``pretrain``, ``flow_grpo``, ...); each recipe
-module defines a ``Config`` dataclass and ``main(cfg)``. Under ``accelerate launch`` the same command
+module defines a ``Config`` dataclass and ``main(cfg)``. A YAML may name ``base: other.yaml`` and keep
+only what differs (:func:`flowrl.config.load_config_data`). Under ``accelerate launch`` the same command
 runs on every process.
 """
 
@@ -10,20 +14,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flowrl.config import ConfigError, load_yaml
+from flowrl.config import ConfigError
+from flowrl.errors import user_errors
 from flowrl.registry import Registry, UnknownNameError
 
 RECIPES: Registry = Registry("recipe")
 RECIPES.register("pretrain", "flowrl.recipes.pretrain:RECIPE")
 RECIPES.register("flow_grpo", "flowrl.recipes.flow_grpo:RECIPE")
+RECIPES.register("vlm_sft", "flowrl.recipes.vlm_sft:RECIPE")
+RECIPES.register("vlm_grpo", "flowrl.recipes.vlm_grpo:RECIPE")
 
 
 def load_recipe_config(path: str, overrides: list[str]):
-    """(recipe module entry, validated config) for a YAML file plus overrides."""
-    from flowrl.config import apply_overrides, from_dict
+    """(recipe module entry, validated config) for a YAML file (with its ``base:`` chain) plus overrides."""
+    from flowrl.config import apply_overrides, config_value, from_dict, load_config_data, parse_overrides
 
-    data = apply_overrides(load_yaml(path), overrides)
-    name = data.pop("recipe", None)
+    name = config_value(path, "recipe")
+    for keys, value in parse_overrides(overrides):
+        if keys == ["recipe"]:
+            name = value
     if name is None:
         raise ConfigError("recipe", f"{path} has no 'recipe' key; add e.g. `recipe: flow_grpo` "
                           f"(valid: {', '.join(RECIPES.names())})")
@@ -31,18 +40,9 @@ def load_recipe_config(path: str, overrides: list[str]):
         recipe = RECIPES.get(name)
     except UnknownNameError as err:
         raise ConfigError("recipe", str(err)) from None
+    data = apply_overrides(load_config_data(path, recipe.config_class, extra_keys=("recipe",)), overrides)
+    data.pop("recipe", None)
     return recipe, from_dict(recipe.config_class, data)
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that report a user's mistake or environment (bad config, missing weights or
-    checkpoint, a failing reward, a bad prompt file): shown as one line, never as a traceback."""
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.data.prompts import PromptSetError
-    from flowrl.models.base import ModelLoadError
-    from rewards.base import RewardError
-
-    return (ConfigError, CheckpointError, ModelLoadError, RewardError, PromptSetError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,17 +50,28 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="recipe YAML, e.g. configs/shapes/flow_grpo.yaml")
     parser.add_argument("overrides", nargs="*", help="a.b=c overrides, e.g. run.seed=3 run.resume=true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="one epoch on a tiny model of the config's architecture, offline; print what the real "
+                             "run needs (weights, memory, steps per epoch)")
+    args = parser.parse_intermixed_args(argv)  # --dry-run may come before, between or after the overrides
     try:
         recipe, cfg = load_recipe_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"flowrl train: config error: {err}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from flowrl.dryrun import main as dry_run_main
+
+        try:
+            return dry_run_main(args.config, args.overrides)
+        except ConfigError as err:
+            print(f"flowrl train --dry-run: config error: {err}", file=sys.stderr)
+            return 2
     try:
         return int(recipe.main(cfg) or 0)
     except user_errors() as err:
         print(f"flowrl train: error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
 
 
 if __name__ == "__main__":

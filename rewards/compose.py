@@ -51,7 +51,7 @@ from .base import Reward, RewardError, RewardOutput
 from .registry import REWARDS, load
 
 __all__ = ["Transform", "Centre", "Clip", "Sigmoid", "parse_transforms", "TransformedReward", "WeightedSum",
-           "GatedReward", "RewardTermSpec", "GatedSpec", "build_reward", "parse_reward_string"]
+           "GatedReward", "RewardTermSpec", "GatedSpec", "build_reward", "check_reward_spec", "parse_reward_string"]
 
 
 # ----------------------------------------------------------------------------------------------- transforms
@@ -329,17 +329,14 @@ def _load(name: str, kwargs: Mapping[str, Any], device: str | None) -> Reward:
     return reward
 
 
-def _term(key: str, value: Any, device: str | None) -> tuple[Reward, float]:
+def _parse_term(key: str, value: Any) -> GatedSpec | RewardTermSpec:
+    """The typed spec of one entry of a reward mapping (no model is loaded)."""
     path = f"reward.{key}"
     if key == "gated":
         if not isinstance(value, Mapping):
             raise RewardError(f"reward spec {path}: expected a mapping with alignment, quality, bonus, ref, "
                               f"temperature")
         spec = _typed(GatedSpec, dict(value), path)
-        reward: Reward = GatedReward(build_reward(spec.alignment, device=device),
-                                     build_reward(spec.quality, device=device),
-                                     bonus=spec.bonus, ref=spec.ref, temperature=spec.temperature)
-        transforms, weight = parse_transforms(spec.transform), spec.weight
     else:
         if value is None:
             value = {}
@@ -349,13 +346,57 @@ def _term(key: str, value: Any, device: str | None) -> tuple[Reward, float]:
             raise RewardError(f"reward spec {path}: expected a weight or a mapping with weight, kwargs, "
                               f"transform, reward; got {value!r}")
         spec = _typed(RewardTermSpec, dict(value), path)
+    if not math.isfinite(spec.weight):
+        raise RewardError(f"reward spec {path}.weight must be finite, got {spec.weight}")
+    return spec
+
+
+def _term(key: str, value: Any, device: str | None) -> tuple[Reward, float]:
+    spec = _parse_term(key, value)
+    if isinstance(spec, GatedSpec):
+        reward: Reward = GatedReward(build_reward(spec.alignment, device=device),
+                                     build_reward(spec.quality, device=device),
+                                     bonus=spec.bonus, ref=spec.ref, temperature=spec.temperature)
+    else:
         reward = _load(spec.reward or key, spec.kwargs, device)
-        transforms, weight = parse_transforms(spec.transform), spec.weight
-    if not math.isfinite(weight):
-        raise RewardError(f"reward spec {path}.weight must be finite, got {weight}")
+    transforms = parse_transforms(spec.transform)
     if transforms:
         reward = TransformedReward(reward, transforms)
-    return reward, weight
+    return reward, spec.weight
+
+
+def _items(spec: Any) -> list[tuple[str, Any]]:
+    """``(key, value)`` entries of a string, list or mapping spec."""
+    if isinstance(spec, str):
+        items: list[tuple[str, Any]] = [(name, weight) for name, weight in parse_reward_string(spec)]
+    elif isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):
+        items = [(name, 1.0) for name in spec]
+    elif isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+    else:
+        raise RewardError(f"a reward spec must be a name, 'a,b', a list of names or a mapping; got {spec!r}")
+    if not items:
+        raise RewardError(f"empty reward spec; valid names: {', '.join(REWARDS.names())}")
+    return items
+
+
+def check_reward_spec(spec: Any) -> None:
+    """Validate a reward spec without loading a model: its shape, every entry's fields and transforms, and
+    that every reward name is registered (so a config fails at load time, not after the model loaded).
+
+    Raises:
+        RewardError: the first problem, in one line naming the entry and the valid choices.
+    """
+    if isinstance(spec, Reward):
+        return
+    for key, value in _items(spec):
+        term = _parse_term(key, value)
+        parse_transforms(term.transform)
+        if isinstance(term, GatedSpec):
+            check_reward_spec(term.alignment)
+            check_reward_spec(term.quality)
+        elif (term.reward or key) not in REWARDS:
+            REWARDS.get(term.reward or key)  # raises UnknownNameError listing the valid names
 
 
 def build_reward(spec: Any, device: str | None = None) -> Reward:
@@ -369,18 +410,8 @@ def build_reward(spec: Any, device: str | None = None) -> Reward:
     """
     if isinstance(spec, Reward):
         return spec
-    if isinstance(spec, str):
-        items: list[tuple[str, Any]] = [(name, weight) for name, weight in parse_reward_string(spec)]
-    elif isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):
-        items = [(name, 1.0) for name in spec]
-    elif isinstance(spec, Mapping):
-        items = [(str(k), v) for k, v in spec.items()]
-    else:
-        raise RewardError(f"a reward spec must be a name, 'a,b', a list of names or a mapping; got {spec!r}")
-    if not items:
-        raise RewardError(f"empty reward spec; valid names: {', '.join(REWARDS.names())}")
     terms = []
-    for key, value in items:
+    for key, value in _items(spec):
         reward, weight = _term(key, value, device)
         terms.append((key, reward, weight))
     if len(terms) == 1 and terms[0][2] == 1.0:

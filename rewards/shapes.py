@@ -8,6 +8,13 @@ Constraints per object phrase of the prompt: the shape is present; if the phrase
 object of that shape has that colour; if it has a count, exactly that many objects of that shape and
 colour. A ``position`` prompt adds the relation between its two objects.
 
+``count_mode`` chooses how a wrong count is scored. ``partial`` (default) counts each constraint on its
+own, so "three green triangles" drawn as one green triangle still earns 2/3: a policy can trade the count
+away for the easier shape and colour credit. ``strict`` fails every constraint of an object phrase
+whose count is wrong, so a wrong count is never worth more than a right one (counts only appear in
+``counting`` prompts, whose score becomes all-or-nothing; other prompts score as in ``partial``).
+``details["correct"]`` is the same in both modes.
+
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
 background and the palette colour ``c`` that fits it best; pixels with ``alpha > 0.5`` form connected
 components per colour. A component's shape comes from blur-robust soft measurements over the pixels
@@ -29,7 +36,9 @@ from flowrl.data.shapes import BACKGROUND, PALETTE, PromptParseError, PromptSpec
 from .base import Reward, RewardError, RewardOutput
 from .registry import register_reward
 
-__all__ = ["Detection", "detect_objects", "constraints_met", "ShapesReward"]
+__all__ = ["COUNT_MODES", "Detection", "detect_objects", "constraints_met", "ShapesReward"]
+
+COUNT_MODES = ("partial", "strict")
 
 _COLOR_NAMES = list(PALETTE)
 _COLOR_VECTORS = (np.array([PALETTE[c] for c in _COLOR_NAMES], dtype=np.float32) - np.array(BACKGROUND)) / 255.0
@@ -173,16 +182,24 @@ def _holds(a: Detection, b: Detection, relation: str) -> bool:
     return {"left of": dx > m, "right of": -dx > m, "above": dy > m, "below": -dy > m}[relation]
 
 
-def constraints_met(spec: PromptSpec, detections: list[Detection]) -> list[bool]:
-    """Which of the prompt's constraints the detected objects satisfy (see the module docstring)."""
+def constraints_met(spec: PromptSpec, detections: list[Detection], count_mode: str = "partial") -> list[bool]:
+    """Which of the prompt's constraints the detected objects satisfy (see the module docstring).
+
+    With ``count_mode="strict"`` an object phrase whose count is wrong fails all its constraints.
+    """
+    if count_mode not in COUNT_MODES:
+        raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received {count_mode!r}")
     met = []
     for obj in spec.objects:
-        met.append(any(d.shape == obj.shape for d in detections))
+        phrase = [any(d.shape == obj.shape for d in detections)]
         matching = [d for d in detections if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
         if obj.color is not None:
-            met.append(bool(matching))
+            phrase.append(bool(matching))
         if obj.count > 1:
-            met.append(len(matching) == obj.count)
+            phrase.append(len(matching) == obj.count)
+            if count_mode == "strict" and not phrase[-1]:
+                phrase = [False] * len(phrase)
+        met += phrase
     if spec.relation is not None:
         first, second = spec.objects
         candidates = [(a, b) for a in detections if a.shape == first.shape and a.color == first.color
@@ -197,14 +214,23 @@ class ShapesReward(Reward):
 
     ``scores`` is the fraction of the prompt's constraints met; ``details`` holds ``correct`` (all met,
     1/0) and ``objects`` (the number of detected objects).
+
+    Args:
+        device: kept for the common reward interface (detection runs in numpy on the CPU).
+        count_mode: ``"partial"`` (default) scores each constraint on its own; ``"strict"`` gives an
+            object phrase with a wrong count no credit at all (see the module docstring).
     """
 
     name = "shapes"
     differentiable = False
     batch_size = 256
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", count_mode: str = "partial"):
+        if count_mode not in COUNT_MODES:
+            raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received "
+                              f"{count_mode!r} (strict: a wrong count earns nothing for its object)")
         self.device = torch.device(device)
+        self.count_mode = count_mode
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
         try:
@@ -215,7 +241,7 @@ class ShapesReward(Reward):
         scores, correct, counts = [], [], []
         for spec, image in zip(specs, array):
             detections = detect_objects(image)
-            met = constraints_met(spec, detections)
+            met = constraints_met(spec, detections, self.count_mode)
             scores.append(sum(met) / len(met))
             correct.append(float(all(met)))
             counts.append(float(len(detections)))

@@ -1,6 +1,6 @@
 """Sampling steps with log-probabilities, schedules, guidance and rollout (torch only).
 
-This package imports only torch, numpy and the standard library (DESIGN.md: ``samplers`` sits below
+This package imports only torch, numpy and the standard library (docs/architecture.md: ``samplers`` sits below
 ``flowrl`` and never imports diffusers, transformers, accelerate or flowrl).
 
 Public API:
@@ -9,7 +9,7 @@ Public API:
   ``diffusers_flow_sigmas``, ``flux_pipeline_sigmas``
 * steps: ``StepOutput``, ``euler_step``, ``sde_step``, ``cps_step``, ``ddim_step``, ``flow_ddim_step``,
   ``gaussian_log_prob``, ``flow_grpo_noise_scale``, ``constant_noise_scale``
-* the uniform step interface: ``STEPS``, ``get_step``, ``make_step``, ``Step``, ``UnknownStepError``
+* the uniform step interface: ``STEPS``, ``get_step``, ``make_step``, ``noise_kwargs``, ``Step``, ``UnknownStepError``
 * guidance: ``classifier_free_guidance``
 * rollout: ``Window``, ``train_mask``, ``window_start``, ``Trajectory``, ``rollout``, ``ode_complete``
 * per-sample noise: ``make_sample_seeds``, ``initial_noise``, ``step_noise``, ``derive_seed``
@@ -50,6 +50,7 @@ from .steps import (
     gaussian_log_prob,
     get_step,
     make_step,
+    noise_kwargs,
     sde_step,
     step_names,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "gaussian_log_prob",
     "get_step",
     "make_step",
+    "noise_kwargs",
     "sde_step",
     "step_names",
 ]

@@ -1,4 +1,4 @@
-"""Classifier-free guidance as one wrapper around a velocity function (MATH.md section 1).
+"""Classifier-free guidance as one wrapper around a velocity function (docs/algorithms.md, section 1).
 
 ``classifier_free_guidance(velocity_fn, uncond, scale)`` returns a velocity function with the same
 contract, ``(x, sigma, cond) -> v``, so rollout and the training pass use guidance the same way.
@@ -82,7 +82,8 @@ def select_cond(cond: Any, rows: torch.Tensor) -> Any:
     raise TypeError(f"a condition must be a tensor, a dict of tensors or None, got {type(cond).__name__}")
 
 
-def classifier_free_guidance(velocity_fn: VelocityFn, uncond: Any, scale: float | torch.Tensor) -> VelocityFn:
+def classifier_free_guidance(velocity_fn: VelocityFn, uncond: Any, scale: float | torch.Tensor, *,
+                             detach_uncond: bool = False) -> VelocityFn:
     """Wrap ``velocity_fn`` with classifier-free guidance ``v = v_u + w (v_c - v_u)``.
 
     The guided function runs the conditional and unconditional branches in ONE batched call
@@ -94,6 +95,9 @@ def classifier_free_guidance(velocity_fn: VelocityFn, uncond: Any, scale: float 
         uncond: the unconditional (empty-prompt) condition: a tensor or dict of tensors with batch 1
             (broadcast to ``B``) or ``B``.
         scale: guidance weight ``w`` (float, or a ``[B]`` tensor for per-sample weights).
+        detach_uncond: stop gradients through the unconditional branch: the guided velocity's gradient
+            is then ``w dv_c`` only. Flow-GRPO trains this way; with the default both branches
+            back-propagate (``(1 - w) dv_u + w dv_c``). Values are identical either way.
 
     Returns:
         ``guided(x, sigma, cond) -> v``. With ``w != 1`` the combination is computed in float32 and
@@ -121,6 +125,8 @@ def classifier_free_guidance(velocity_fn: VelocityFn, uncond: Any, scale: float 
         both = concat_cond(expand_cond(uncond, b), cond)
         v = velocity_fn(torch.cat([x, x], dim=0), torch.cat([sigma, sigma], dim=0), both)
         v_u, v_c = v.float().chunk(2, dim=0)
+        if detach_uncond:
+            v_u = v_u.detach()
         w = torch.as_tensor(scale, dtype=torch.float32, device=v.device)
         if w.ndim == 1:
             w = w.reshape((b,) + (1,) * (v_c.ndim - 1))

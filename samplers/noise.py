@@ -1,6 +1,6 @@
 """Per-sample randomness: a sample's noise derives from its own seed, never from its batch or rank.
 
-DESIGN.md convention 9: every sample's initial noise and SDE noise derive from (seed, epoch, global
+docs/architecture.md, "Conventions": every sample's initial noise and SDE noise derive from (seed, epoch, global
 sample index). ``make_sample_seeds`` turns that triple into one 63-bit seed per sample; every draw of
 the sample then comes from its own ``torch.Generator`` seeded with ``derive_seed(sample_seed, stream,
 step)``, drawn on the CPU (CPU generators give the same numbers on every machine and device) and moved

@@ -3,7 +3,7 @@
 ``rollout`` runs a schedule from ``x_init`` (at ``sigmas[0]``) to ``sigma = 0`` and records a
 ``Trajectory``. Steps inside the training window use the chosen stochastic step (``flow_sde`` etc.) and
 are trained; all other steps are deterministic Euler (ODE) steps. The final step (to ``sigma = 0``) is
-deterministic and never trained unless ``deterministic_last_step=False`` (MATH.md section 2).
+deterministic and never trained unless ``deterministic_last_step=False`` (docs/algorithms.md, section 2).
 
 Randomness: with ``sample_seeds`` (one int64 per sample, see ``samplers.noise``) the SDE noise of
 sample ``b`` at step ``t`` comes from ``(sample_seeds[b], t)`` only, so a sample's trajectory does not
@@ -14,7 +14,7 @@ on the process rank: it is a pure function of ``(window, T, iteration, seed)``.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -232,6 +232,9 @@ class Trajectory:
     def score_step(self, v: torch.Tensor, t: int, rows: torch.Tensor | Sequence[int] | None = None) -> StepOutput:
         """Re-score stored transition ``t`` (of ``rows``, default all) under a new velocity ``v``.
 
+        The stored states are moved to ``v``'s device (a trajectory usually stays on the CPU between
+        rollout and training).
+
         Args:
             v: velocity at ``(latents[rows, t], sigmas[t])``, ``[b, *S]``.
             t: step index.
@@ -240,17 +243,55 @@ class Trajectory:
         Returns:
             ``StepOutput`` whose ``log_prob`` [b] is the new log-prob and ``mean`` the new mean.
         """
-        return self.step(v, self.state(t, rows), t, x_next=self.state(t + 1, rows))
+        return self.step(v, self.state(t, rows).to(v.device), t, x_next=self.state(t + 1, rows).to(v.device))
+
+    # Fields with one row per sample (indexed by ``select``, concatenated by ``cat``).
+    PER_SAMPLE = ("latents", "log_probs", "stds", "means", "x0_preds", "sample_seeds")
+
+    def to(self, device: torch.device | str) -> "Trajectory":
+        """The trajectory with its per-sample tensors on ``device`` (schedule, mask and step stay on the CPU)."""
+        changes = {name: None if getattr(self, name) is None else getattr(self, name).to(device)
+                   for name in self.PER_SAMPLE}
+        return replace(self, **changes)
+
+    @classmethod
+    def cat(cls, trajectories: Sequence["Trajectory"]) -> "Trajectory":
+        """Concatenate trajectories of one rollout configuration along the batch (e.g. the rollout calls
+        of an epoch).
+
+        All parts must share the schedule, the trained steps, the step and the model dtype (they were
+        sampled by the same configuration); per-sample fields are concatenated and ``nfe`` summed.
+
+        Raises:
+            ValueError: an empty list, or parts that differ in schedule, window, step or the optional
+                fields they recorded.
+        """
+        if not trajectories:
+            raise ValueError("Trajectory.cat needs at least one trajectory")
+        first = trajectories[0]
+        for i, other in enumerate(trajectories[1:], start=1):
+            if not torch.equal(other.sigmas, first.sigmas) or not torch.equal(other.train_mask, first.train_mask):
+                raise ValueError(f"Trajectory.cat: part {i} has a different schedule or trained steps than part 0")
+            if other.step is not first.step and repr(other.step) != repr(first.step):
+                raise ValueError(f"Trajectory.cat: part {i} used {other.step!r}, part 0 {first.step!r}")
+            if other.model_dtype != first.model_dtype:
+                raise ValueError(f"Trajectory.cat: part {i} ran the model in {other.model_dtype}, part 0 in "
+                                 f"{first.model_dtype}")
+            for name in cls.PER_SAMPLE:
+                if (getattr(other, name) is None) != (getattr(first, name) is None):
+                    raise ValueError(f"Trajectory.cat: part {i} {'lacks' if getattr(other, name) is None else 'has'} "
+                                     f"{name}, part 0 does not")
+        changes = {name: None if getattr(first, name) is None else torch.cat([getattr(t, name) for t in trajectories])
+                   for name in cls.PER_SAMPLE}
+        return replace(first, **changes, nfe=sum(t.nfe for t in trajectories))
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> "Trajectory":
         """The trajectory restricted to ``rows`` (per-sample fields indexed, shared fields kept)."""
         rows = torch.as_tensor(rows)
-        per_sample = ("latents", "log_probs", "stds", "means", "x0_preds", "sample_seeds")
         changes = {}
-        for f in fields(self):
-            if f.name in per_sample:
-                val = getattr(self, f.name)
-                changes[f.name] = None if val is None else val[rows.to(val.device)]
+        for name in self.PER_SAMPLE:
+            val = getattr(self, name)
+            changes[name] = None if val is None else val[rows.to(val.device)]
         return replace(self, **changes)
 
 

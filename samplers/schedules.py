@@ -1,7 +1,7 @@
 """Sigma schedules, from sigma = 1 (noise) down to sigma = 0 (data).
 
 Every schedule here is a float32 tensor ``[n + 1]`` whose first entry is the starting sigma and whose
-last entry is exactly 0; step ``t`` goes from ``sigmas[t]`` to ``sigmas[t + 1]`` (MATH.md section 1).
+last entry is exactly 0; step ``t`` goes from ``sigmas[t]`` to ``sigmas[t + 1]`` (docs/algorithms.md, section 1).
 
 ``diffusers_flow_sigmas`` reproduces ``diffusers.FlowMatchEulerDiscreteScheduler.set_timesteps`` without
 importing diffusers (this package depends on torch and numpy only). It mirrors diffusers' arithmetic

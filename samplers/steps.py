@@ -1,7 +1,7 @@
-"""Pure denoising steps with exact Gaussian log-probabilities (MATH.md section 2).
+"""Pure denoising steps with exact Gaussian log-probabilities (docs/algorithms.md, section 2).
 
 Every step maps the state ``x`` at ``sigma`` to ``x_next`` at ``sigma_next < sigma`` given the model's
-velocity ``v`` (``v = eps - x0``, MATH.md section 1) and returns ``StepOutput(x_next, log_prob, mean,
+velocity ``v`` (``v = eps - x0``, docs/algorithms.md, section 1) and returns ``StepOutput(x_next, log_prob, mean,
 std)``. Conventions shared by all functions in this module:
 
 * **float32 math.** ``v``, ``x`` (and a given ``x_next``) are cast to float32 first, whatever their
@@ -303,7 +303,7 @@ def cps_step(
     own ``x0`` and noise, at any step size. With a model that predicts posterior means (the best a model
     can do) the fresh noise does not make up for the predictions' lost variance: for Gaussian data one
     small step scales the variance by ``1 - r (1 - r) (1 - cos(a pi / 2))^2``, ``r = sigma^2 / Var(x_sigma)``,
-    a per-step bias that finer schedules do not remove (unlike ``sde_step``). MATH.md does not claim
+    a per-step bias that finer schedules do not remove (unlike ``sde_step``). docs/algorithms.md does not claim
     otherwise; see tests/samplers/test_marginals.py.
 
     Args:
@@ -577,6 +577,27 @@ def get_step(name: str) -> StepSpec:
         return STEPS[name]
     except (KeyError, TypeError):
         raise UnknownStepError(name, list(STEPS)) from None
+
+
+def noise_kwargs(name: str, noise_level: float | None) -> dict[str, float]:
+    """The hyperparameters of step ``name`` for a generic "noise level" setting.
+
+    Configs and command lines expose one ``noise_level`` knob; each stochastic family calls it by its own
+    name (``noise_level`` = Flow-SDE's / CPS's ``a``, ``eta`` = Dance-SDE's / DDIM's constant). This is the
+    one place that maps the knob to the family and decides its default: ``None`` leaves the family's own
+    default (:data:`STEPS`), e.g. ``eta = 0.3`` for ``dance_sde``, never another family's.
+
+    Returns:
+        ``{}`` for ``None`` or the deterministic ``ode``; else ``{family_name: float(noise_level)}``.
+
+    Raises:
+        UnknownStepError: unknown ``name``.
+    """
+    spec = get_step(name)
+    if noise_level is None or not spec.defaults:
+        return {}
+    (key,) = spec.defaults  # every stochastic family has exactly one noise hyperparameter
+    return {key: float(noise_level)}
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,7 +17,8 @@ def test_there_are_configs_of_every_kind():
     for required in ("shapes/pretrain.yaml", "shapes/flow_grpo.yaml", "sd3/flow_grpo_geneval.yaml",
                      "sd3/flow_grpo_ocr.yaml", "sd3/flow_grpo_pickscore.yaml", "flux/flow_grpo_pickscore.yaml",
                      "accelerate/cpu_2proc.yaml", "accelerate/multi_gpu.yaml", "accelerate/multi_node.yaml",
-                     "accelerate/fsdp.yaml", "accelerate/zero2.yaml"):
+                     "accelerate/fsdp.yaml", "accelerate/zero2.yaml", "vlm/shapes_vqa_sft.yaml",
+                     "vlm/shapes_vqa_grpo.yaml", "vlm/shapes_zoom_gigpo.yaml", "vlm/qwen2_5_vl_3b_grpo.yaml"):
         assert required in names
 
 
@@ -30,3 +31,45 @@ def test_config_loads(path):
     recipe, cfg = load_recipe_config(str(path), [])
     assert cfg.run.output_dir and cfg.run.max_epochs >= 1
     assert isinstance(cfg.run.seed, int)
+
+
+def test_variants_keep_only_what_differs_and_resolve_to_their_base():
+    """tp_grpo / cosine_grpo are the main job with another estimator: nothing else may differ."""
+    from flowrl.config import to_dict
+
+    _, main = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"), [])
+    for variant, estimator in (("tp_grpo", "tp_grpo"), ("cosine_grpo", "cosine")):
+        text = (ROOT / f"configs/shapes/{variant}.yaml").read_text()
+        assert "base: flow_grpo.yaml" in text and "sampling:" not in text
+        _, cfg = load_recipe_config(str(ROOT / f"configs/shapes/{variant}.yaml"), [])
+        assert cfg.advantage.estimator == estimator
+        a, b = to_dict(main), to_dict(cfg)
+        assert {k for k in a if a[k] != b[k]} == {"run", "advantage"}
+        assert {k for k in a["run"] if a["run"][k] != b["run"][k]} == {"output_dir"}
+    _, ocr = load_recipe_config(str(ROOT / "configs/sd3/flow_grpo_ocr.yaml"), [])
+    assert ocr.reward.train == {"ocr": 1.0} and ocr.train.kl_beta == 0.04  # open mappings replace, not merge
+    assert ocr.model.lora.rank == 32 and ocr.train.cfg_grad == "cond_only"  # inherited
+
+
+def test_base_errors_are_one_line(tmp_path):
+    from flowrl.config import ConfigError
+
+    base = tmp_path / "base.yaml"
+    base.write_text("recipe: flow_grpo\nsampling: {group_size: 4}\n")
+    (tmp_path / "ok.yaml").write_text("base: base.yaml\nsampling: {groups_per_epoch: 3}\n")
+    _, cfg = load_recipe_config(str(tmp_path / "ok.yaml"), ["sampling.batch_size=5"])
+    assert (cfg.sampling.group_size, cfg.sampling.groups_per_epoch, cfg.sampling.batch_size) == (4, 3, 5)
+    (tmp_path / "missing.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"^base: .*missing.yaml: base file 'nowhere.yaml' does not exist"):
+        load_recipe_config(str(tmp_path / "missing.yaml"), [])
+    (tmp_path / "a.yaml").write_text("base: b.yaml\nrecipe: flow_grpo\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"^base: the base chain of .*a.yaml loops: .*a.yaml -> .*b.yaml -> "):
+        load_recipe_config(str(tmp_path / "a.yaml"), [])
+    (tmp_path / "typo.yaml").write_text("base: base.yaml\nsampling: {group_sise: 2}\n")
+    with pytest.raises(ConfigError, match=r"^sampling.group_sise: unknown key in .*typo.yaml \(did you mean "
+                                          r"'group_size'\?\)"):
+        load_recipe_config(str(tmp_path / "typo.yaml"), [])
+    (tmp_path / "bad.yaml").write_text("base: [1, 2]\n")
+    with pytest.raises(ConfigError, match="base must be a path to a YAML file"):
+        load_recipe_config(str(tmp_path / "bad.yaml"), [])

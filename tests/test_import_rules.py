@@ -1,4 +1,4 @@
-"""DESIGN.md's dependency rules, checked on the source: samplers and flowrl.core stay torch-only, and only
+"""docs/architecture.md's dependency rules, checked on the source: samplers and flowrl.core stay torch-only, and only
 flowrl/dist.py and the recipes touch accelerate or torch.distributed."""
 
 import ast

@@ -1,4 +1,4 @@
-"""Advantage estimators (MATH.md section 3).
+"""Advantage estimators (docs/algorithms.md, section 3).
 
 Every estimator here is a pure function over reward tensors of one *whole* batch: the recipe gathers
 rewards across processes first (advantages need complete prompt groups) and keeps its own slice of the
@@ -26,10 +26,8 @@ from typing import Any, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from flowrl.registry import Registry
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "STD_SCOPES",
     "COMBINE_MODES",
     "PerPromptStatTracker",
@@ -42,9 +40,6 @@ __all__ = [
 
 STD_SCOPES = ("group", "batch", "none")
 COMBINE_MODES = ("reward_sum", "advantage_sum")
-
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
-
 
 # --------------------------------------------------------------------------------------------------
 # argument checking and group bookkeeping
@@ -209,7 +204,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> 
     """REINFORCE leave-one-out advantages: ``A_i = r_i - sum_{j != i} r_j / (G - 1)``.
 
     Computed as the algebraically equal ``G / (G - 1) * (r_i - mean_g(r))``. No std normalisation and no
-    clipping (MATH.md defines neither for RLOO).
+    clipping (docs/algorithms.md defines neither for RLOO).
 
     Args:
         rewards: ``[B]`` rewards of the whole batch.
@@ -227,10 +222,6 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> 
     return groups.centred(rewards) * count / (count - 1).clamp(min=1)
 
 
-ADVANTAGE_ESTIMATORS.register("group", group_advantages)
-ADVANTAGE_ESTIMATORS.register("rloo", rloo_advantages)
-
-
 # --------------------------------------------------------------------------------------------------
 # per-prompt history (DDPO)
 
@@ -245,7 +236,7 @@ class PerPromptStatTracker:
     ``eps``, ``clip`` and the "all equal -> 0" rule follow :func:`group_advantages`.
 
     The history is kept on the CPU in float64 Python lists; ``state_dict`` is plain JSON-able data and
-    belongs in checkpoints (MATH.md section 3) so a resumed run continues with the same statistics.
+    belongs in checkpoints (docs/algorithms.md, section 3) so a resumed run continues with the same statistics.
 
     Args:
         buffer_size: rewards kept per prompt. Default 32 (DDPO).

@@ -1,4 +1,4 @@
-"""Step-level credit assignment for denoising trajectories (MATH.md section 4).
+"""Step-level credit assignment for denoising trajectories (docs/algorithms.md, section 4).
 
 Pure functions over tensors of one *whole* batch (the recipe gathers across processes first and keeps its
 own slice afterwards), like :mod:`flowrl.core.advantages`:
@@ -9,7 +9,7 @@ own slice afterwards), like :mod:`flowrl.core.advantages`:
 - :func:`stepwise_group_advantages`: group normalisation per prompt group *and* per step index, which
   turns ``[B, n]`` step rewards into ``[B, n]`` advantages.
 
-Indexing: the ``n`` columns of a ``[B, n]`` matrix are the trained (SDE) steps ``1..n`` of MATH.md in
+Indexing: the ``n`` columns of a ``[B, n]`` matrix are the trained (SDE) steps ``1..n`` of docs/algorithms.md in
 order; column ``t - 1`` holds step ``t``. Outcome credit (Flow-GRPO) needs no function here: every
 trained step of a sample gets the sample's advantage.
 """
@@ -48,7 +48,7 @@ def _check_matrix(x: Tensor, name: str) -> Tensor:
 def turning_point_rewards(R: Tensor, R_ode: Tensor, *, balance: bool = False) -> tuple[Tensor, Tensor]:
     """TP-GRPO step rewards: incremental rewards, with turning points given their long-term gain.
 
-    For each rollout with SDE steps ``1..n`` (MATH.md section 4): ``R_t`` is the reward of the image reached
+    For each rollout with SDE steps ``1..n`` (docs/algorithms.md, section 4): ``R_t`` is the reward of the image reached
     by completing the trajectory with the ODE from the state after SDE step ``t`` (``R_n`` is the rollout's
     own reward) and ``R_0`` that of a pure ODE rollout from the same initial noise. Then
 
@@ -119,7 +119,7 @@ def _balance(turning: Tensor, value: Tensor) -> Tensor:
 def cosine_credit(x0_preds: Tensor, x_final: Tensor, *, window: int = 1, alpha: float = 0.0) -> Tensor:
     """Reward-to-go weights of dense cosine credit, as the multiplier of a sample's outcome advantage.
 
-    With ``x0_hat_t = x0_preds[:, t - 1]`` (``t = 1..T``) and ``x_fin = x_final`` (MATH.md section 4):
+    With ``x0_hat_t = x0_preds[:, t - 1]`` (``t = 1..T``) and ``x_fin = x_final`` (docs/algorithms.md, section 4):
     ``c_t = cos(flatten(x0_hat_t), flatten(x_fin))``, ``c_{T+1} = 1``; contributions
     ``g_t = max(c_{t+1} - c_t, 0)``; with ``window = W > 1`` each ``g_t`` is replaced by the mean of its block of
     ``W`` consecutive steps (blocks ``[1, W], [W+1, 2W], ...``; the last block may be shorter and is averaged
@@ -130,7 +130,7 @@ def cosine_credit(x0_preds: Tensor, x_final: Tensor, *, window: int = 1, alpha: 
     (what ``samplers.rollout(store_x0=True)`` records), so ``g_t`` is the progress toward the final image made
     by the transition of step ``t``.
 
-    ``alpha`` is applied here: the function returns ``alpha + (1 - alpha) * rho_t``, the factor MATH.md's
+    ``alpha`` is applied here: the function returns ``alpha + (1 - alpha) * rho_t``, the factor docs/algorithms.md's
     step advantage multiplies the outcome advantage by, ``A_{i,t} = A_i (alpha + (1 - alpha) rho_t)``. With the
     default ``alpha = 0`` it returns ``rho`` itself; for any ``alpha`` it is 1 at the first step and
     non-increasing. The recipe re-standardises ``A_{i,t}`` per prompt group and step index afterwards.

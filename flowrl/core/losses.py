@@ -1,4 +1,4 @@
-"""Policy, KL and preference losses (MATH.md sections 5, 6 and 7).
+"""Policy, KL and preference losses (docs/algorithms.md, sections 5, 6 and 7).
 
 All functions are pure and modality-agnostic: log-probs are ``[B, T]`` with a ``[B, T]`` mask, where T is
 the trained denoising steps for images and the tokens (or turns) for language. Reductions are explicit
@@ -43,7 +43,7 @@ PREFERENCE_LOSSES: Registry = Registry("preference loss")
 
 
 class LossOutput(NamedTuple):
-    """A policy loss and the diagnostics logged with it (MATH.md section 5)."""
+    """A policy loss and the diagnostics logged with it (docs/algorithms.md, section 5)."""
 
     loss: Tensor  # [] scalar, carries the graph to logp
     ratio_mean: Tensor  # [] detached, masked token mean of rho = exp(logp - old_logp)
@@ -107,7 +107,7 @@ def _check_positive(name: str, value: Any) -> None:
 def aggregate(values: Tensor, mask: Tensor | None, mode: str) -> Tensor:
     """Reduce a per-element loss ``L [B, T]`` with mask ``m [B, T]`` to a scalar.
 
-    Modes (MATH.md section 5):
+    Modes (docs/algorithms.md, section 5):
 
     - ``token_mean``: ``sum(L m) / sum(m)``; every unmasked element weighs the same (DAPO).
     - ``seq_mean_token_mean``: the mean over samples of each sample's masked mean (original GRPO).
@@ -255,7 +255,7 @@ POLICY_LOSSES.register("clipped", clipped_policy_loss)
 def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: str) -> Tensor:
     """Element-wise sample estimators of KL(pi || ref) from log-probs of samples drawn from pi.
 
-    With ``delta = logp - logp_ref`` (MATH.md section 6): ``k1 = delta`` (unbiased, can be negative),
+    With ``delta = logp - logp_ref`` (docs/algorithms.md, section 6): ``k1 = delta`` (unbiased, can be negative),
     ``k2 = delta^2 / 2`` and ``k3 = exp(-delta) - 1 + delta`` (unbiased and >= 0). For k3, ``delta`` is
     clamped to ``[-20, 20]`` before exponentiating (as the policy ratio is), so it stays finite in
     float32; outside that range its gradient is zero. Reduce the result with :func:`aggregate`; whether
@@ -290,10 +290,9 @@ def gaussian_kl(mean: Tensor, mean_ref: Tensor, std: float | Tensor, *, reductio
     Carrying Flow-GRPO's beta over: Flow-GRPO divides by ``g_t^2`` (the value its step function returns)
     instead of the transition variance ``std^2 = g_t^2 |dt|``, so its KL is flowrl's KL times ``|dt|``.
     The same penalty therefore needs ``beta_flowrl = beta_flowgrpo * |dt|`` (e.g. 10 uniform steps,
-    ``|dt| = 0.1``: Flow-GRPO's ``beta = 0.04`` becomes 0.004). MATH.md section 6 words this as "its beta
-    equals flowrl's beta times |dt|", which has the factor on the wrong side; the derivation above is the
-    one this function's scale implies. With a non-uniform schedule ``|dt|`` varies by step, so no single
-    beta matches exactly; to reproduce Flow-GRPO exactly, pass ``std = g_t`` here instead of the
+    ``|dt| = 0.1``: Flow-GRPO's ``beta = 0.04`` becomes 0.004). With a non-uniform schedule ``|dt|`` varies
+    by step, so no single beta matches exactly: the Flow-GRPO recipe's ``train.kl_beta_units=flow_grpo``
+    applies ``beta |dt_t|`` per step (docs/algorithms.md, section 6), or pass ``std = g_t`` here instead of the
     transition std. Mean reduction corresponds to Flow-GRPO's ``mean`` over ``(C, H, W)``.
 
     Args:

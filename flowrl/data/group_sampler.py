@@ -2,7 +2,7 @@
 sample ids and per-sample seeds, sharded across processes.
 
 Everything is a pure function of ``(seed, epoch)`` and the global sample index, never of the rank
-(DESIGN.md convention 9): 1 process and N processes see the same samples, and a resumed run sees the
+(docs/architecture.md, "Conventions"): 1 process and N processes see the same samples, and a resumed run sees the
 same samples as one that never stopped.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.config import ConfigError
 from samplers import derive_seed, make_sample_seeds
 
 __all__ = ["EpochBatch", "GroupSampler"]
@@ -49,15 +50,19 @@ class GroupSampler:
         group_size: samples per prompt (k).
         seed: run seed.
         num_processes / rank: the distributed layout; ``groups * group_size`` must divide evenly.
+
+    Raises:
+        ConfigError: the epoch's samples do not split evenly over the processes.
     """
 
     def __init__(self, prompts: list[str], metadata: list[dict] | None, *, groups: int, group_size: int,
                  seed: int, num_processes: int = 1, rank: int = 0):
         total = groups * group_size
         if total % num_processes:
-            raise ValueError(f"groups x group_size = {groups} x {group_size} = {total} samples per epoch do not "
-                             f"split evenly over {num_processes} processes; change sampling.groups_per_epoch or "
-                             "sampling.group_size")
+            # A config mistake (the sampling section against the launch's process count): one line, no traceback.
+            raise ConfigError("sampling.groups_per_epoch", f"groups_per_epoch x group_size = {groups} x {group_size} "
+                              f"= {total} samples per epoch do not split evenly over {num_processes} processes; "
+                              f"make the product a multiple of {num_processes}")
         self.prompts = prompts
         self.metadata = metadata or [{} for _ in prompts]
         self.groups, self.group_size, self.seed = groups, group_size, seed

@@ -16,7 +16,7 @@ import torch
 
 from flowrl.demo.limits import DemoInputError, Limits
 
-__all__ = ["RewardSet", "parse_reward_spec", "sampler_kwargs", "sample_images", "CompareResult", "compare",
+__all__ = ["RewardSet", "parse_reward_spec", "sample_images", "CompareResult", "compare",
            "TrajectoryResult", "trajectory", "ScoreResult", "score_files", "format_score"]
 
 Tick = Callable[[int], None]
@@ -133,13 +133,6 @@ def format_score(value: float, digits: int = 3) -> str:
 # ============================================================================ sampling
 
 
-def sampler_kwargs(sampler: str, noise_level: float | None) -> dict:
-    """The step hyperparameters of ``sampler`` (``noise_level`` None: the sampler's default)."""
-    if sampler == "ode" or noise_level is None:
-        return {}
-    return {"eta": float(noise_level)} if sampler == "dance_sde" else {"noise_level": float(noise_level)}
-
-
 def _expand(cond: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     return {k: v.expand((n,) + tuple(v.shape[1:])) for k, v in cond.items()}
 
@@ -148,7 +141,7 @@ def _expand(cond: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
 def _rollout(model, prompts: list[str], seeds: list[int], *, steps: int, guidance: float | None, sampler: str,
              noise_level: float | None, store_x0: bool = False, tick: Tick | None = None):
     """One rollout of ``len(prompts)`` samples; returns ``(trajectory, cond, velocity_fn)``."""
-    from samplers import initial_noise, rollout
+    from samplers import initial_noise, noise_kwargs, rollout
 
     velocity = model.velocity_fn(guidance)
 
@@ -162,7 +155,7 @@ def _rollout(model, prompts: list[str], seeds: list[int], *, steps: int, guidanc
     seeds_t = torch.as_tensor(seeds, dtype=torch.int64)
     x = initial_noise(model.latent_shape, seeds_t, device=model.device)
     traj = rollout(counted, x, model.sigmas(steps), cond=cond, step=sampler,
-                   step_kwargs=sampler_kwargs(sampler, noise_level), sample_seeds=seeds_t, store_x0=store_x0,
+                   step_kwargs=noise_kwargs(sampler, noise_level), sample_seeds=seeds_t, store_x0=store_x0,
                    model_dtype=model.dtype)
     return traj, cond, velocity
 
@@ -287,7 +280,7 @@ class TrajectoryResult:
             (``x - sigma v``, decoded), in [0, 1].
         final: ``[3, H, W]`` the sample.
         reward_name: the reward of the curve (None: no reward curve).
-        R: ``[n + 1]`` ``R_0 .. R_n`` (MATH.md section 4): ``R_0`` the reward of the pure ODE rollout from the
+        R: ``[n + 1]`` ``R_0 .. R_n`` (docs/algorithms.md, section 4): ``R_0`` the reward of the pure ODE rollout from the
             same noise, ``R_t`` that of the ODE completion from the state after SDE step ``t``, ``R_n`` the
             sample's own reward. For the ODE sampler ``[1]``, the sample's reward.
         step_rewards / turning: ``[n]`` TP-GRPO step rewards and turning-point flags.

@@ -140,8 +140,9 @@ class FluxModel(FlowModel):
 
     # ------------------------------------------------------------------ velocity
 
-    def velocity_fn(self, guidance_scale: float | None = None) -> VelocityFn:
-        """``velocity_fn(x, sigma, cond)`` with ``guidance_scale`` in the guidance embedding (no CFG)."""
+    def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
+        """``velocity_fn(x, sigma, cond)`` with ``guidance_scale`` in the guidance embedding (no CFG, so
+        ``detach_uncond`` has nothing to detach)."""
         scale = self.default_guidance if guidance_scale is None else float(guidance_scale)
         if scale == self.default_guidance:
             return self.velocity

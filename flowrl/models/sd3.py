@@ -3,7 +3,7 @@
 Conventions, checked against diffusers (tests/models/test_sd3.py):
 
 - **Time.** SD3's ``SD3Transformer2DModel`` is trained on ``x_t = (1 - sigma) x0 + sigma eps`` and
-  predicts ``eps - x0`` -- exactly flowrl's convention (MATH.md section 1), so no conversion is needed.
+  predicts ``eps - x0`` -- exactly flowrl's convention (docs/algorithms.md, section 1), so no conversion is needed.
   Its ``timestep`` input is ``sigma * 1000`` (``FlowMatchEulerDiscreteScheduler.timesteps =
   sigmas * num_train_timesteps``), and ``scheduler.step`` is the Euler update
   ``x_next = x + (sigma_next - sigma) * model_output``, the same as flowrl's Euler step with

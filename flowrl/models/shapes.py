@@ -28,10 +28,14 @@ from flowrl.config import bounds, from_dict, to_dict
 
 from .base import Cond, FlowModel, LoraSettings, ModelLoadError
 
-__all__ = ["ShapesModelConfig", "ShapesModel", "build_tokenizer", "SHIPPED_CHECKPOINT"]
+__all__ = ["ShapesModelConfig", "ShapesModel", "build_tokenizer", "SHIPPED_CHECKPOINT", "SHAPES_LORA_TARGETS"]
 
 SHIPPED_CHECKPOINT = Path(__file__).parent / "shapes_checkpoint"
 SPECIAL_TOKENS = ("[PAD]", "[BOS]", "[EOS]", "[UNK]")
+
+
+#: LoRA targets of the shapes UNet: attention projections and the feed-forward layers of its transformer blocks.
+SHAPES_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
 
 
 @dataclass
@@ -162,14 +166,24 @@ class ShapesModel(FlowModel):
                     if path == SHIPPED_CHECKPOINT else
                     "point model.path at a directory written by `flowrl train configs/shapes/pretrain.yaml` "
                     "(its checkpoints/*/model) or leave it unset for the shipped model")
-            raise ModelLoadError(f"shapes model at {str(path)!r} is missing {', '.join(missing)}: {hint}")
-        meta = json.loads((path / "model.json").read_text())
-        config = from_dict(ShapesModelConfig, meta["config"])
+            raise ModelLoadError(f"shapes model at {str(path)!r} is missing {', '.join(missing)}; {hint}")
+        try:
+            meta = json.loads((path / "model.json").read_text())
+            config = from_dict(ShapesModelConfig, meta["config"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:  # corrupt JSON, a foreign file
+            raise ModelLoadError(f"shapes model at {str(path)!r}: model.json is not a flowrl model description "
+                                 f"({type(err).__name__}: {' '.join(str(err).split())[:120]}); restore it or "
+                                 "re-save the model") from None
         unet_dir = path / ("unet_ema" if use_ema and (path / "unet_ema").is_dir() else "unet")
-        unet = UNet2DConditionModel.from_pretrained(unet_dir, torch_dtype=dtype, use_safetensors=True)
         text_dir = path / ("text_encoder_ema" if use_ema and (path / "text_encoder_ema").is_dir() else "text_encoder")
-        text_encoder = CLIPTextModel.from_pretrained(text_dir, dtype=dtype, use_safetensors=True)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path / "tokenizer")
+        try:
+            unet = UNet2DConditionModel.from_pretrained(unet_dir, torch_dtype=dtype, use_safetensors=True)
+            text_encoder = CLIPTextModel.from_pretrained(text_dir, dtype=dtype, use_safetensors=True)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path / "tokenizer")
+        except (OSError, ValueError, RuntimeError) as err:  # truncated or corrupt weights / configs
+            raise ModelLoadError(f"shapes model at {str(path)!r} does not load ({type(err).__name__}: "
+                                 f"{' '.join(str(err).split())[:160]}); restore its files or re-save the "
+                                 "model") from None
         kwargs.setdefault("default_guidance", float(meta.get("default_guidance", 1.0)))
         model = cls(unet, text_encoder, tokenizer, config, **kwargs)
         return model.to(device)
@@ -228,8 +242,7 @@ class ShapesModel(FlowModel):
         return images * 2.0 - 1.0
 
     def default_lora_targets(self) -> list[str]:
-        # Attention projections and the feed-forward layers of the transformer blocks.
-        return ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
+        return list(SHAPES_LORA_TARGETS)
 
 
 def _half_copy(module: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Flow-matching pretraining of the tiny shapes text-to-image model (MATH.md section 1).
+"""Flow-matching pretraining of the tiny shapes text-to-image model (docs/algorithms.md, section 1).
 
 Loss: ``t ~ logit-normal(0, 1)``, ``x_t = (1 - t) x0 + t eps``, ``L = mean ||v_hat(x_t, t, c) - (eps - x0)||^2``,
 with the prompt dropped to the empty string with probability ``cond_dropout`` so that classifier-free
@@ -117,7 +117,7 @@ def _batch(cfg: Config, model: ShapesModel, step: int):
 
 def flow_matching_loss(model: ShapesModel, x0: torch.Tensor, tokens: dict, noise: torch.Tensor,
                        t: torch.Tensor) -> torch.Tensor:
-    """MATH.md section 1: ``mean ||v_hat(x_t, t) - (eps - x0)||^2`` with ``x_t = (1 - t) x0 + t eps``."""
+    """docs/algorithms.md, section 1: ``mean ||v_hat(x_t, t) - (eps - x0)||^2`` with ``x_t = (1 - t) x0 + t eps``."""
     t_ = t.view(-1, 1, 1, 1)
     x_t = (1 - t_) * x0 + t_ * noise
     cond = model.encode_text(tokens)
@@ -144,19 +144,26 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
         ema.restore(params)
         model.clear_prompt_cache()
         model.train()
-    _save_grid(images[:64], [r[0] for r in rows[:64]], output_dir / "samples" / f"epoch_{epoch:04d}.png")
+    _save_grid(images[:64], [r[0] for r in rows[:64]], summary, output_dir / "samples" / f"epoch_{epoch:04d}.png")
     metrics = {"eval/shapes/accuracy": summary["overall"], "eval/shapes/mean": summary["score_mean"]}
     metrics.update({f"eval/shapes/{k}": v["accuracy"] for k, v in summary["kinds"].items()})
     return metrics
 
 
-def _save_grid(images: torch.Tensor, prompts: list[str], path: Path, columns: int = 8) -> None:
-    import torchvision
+def _save_grid(images: torch.Tensor, prompts: list[str], summary: dict, path: Path, columns: int = 8) -> None:
+    """The evaluation's first images, eight to a row, each captioned with its prompt (wrapped)."""
+    import textwrap
 
+    from flowrl.grid import image_grid
+
+    rows = (len(prompts) + columns - 1) // columns
+    pad = rows * columns - len(prompts)
+    images = torch.cat([images, torch.ones(pad, *images.shape[1:])]) if pad else images
+    captions = ["\n".join(textwrap.wrap(p, 20)[:3]) for p in prompts] + [""] * pad
+    grid = image_grid(images, [f"{r * columns}-{min((r + 1) * columns, len(prompts)) - 1}" for r in range(rows)],
+                      [str(c) for c in range(columns)], captions, row_label_width=60)
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid = torchvision.utils.make_grid(images, nrow=columns, padding=2, pad_value=0.5)
-    torchvision.utils.save_image(grid, path)
-    path.with_suffix(".txt").write_text("\n".join(prompts) + "\n")
+    grid.save(path)
 
 
 def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:

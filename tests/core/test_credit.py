@@ -1,4 +1,4 @@
-"""Step-level credit (MATH.md section 4): hand-built reward sequences and trajectories with known answers."""
+"""Step-level credit (docs/algorithms.md, section 4): hand-built reward sequences and trajectories with known answers."""
 
 import math
 

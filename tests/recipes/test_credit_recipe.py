@@ -12,10 +12,14 @@ from flowrl.data.group_sampler import GroupSampler
 from flowrl.data.prompts import load_prompts
 from flowrl.dist import Dist
 from flowrl.logging import read_metrics
-from flowrl.recipes import credit
-from flowrl.recipes.flow_grpo import Config, build_model, compute_advantages, rollout_epoch, train_epoch
+from flowrl.core.estimators import CreditBatch, tp_grpo_estimator
+from flowrl.models.config import build_model
+from flowrl.recipes.flow_grpo import Config, train_epoch
+from flowrl.rl.credit import completion_rewards
 from flowrl.train import load_recipe_config
 from rewards import RewardOutput
+
+from toy import flow_grpo_epoch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,20 +53,18 @@ def setup(tiny_shapes_dir):
 
 
 def one_epoch(model, sampler, dist, cfg, reward):
-    samples = rollout_epoch(model, sampler.epoch(0), cfg, 0, reward, store_x0=cfg.advantage.estimator == "cosine")
-    advantages, valid, metrics = compute_advantages(samples, cfg, dist, model=model, reward=reward, epoch=0)
-    return samples, advantages, valid, metrics
+    return flow_grpo_epoch(model, cfg, dist, sampler.epoch(0), 0, reward)
 
 
 def test_tp_grpo_epoch(setup, tiny_shapes_dir):
     model, sampler, dist = setup
     cfg = config(tiny_shapes_dir, "tp_grpo", 1, 2)  # T = 4, trained steps 1 and 2
     initial = {k: v.clone() for k, v in model.trainable_state_dict().items()}
-    samples, advantages, valid, _ = one_epoch(model, sampler, dist, cfg, mean_pixel)
-    assert samples.train_mask.tolist() == [False, True, True, False]
+    samples, advantages, valid, m = one_epoch(model, sampler, dist, cfg, mean_pixel)
+    traj = samples.trajectory
+    assert traj.train_mask.tolist() == [False, True, True, False]
     assert advantages.shape == (8, 4) and valid.all()
     assert (advantages[:, [0, 3]] == 0).all() and (advantages[:, [1, 2]] != 0).any()
-    m = dict(credit.last_metrics)
     # Rows start at steps 1 and 2 of 4: 3 + 2 remaining steps per sample.
     assert m["credit/extra_nfe"] == 8 * (3 + 2)
     assert 0.0 <= m["credit/tp_rate"] <= 1.0 and m["credit/nan_rows"] == 0
@@ -73,13 +75,12 @@ def test_tp_grpo_epoch(setup, tiny_shapes_dir):
     from samplers import ode_complete
     from flowrl.sample import generate
 
-    R, nfe = credit.completion_rewards(samples, cfg, model, mean_pixel)
+    R, nfe = completion_rewards(samples, model, mean_pixel, guidance=1.0, batch_size=5)
     assert R.shape == (8, 3) and nfe == 40
     assert torch.equal(R[:, -1], samples.rewards)
     ode = generate(model, samples.prompts, samples.sample_seeds.tolist(), steps=4, guidance=1.0, batch_size=8)
     assert torch.allclose(R[:, 0], mean_pixel(ode, samples.prompts).scores, atol=1e-5, rtol=0)
-    x0, _ = ode_complete(model.velocity_fn(1.0), samples.latents[:, 3], samples.step.sigmas, [3] * 8,
-                         cond=samples.cond)
+    x0, _ = ode_complete(model.velocity_fn(1.0), traj.latents[:, 3], traj.sigmas, [3] * 8, cond=samples.cond)
     assert torch.allclose(mean_pixel(model.decode(x0), samples.prompts).scores, samples.rewards, atol=1e-5)
     # Step advantages follow from R exactly as the core functions say.
     from flowrl.core.credit import stepwise_group_advantages, turning_point_rewards
@@ -94,12 +95,13 @@ def test_tp_grpo_epoch(setup, tiny_shapes_dir):
         scores = mean_pixel(images, prompts).scores
         return RewardOutput(torch.where(torch.tensor([p == first for p in prompts]), torch.nan, scores))
 
-    with_nan = credit.tp_grpo_advantages(torch.zeros(8), samples, cfg=cfg, dist=dist, model=model,
-                                         reward=nan_for_first, epoch=0)
+    R_nan, _ = completion_rewards(samples, model, nan_for_first, guidance=1.0, batch_size=5)
+    with_nan, nan_metrics = tp_grpo_estimator(CreditBatch(samples.rewards, samples.group_ids, steps=[1, 2], num_steps=4,
+                                                          completion_rewards=R_nan))
     bad = torch.tensor([p == first for p in samples.prompts])
     assert torch.isfinite(with_nan).all() and (with_nan[bad] == 0).all()
     assert torch.equal(with_nan[~bad], advantages[~bad])  # other groups are unaffected
-    assert credit.last_metrics["credit/nan_rows"] == int(bad.sum()) > 0
+    assert nan_metrics["credit/nan_rows"] == int(bad.sum()) > 0
 
     metrics = train_epoch(model, torch.optim.SGD(model.trainable_parameters(), lr=0.0), samples, advantages, valid,
                           cfg, dist, 0)
@@ -110,16 +112,17 @@ def test_tp_grpo_epoch(setup, tiny_shapes_dir):
 def test_cosine_epoch(setup, tiny_shapes_dir):
     model, sampler, dist = setup
     cfg = config(tiny_shapes_dir, "cosine", 1, 2, cosine_window=1, cosine_alpha=0.0)
-    samples, advantages, valid, _ = one_epoch(model, sampler, dist, cfg, mean_pixel)
-    assert samples.x0_preds.shape == (8, 4) + tuple(model.latent_shape)
+    samples, advantages, valid, m = one_epoch(model, sampler, dist, cfg, mean_pixel)
+    traj = samples.trajectory
+    assert traj.x0_preds.shape == (8, 4) + tuple(model.latent_shape)
     assert advantages.shape == (8, 4) and (advantages[:, [0, 3]] == 0).all() and (advantages[:, 1:3] != 0).any()
-    assert credit.last_metrics["credit/extra_nfe"] == 0
+    assert m["credit/extra_nfe"] == 0
     # Hand check: rho on the sub-trajectory from the first trained step, A_i rho_t, stepwise normalisation.
     from flowrl.core.advantages import group_advantages
     from flowrl.core.credit import cosine_credit, stepwise_group_advantages
 
     outcome = group_advantages(samples.rewards, samples.group_ids)
-    rho = cosine_credit(samples.x0_preds[:, 1:], samples.latents[:, -1])
+    rho = cosine_credit(traj.x0_preds[:, 1:], traj.latents[:, -1])
     assert torch.equal(rho[:, 0], torch.ones(8))
     expected = stepwise_group_advantages(outcome[:, None] * rho[:, :2], samples.group_ids)
     assert torch.allclose(advantages[:, 1:3], expected, atol=1e-6)

@@ -8,10 +8,10 @@ import torch
 from flowrl.config import from_dict
 from flowrl.data.group_sampler import GroupSampler
 from flowrl.dist import Dist
-from flowrl.recipes.flow_grpo import Config, compute_advantages, rollout_epoch, train_epoch
+from flowrl.recipes.flow_grpo import Config, train_epoch
 from flowrl.sample import generate
 
-from toy import ToyFlow, first_coordinate_reward
+from toy import ToyFlow, first_coordinate_reward, flow_grpo_epoch
 
 
 def expected_reward(model) -> float:
@@ -33,8 +33,8 @@ def run_updates(negate: bool, epochs: int = 6) -> tuple[float, float]:
     optimizer = torch.optim.Adam(model.trainable_parameters(), lr=cfg.optim.lr)
     before = expected_reward(model)
     for epoch in range(epochs):
-        samples = rollout_epoch(model, sampler.epoch(epoch), cfg, epoch, first_coordinate_reward)
-        advantages, valid, _ = compute_advantages(samples, cfg, dist)
+        samples, advantages, valid, _ = flow_grpo_epoch(model, cfg, dist, sampler.epoch(epoch), epoch,
+                                                        first_coordinate_reward)
         train_epoch(model, optimizer, samples, advantages, valid, cfg, dist, epoch)
     return before, expected_reward(model)
 

@@ -41,3 +41,20 @@ class ToyFlow(FlowModel):
 def first_coordinate_reward(images, prompts, metadata=None) -> RewardOutput:
     """Reward = the first coordinate of the sample: the policy should move its mass to the right."""
     return RewardOutput(images[:, 0, 0, 0].float().clone())
+
+
+def flow_grpo_epoch(model, cfg, dist, batch, epoch: int, reward, tracker=None):
+    """One Flow-GRPO epoch's data, as the recipe's main loop produces it:
+    ``(rollouts, advantages [n, T], valid [n], metrics)``."""
+    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.collect import collect_epoch
+    from flowrl.rl.sampling import rollout_step, rollout_window
+
+    s = cfg.sampling
+    rollouts = collect_epoch(model, batch, step=rollout_step(s, model.sigmas(s.num_steps)), window=rollout_window(s),
+                             epoch=epoch, seed=cfg.run.seed, reward=reward, guidance=s.guidance,
+                             batch_size=s.batch_size, store_x0="step_weights" in cfg.advantage.needs)
+    advantages, valid, metrics = compute_advantages(rollouts, cfg.advantage, dist, seed=cfg.run.seed, epoch=epoch,
+                                                    tracker=tracker, model=model, reward=reward,
+                                                    guidance=s.guidance, batch_size=s.batch_size)
+    return rollouts, advantages, valid, metrics

@@ -89,7 +89,7 @@ def test_guided_rollout_uses_the_same_wrapper():
 
 
 def test_package_imports_only_torch_numpy_stdlib():
-    """DESIGN.md: samplers depends on torch (and numpy) only. Checked statically on every import
+    """docs/architecture.md: samplers depends on torch (and numpy) only. Checked statically on every import
     statement of the package (a subprocess import would cost seconds on a busy machine)."""
     pkg = Path(__file__).resolve().parents[2] / "samplers"
     allowed = {"torch", "numpy"} | set(sys.stdlib_module_names)

@@ -5,7 +5,7 @@
 * SDEs: statistical, 8000 samples x 4 elements = 32000 iid scalars per sigma; tolerance 5 standard
   errors (sample mean: sqrt(V / n); sample variance: V sqrt(2 / (n - 1))). Fine schedules (400 steps)
   keep the discretisation bias below 1 standard error, which each test checks with an independent
-  float64 moment recursion written from MATH.md, so the tolerance measures sampling error only.
+  float64 moment recursion written from docs/algorithms.md, so the tolerance measures sampling error only.
 """
 
 import math
@@ -46,7 +46,7 @@ def test_ode_maps_standard_normal_to_data_within_discretisation_error(gaussian_f
 
 
 def _hand_sde_moments(flow, sigmas, scales, sde_mask):
-    """Exact mean/var after each step of the discretised Flow-SDE (float64, from MATH.md)."""
+    """Exact mean/var after each step of the discretised Flow-SDE (float64, from docs/algorithms.md)."""
     mean, var = 0.0, 1.0
     out = []
     for t in range(len(sigmas) - 1):
@@ -131,7 +131,7 @@ def test_cps_keeps_marginals_when_predictions_are_exact(make_gaussian_flow):
 
 
 def test_cps_contracts_variance_under_posterior_mean_predictions(gaussian_flow):
-    """Documented limitation (MATH.md does not claim otherwise): with a model that predicts posterior
+    """Documented limitation (docs/algorithms.md does not claim otherwise): with a model that predicts posterior
     means, x0_hat and eps_hat have less variance than x0 and eps, and CPS's fresh noise s z does not
     make up for it. From the exact marginal at sigma, one small step (dt -> 0) gives
     Var(x_next) / V(sigma') = 1 - r (1 - r) (1 - cos(a pi / 2))^2 with r = sigma^2 / V(sigma),

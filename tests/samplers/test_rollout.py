@@ -259,3 +259,31 @@ def test_trajectory_pickles(gaussian_flow):
     again = torch.load(buf, weights_only=False)
     v = gaussian_flow(again.state(4), again.sigmas[4].expand(2))
     assert torch.equal(again.score_step(v, 4).log_prob, traj.log_probs[:, 4])
+
+
+def test_trajectory_cat_equals_one_rollout_and_to_moves_per_sample_fields(gaussian_flow):
+    """An epoch rolled out in two calls, concatenated, is the epoch rolled out in one call."""
+    from samplers import Trajectory
+
+    v, sig = gaussian_flow, _sigmas()
+    seeds = make_sample_seeds(3, 0, range(6))
+    x = initial_noise(SHAPE, seeds)
+    kwargs = dict(step="flow_sde", window={"start": 1, "size": 2}, sample_seeds=None, store_x0=True)
+    whole = rollout(v, x, sig, **{**kwargs, "sample_seeds": seeds})
+    parts = [rollout(v, x[i:i + 3], sig, **{**kwargs, "sample_seeds": seeds[i:i + 3]}) for i in (0, 3)]
+    joined = Trajectory.cat(parts)
+    for name in Trajectory.PER_SAMPLE:
+        a, b = getattr(joined, name), getattr(whole, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert joined.nfe == whole.nfe and torch.equal(joined.train_mask, whole.train_mask)
+    moved = joined.to("meta")
+    assert moved.latents.device.type == "meta" and moved.x0_preds.device.type == "meta"
+    assert moved.sigmas.device.type == "cpu" and moved.train_mask.device.type == "cpu"
+    other = rollout(v, x[:3], sig, **{**kwargs, "window": {"start": 0, "size": 2}, "sample_seeds": seeds[:3]})
+    with pytest.raises(ValueError, match="part 1 has a different schedule or trained steps"):
+        Trajectory.cat([parts[0], other])
+    no_x0 = rollout(v, x[:3], sig, **{**kwargs, "store_x0": False, "sample_seeds": seeds[:3]})
+    with pytest.raises(ValueError, match="part 1 lacks x0_preds"):
+        Trajectory.cat([parts[0], no_x0])
+    with pytest.raises(ValueError, match="at least one"):
+        Trajectory.cat([])

@@ -166,7 +166,7 @@ def test_sde_step_reproduces_flow_grpo(t):
     x, v = x.double(), v.double()
     sigma, sigma_next = sig[t].item(), sig[t + 1].item()
     dt = sigma_next - sigma
-    # Flow-GRPO's sde_step_with_logprob, written out from MATH.md:
+    # Flow-GRPO's sde_step_with_logprob, written out from docs/algorithms.md:
     std_dev_t = a * math.sqrt(sigma / (1 - (sig[1].item() if sigma == 1 else sigma)))
     prev_mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
     noise_std = std_dev_t * math.sqrt(-dt)

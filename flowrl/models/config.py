@@ -1,0 +1,89 @@
+"""The ``model`` section of a training config, and the one function that builds an adapter from it.
+
+Every online recipe, the demo and ``flowrl sample`` build models through :func:`build_model`, so a run's
+``config.yaml`` is enough to rebuild its model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from flowrl.config import bounds
+
+__all__ = ["LoraConfig", "ModelConfig", "build_model"]
+
+
+@dataclass
+class LoraConfig:
+    rank: int = field(default=32, metadata=bounds(ge=1))
+    alpha: float = field(default=64.0, metadata=bounds(gt=0))
+    dropout: float = field(default=0.0, metadata=bounds(ge=0, lt=1))
+    target_modules: list[str] = field(default_factory=list)  # empty: the adapter's defaults
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["shapes", "sd3", "flux"] = "shapes"
+    path: str | None = None  # local dir or hub id; None = the shipped shapes model
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig | None = None  # None: full fine-tuning
+    gradient_checkpointing: bool = False
+    resolution: int | None = field(default=None, metadata=bounds(ge=64))  # sd3 / flux only
+    # T5 tokens of the text conditioning (sd3 / flux); None: the pipeline's default (256 / 512).
+    max_sequence_length: int | None = field(default=None, metadata=bounds(ge=1))
+    # native: PyTorch SDPA; xformers: xformers' kernel (CUDA, installed to match torch); flash: flash-attn
+    # through diffusers' attention dispatcher (FLUX). docs/distributed.md, "Attention backends".
+    attention_backend: Literal["native", "xformers", "flash"] = "native"
+    # Encoded prompts kept (least recently used evicted), on the CPU (moved to the device per batch) or on
+    # the model's device.
+    prompt_cache_size: int = field(default=1024, metadata=bounds(ge=0, le=1_000_000))
+    prompt_cache_device: Literal["cpu", "model"] = "cpu"
+
+    def check(self) -> None:
+        from flowrl.config import fail
+
+        if self.name != "shapes" and self.path is None:
+            fail("path", f"{self.name} needs a local directory or hub id")
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str):
+    """The model adapter named by ``cfg`` (LoRA or full fine-tuning), on ``device``.
+
+    Raises:
+        ModelLoadError: the weights are missing or do not load (the message names the fix).
+        ConfigError: ``attention_backend`` cannot run on ``device`` (checked before loading).
+    """
+    from flowrl.models.base import check_attention_backend
+
+    check_attention_backend(cfg.attention_backend, device)  # before any weights load
+    model = _build(cfg, device)
+    model.set_prompt_cache(cfg.prompt_cache_size, cfg.prompt_cache_device)
+    if cfg.attention_backend != "native":
+        model.set_attention_backend(cfg.attention_backend)
+    return model
+
+
+def _build(cfg: ModelConfig, device: torch.device | str):
+    from flowrl.models.base import LoraSettings
+
+    dtype = getattr(torch, cfg.dtype)
+    lora = None
+    if cfg.lora is not None:
+        lora = LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                            target_modules=list(cfg.lora.target_modules))
+    if cfg.name == "shapes":
+        from flowrl.models.shapes import ShapesModel
+
+        return ShapesModel.from_pretrained(cfg.path, device=device, dtype=dtype, lora=lora,
+                                           gradient_checkpointing=cfg.gradient_checkpointing)
+    from flowrl.models.registry import load_model
+
+    kwargs = {"dtype": dtype, "device": device, "lora": lora, "gradient_checkpointing": cfg.gradient_checkpointing}
+    if cfg.resolution is not None:
+        kwargs["resolution"] = cfg.resolution
+    if cfg.max_sequence_length is not None:
+        kwargs["max_sequence_length"] = cfg.max_sequence_length
+    return load_model(cfg.name, cfg.path, **kwargs)

@@ -1,0 +1,169 @@
+"""Collect one epoch of an online run: roll out, decode, score in the background.
+
+``collect_epoch`` is the first half of every online trainer's epoch (docs/architecture.md, "One RL
+step"): for this process's shard of the group sampler's batch it rolls out with the configured step and
+window (recording a ``samplers.Trajectory``), decodes, and hands the images to the reward in a background
+thread while the next rollout batch samples. The result, :class:`EpochRollouts`, is the one record that
+advantages, credit and the training pass read.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from samplers import Trajectory
+
+__all__ = ["EpochRollouts", "collect_epoch", "checked_reward"]
+
+
+@dataclass
+class EpochRollouts:
+    """One process's rollouts of an epoch (``n`` samples, ``T`` steps), kept on the CPU.
+
+    Attributes:
+        trajectory: the rollout (``latents [n, T + 1, C, H, W]``, ``log_probs [n, T]``, the ``Step`` and
+            ``train_mask [T]``; ``x0_preds [n, T, ...]`` when collected with ``store_x0``).
+        rewards: ``[n]`` float32 training rewards (NaN where the reward failed).
+        details: ``{name: [n]}`` reward details.
+        prompts / metadata: ``n`` prompts and their metadata.
+        group_ids / sample_ids / sample_seeds: ``[n]`` int64, as in
+            :class:`flowrl.data.group_sampler.EpochBatch` (global numbering).
+        cond: the text conditioning ``{key: [n, ...]}``.
+        images: ``[n, 3, H, W]`` decoded images in [0, 1].
+        timings: seconds of ``sampling``, ``scoring`` (reward compute, overlapped) and ``scoring_wait``.
+    """
+
+    trajectory: Trajectory
+    rewards: torch.Tensor
+    details: dict[str, torch.Tensor]
+    prompts: list[str]
+    metadata: list[dict]
+    group_ids: torch.Tensor
+    sample_ids: torch.Tensor
+    sample_seeds: torch.Tensor
+    cond: dict[str, torch.Tensor]
+    images: torch.Tensor
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.rewards.numel()
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return self.trajectory.trained_steps
+
+    def cond_rows(self, rows: torch.Tensor, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The conditioning of ``rows`` on ``device``."""
+        return {k: v[rows].to(device) for k, v in self.cond.items()}
+
+
+def checked_reward(reward: Callable, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+    """``reward(images, prompts, metadata)``, with a reward that crashes or answers the wrong shape turned into
+    a one-line :class:`rewards.RewardError` that names it.
+
+    Raises:
+        RewardError: the reward raised (its own ``RewardError`` passes through unchanged), returned something
+            that is not a ``RewardOutput``, or a number of scores other than the number of images.
+    """
+    from rewards import RewardError, RewardOutput
+
+    name = getattr(reward, "name", None) or type(reward).__name__
+    try:
+        out = reward(images, prompts, metadata)
+    except RewardError:
+        raise
+    except Exception as err:
+        raise RewardError(f"the reward {name} failed: {type(err).__name__}: {' '.join(str(err).split())[:300]}") \
+            from err
+    if not isinstance(out, RewardOutput):
+        raise RewardError(f"the reward {name} returned a {type(out).__name__}; a reward must return a RewardOutput")
+    if out.scores.numel() != len(prompts):
+        raise RewardError(f"the reward {name} returned {out.scores.numel()} scores for {len(prompts)} images; a "
+                          "reward must return one score per image")
+    return out
+
+
+def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: Callable, guidance: float,
+                  batch_size: int, store_x0: bool = False, velocity_fn=None, progress=None) -> EpochRollouts:
+    """Roll out, decode and score this process's shard of an epoch.
+
+    Args:
+        model: the model adapter (``flowrl.models.base.FlowModel``); put in eval mode while sampling.
+        batch: this process's :class:`flowrl.data.group_sampler.EpochBatch`.
+        step: the ``samplers.Step`` of the trained steps (``flowrl.rl.sampling.rollout_step``).
+        window: the ``samplers.Window`` of trained steps (``flowrl.rl.sampling.rollout_window``).
+        epoch / seed: drive the window position (the noise comes from ``batch.sample_seeds``).
+        reward: ``reward(images, prompts, metadata) -> RewardOutput``.
+        guidance: classifier-free guidance scale of the rollout.
+        batch_size: samples per rollout call.
+        store_x0: record the predicted clean latents (cosine credit needs them).
+        velocity_fn: sample with this velocity instead of ``model.velocity_fn(guidance)`` (e.g. a snapshot).
+        progress: optional tqdm bar advanced by the number of samples of each rollout call.
+
+    Returns:
+        :class:`EpochRollouts` on the CPU.
+    """
+    from samplers import initial_noise, rollout
+
+    velocity = velocity_fn or model.velocity_fn(guidance)
+    n = len(batch.prompts)
+    parts: list[Trajectory] = []
+    conds: list[dict[str, torch.Tensor]] = []
+    images: list[torch.Tensor] = []
+    futures: list[Future] = []
+    score_seconds = [0.0]
+
+    def score(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        start = time.perf_counter()
+        try:
+            return checked_reward(reward, images, prompts, metadata)
+        finally:
+            score_seconds[0] += time.perf_counter() - start
+
+    t_start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for start in range(0, n, batch_size):
+                rows = slice(start, min(start + batch_size, n))
+                prompts = batch.prompts[rows]
+                cond = model.encode_prompts(prompts)
+                x_init = initial_noise(model.latent_shape, batch.sample_seeds[rows], device=model.device)
+                traj = rollout(velocity, x_init, step.sigmas, cond=cond, step=step, window=window, iteration=epoch,
+                               seed=seed, sample_seeds=batch.sample_seeds[rows], store_x0=store_x0,
+                               model_dtype=model.dtype)
+                decoded = model.decode(traj.x0).cpu()
+                futures.append(pool.submit(score, decoded, prompts, batch.metadata[rows]))
+                parts.append(traj.to("cpu"))
+                conds.append({k: v.cpu() for k, v in cond.items()})
+                images.append(decoded)
+                if progress is not None:
+                    progress.update(rows.stop - rows.start)
+            sampling_done = time.perf_counter()
+            outputs = [f.result() for f in futures]
+    finally:
+        if was_training:
+            model.train()
+    t_end = time.perf_counter()
+    return EpochRollouts(
+        trajectory=Trajectory.cat(parts),
+        rewards=torch.cat([o.scores.float() for o in outputs]),
+        details={k: torch.cat([o.details[k].float() for o in outputs]) for k in outputs[0].details},
+        prompts=list(batch.prompts),
+        metadata=list(batch.metadata),
+        group_ids=batch.group_ids,
+        sample_ids=batch.sample_ids,
+        sample_seeds=batch.sample_seeds,
+        cond={k: torch.cat([c[k] for c in conds]) for k in conds[0]},
+        images=torch.cat(images),
+        # Scoring overlaps sampling: "scoring" is the reward's compute time, "scoring_wait" what sampling
+        # did not hide.
+        timings={"sampling": sampling_done - t_start, "scoring": score_seconds[0],
+                 "scoring_wait": t_end - sampling_done},
+    )

@@ -1,0 +1,143 @@
+"""The training pass's bookkeeping, shared by every online trainer: minibatches, the forward-backward
+passes of one optimizer step, the optimizer step itself, and weighted metric means.
+
+Invariance (docs/architecture.md, "Distributed training"): one process with accumulation ``2a`` and two
+processes with accumulation ``a`` take the same optimizer step. Three rules make that so:
+
+- the minibatch partition is drawn over *global* sample ids from ``(seed, epoch, inner epoch)``, so it
+  does not depend on the number of processes (:func:`minibatch_rows`);
+- every loss is scaled by its share of the minibatch's *global* sample count, times the world size
+  (DDP averages gradients over processes): :func:`pass_scale`;
+- every process makes the same number of backward calls (DDP's collectives must pair up): an idle
+  process pads with zero-weight passes (:func:`training_passes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["minibatch_rows", "TrainingPass", "training_passes", "global_count", "pass_scale", "UpdateHealth",
+           "optimizer_step", "MetricMeans"]
+
+
+def minibatch_rows(sample_ids: torch.Tensor, minibatches: int, *, seed: int, epoch: int,
+                   inner: int, total: int | None = None) -> list[torch.Tensor]:
+    """Local row indices of each of ``minibatches`` minibatches.
+
+    Args:
+        sample_ids: ``[n]`` global sample ids of this process's rows.
+        minibatches: optimizer steps per inner epoch.
+        seed / epoch / inner: the partition is a pure function of these and the global ids.
+        total: the number of samples over every process (global ids are ``0 .. total - 1``). Give it under
+            several processes: the default, this process's largest id + 1, is the total only on the process
+            holding the last ids, and the others would draw a different partition.
+
+    Returns:
+        ``minibatches`` long tensors of local row indices (a partition of ``range(n)``).
+    """
+    from samplers import derive_seed
+
+    if total is None:
+        total = int(sample_ids.max()) + 1 if sample_ids.numel() else 0
+    generator = torch.Generator().manual_seed(derive_seed(seed, epoch, inner, 0x3B))
+    global_order = torch.randperm(max(total, 1), generator=generator)
+    global_chunk = torch.empty_like(global_order)
+    global_chunk[global_order] = torch.arange(global_order.numel()) * minibatches // global_order.numel()
+    chunk_of_local = global_chunk[sample_ids]
+    return [torch.nonzero(chunk_of_local == m).flatten() for m in range(minibatches)]
+
+
+def global_count(dist, rows: torch.Tensor) -> int:
+    """The number of rows over every process (each process needs it to normalise its share)."""
+    return int(dist.gather(torch.tensor([rows.numel()])).sum())
+
+
+@dataclass
+class TrainingPass:
+    """One forward-backward pass.
+
+    Attributes:
+        rows: ``[m]`` local sample rows.
+        unit: what the pass trains on those rows besides the samples (a denoising step index for
+            Flow-GRPO; ``None`` when the rows are the whole unit).
+        weight: 1, or 0 for a padding pass of a process with fewer passes (its loss must not count).
+        sync: the last pass before the optimizer step: gradients are all-reduced on its backward.
+    """
+
+    rows: torch.Tensor
+    unit: Any
+    weight: float
+    sync: bool
+
+
+def training_passes(rows: torch.Tensor, units: Sequence[Any], micro_batch_size: int, dist) -> list[TrainingPass]:
+    """The passes of one optimizer step: every micro-batch of ``rows`` times every unit, padded so that
+    every process makes the same number of backward calls."""
+    micro = [m for m in rows.split(micro_batch_size) if m.numel()]  # an empty tensor splits into one empty part
+    real = [(m, u) for m in micro for u in units]
+    count = int(dist.gather(torch.tensor([len(real)])).max())
+    filler = (rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long), units[0] if units else None)
+    return [TrainingPass(*(real[i] if i < len(real) else filler), weight=1.0 if i < len(real) else 0.0,
+                         sync=i == count - 1) for i in range(count)]
+
+
+def pass_scale(p: TrainingPass, n_global: int, dist, units_per_sample: int = 1) -> float:
+    """The factor of a pass's mean loss such that the all-reduced gradient is the minibatch's mean.
+
+    The pass holds ``len(p.rows)`` of the minibatch's ``n_global`` samples (times ``units_per_sample``
+    units each); ``world_size`` undoes DDP's averaging over processes.
+    """
+    return p.weight * len(p.rows) / n_global * dist.world_size / units_per_sample
+
+
+class UpdateHealth:
+    """Counts optimizer updates skipped for a non-finite loss or gradient, in total and in a row."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+        self.in_a_row = 0
+
+    def record(self, finite: bool) -> None:
+        self.skipped += not finite
+        self.in_a_row = 0 if finite else self.in_a_row + 1
+
+
+def optimizer_step(optimizer, params: list[torch.nn.Parameter], dist, *, grad_clip: float, ema=None,
+                   health: UpdateHealth | None = None) -> float:
+    """Clip the (all-reduced) gradients, step, update the EMA. Returns the gradient norm before clipping.
+
+    A non-finite gradient norm (a NaN or inf loss, an exploding step) skips the update: the weights, the
+    optimizer's moments and the EMA stay as they were, and ``health`` counts it. The norm is computed on the
+    all-reduced gradients, so every process takes the same decision.
+    """
+    grad_norm = float(dist.clip_grad_norm_(params, grad_clip))
+    finite = math.isfinite(grad_norm)
+    if health is not None:
+        health.record(finite)
+    if not finite:
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+    optimizer.step()
+    if ema is not None:
+        ema.step(params)
+    return grad_norm
+
+
+class MetricMeans:
+    """Weighted means of per-pass statistics (e.g. weighted by the samples of each pass)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, weight: float, **values: float) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+            self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}

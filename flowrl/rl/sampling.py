@@ -1,0 +1,74 @@
+"""The ``sampling`` section of an online run, and the rollout step and window it configures.
+
+``samplers`` is torch-only and knows nothing of configs, so its typed config lives here, beside the
+loop that turns it into a ``samplers.Step`` and ``samplers.Window``. A step's default noise level is
+decided in one place, :func:`samplers.noise_kwargs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from flowrl.config import bounds, fail
+
+__all__ = ["WindowConfig", "SamplingConfig", "rollout_step", "rollout_window"]
+
+
+@dataclass
+class WindowConfig:
+    mode: Literal["fixed", "random", "sliding"] = "fixed"
+    start: int = field(default=0, metadata=bounds(ge=0))
+    size: int | None = field(default=None, metadata=bounds(ge=1))  # None: every trainable step
+    every: int = field(default=1, metadata=bounds(ge=1))  # sliding: epochs per one-step advance
+    max_start: int | None = field(default=None, metadata=bounds(ge=0))
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = field(default=10, metadata=bounds(ge=2, le=1000))
+    eval_num_steps: int = field(default=40, metadata=bounds(ge=1, le=1000))
+    step: Literal["flow_sde", "dance_sde", "cps", "ode"] = "flow_sde"
+    # flow_sde / cps: a; dance_sde: eta. None: the step's own default (0.7, 0.7, 0.3).
+    noise_level: float | None = field(default=None, metadata=bounds(ge=0, le=10))
+    reduction: Literal["mean", "sum"] = "mean"
+    guidance: float = field(default=1.0, metadata=bounds(ge=0, le=100))  # rollout and training CFG
+    eval_guidance: float | None = field(default=None, metadata=bounds(ge=0, le=100))  # None: same as guidance
+    window: WindowConfig = field(default_factory=WindowConfig)
+    group_size: int = field(default=8, metadata=bounds(ge=2, le=4096))
+    groups_per_epoch: int = field(default=8, metadata=bounds(ge=1, le=100_000))
+    batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # samples per rollout call, per process
+
+    def check(self) -> None:
+        w = self.window
+        trainable = self.num_steps - 1
+        if w.size is not None and w.start + w.size > trainable:
+            fail("window", f"start {w.start} + size {w.size} exceeds the {trainable} trainable steps of "
+                 f"a {self.num_steps}-step schedule (the last step is deterministic)")
+        if w.mode != "fixed" and w.size is None:
+            fail("window.size", f"a {w.mode} window needs a size")
+        if w.max_start is not None and w.size is not None and w.max_start + w.size > trainable:
+            fail("window.max_start", f"max_start {w.max_start} + size {w.size} exceeds the {trainable} "
+                 f"trainable steps of a {self.num_steps}-step schedule; lower max_start to at most "
+                 f"{max(trainable - w.size, 0)} or leave it unset (the last start that fits)")
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.groups_per_epoch * self.group_size
+
+
+def rollout_step(cfg: SamplingConfig, sigmas: torch.Tensor):
+    """The ``samplers.Step`` of the training rollout (and of re-scoring) on schedule ``sigmas``."""
+    from samplers import make_step, noise_kwargs
+
+    return make_step(cfg.step, sigmas, **noise_kwargs(cfg.step, cfg.noise_level), reduction=cfg.reduction)
+
+
+def rollout_window(cfg: SamplingConfig):
+    """The ``samplers.Window`` of trained steps."""
+    from samplers import Window
+
+    w = cfg.window
+    return Window(mode=w.mode, start=w.start, size=w.size, every=w.every, max_start=w.max_start)

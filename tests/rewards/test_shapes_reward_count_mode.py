@@ -1,0 +1,88 @@
+"""The shapes reward's count_mode: ``strict`` never pays more for a wrong count than for a right one, and
+leaves every other prompt (and the default) as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rewards
+from flowrl.data.shapes import Scene, SceneObject, parse_prompt, render_batch, sample_examples
+from rewards import RewardError
+from rewards.shapes import ShapesReward, constraints_met, detect_objects
+
+
+def _tri(color: str, x: float, y: float) -> SceneObject:
+    return SceneObject("triangle", color, x, y, 9.0)
+
+
+SCENES = {
+    "one green": Scene((_tri("green", 16, 16),)),
+    "three green": Scene((_tri("green", 7, 8), _tri("green", 24, 8), _tri("green", 16, 24))),
+    "three red": Scene((_tri("red", 7, 8), _tri("red", 24, 8), _tri("red", 16, 24))),
+    "two green one red": Scene((_tri("green", 7, 8), _tri("green", 24, 8), _tri("red", 16, 24))),
+}
+
+
+@pytest.fixture(scope="module")
+def images():
+    return render_batch(list(SCENES.values()))
+
+
+def test_counting_prompt_partial_and_strict_hand_values(images):
+    prompts = ["three green triangles"] * 4
+    partial = rewards.load("shapes")(images, prompts)
+    strict = rewards.load("shapes", count_mode="strict")(images, prompts)
+    # Constraints: a triangle; a green triangle; exactly three green triangles.
+    # one green: yes, yes, no; three green: all; three red: yes, no, no (0 green); 2 green + 1 red: yes, yes, no.
+    assert partial.scores.tolist() == pytest.approx([2 / 3, 1.0, 1 / 3, 2 / 3])
+    assert strict.scores.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0])
+    assert torch.equal(partial.details["correct"], strict.details["correct"])
+    assert strict.details["correct"].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_default_is_partial_and_other_prompts_are_unchanged(images):
+    assert ShapesReward().count_mode == "partial"
+    prompts = ["a triangle", "a green triangle", "a red triangle and a green triangle",
+               "a green triangle left of a red triangle"]
+    partial = rewards.load("shapes")(images, prompts)
+    strict = rewards.load("shapes", count_mode="strict")(images, prompts)
+    assert torch.equal(partial.scores, strict.scores)
+    # a triangle: 1; a green triangle: 2 of 2 (shape, colour); three red has no green: 3 of 4;
+    # 2 green + 1 red (red at the bottom): shapes and colours yes, "green left of red": the red one is
+    # at x 16 and a green one at x 7 -> yes: 5 of 5.
+    assert partial.scores.tolist() == pytest.approx([1.0, 1.0, 0.75, 1.0])
+
+
+def test_strict_never_pays_a_wrong_count_more_than_a_right_one():
+    # Every eval scene scored against every counting prompt of the eval set: right counts score 1 in strict
+    # mode, wrong ones 0; partial mode pays wrong counts up to 2/3. Non-counting prompts are unchanged.
+    examples = sample_examples("eval", 120, seed=3)
+    detections = [detect_objects(e.image.astype("float32") / 255.0) for e in examples]  # uint8 renders
+    prompts = sorted({e.prompt for e in examples})
+    counting = [p for p in prompts if parse_prompt(p).kind == "counting"]
+    assert len(counting) >= 5
+    right, wrong, wrong_partial = [], [], []
+    for prompt in prompts:
+        spec = parse_prompt(prompt)
+        for found in detections:
+            partial = constraints_met(spec, found)
+            strict = constraints_met(spec, found, "strict")
+            assert len(strict) == len(partial) and all(partial) == all(strict)
+            if spec.kind != "counting":
+                assert strict == partial
+                continue
+            score = sum(strict) / len(strict)
+            (right if all(partial) else wrong).append(score)
+            if not all(partial):
+                wrong_partial.append(sum(partial) / len(partial))
+    assert right and wrong
+    assert max(wrong) == 0.0 and min(right) == 1.0
+    assert max(wrong_partial) == pytest.approx(2 / 3)  # what partial credit paid for a wrong count
+
+
+def test_bad_count_mode_is_a_reward_error():
+    with pytest.raises(RewardError, match="count_mode must be one of partial, strict; received 'exact'"):
+        rewards.load("shapes", count_mode="exact")
+    with pytest.raises(RewardError, match="count_mode must be one of"):
+        constraints_met(parse_prompt("a circle"), [], "loose")

@@ -1,0 +1,104 @@
+"""Bugs fixed with the online-loop redesign, each reproduced: a reward error whose constructor takes several
+arguments reaches the user as one line (not a TypeError), a step's default noise level is its own, and a
+group layout that does not fit the processes is a config error."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError
+from flowrl.logging import read_metrics
+from rewards import RewardError, RewardOutput
+from rewards.registry import REWARDS
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
+
+
+class ServerAnswered500(RewardError):
+    """Like an HTTP client's status error: the constructor takes the status too."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class FailsOnSecondCall:
+    calls = 0
+
+    def __call__(self, images, prompts, metadata=None):
+        FailsOnSecondCall.calls += 1
+        if FailsOnSecondCall.calls >= 2:
+            raise ServerAnswered500("reward server http://127.0.0.1:9/score answered 500: model crashed", 500)
+        return RewardOutput(images.float().mean(dim=(1, 2, 3)))
+
+
+def test_a_failing_remote_reward_is_one_line_and_the_last_epoch_is_saved(tiny_shapes_dir, tmp_path, capsys):
+    from flowrl.train import main
+
+    if "fails_on_second_call" not in REWARDS:
+        REWARDS.register("fails_on_second_call", FailsOnSecondCall)
+    FailsOnSecondCall.calls = 0
+    out = tmp_path / "run"
+    code = main([str(CONFIG), f"model.path={tiny_shapes_dir}", f"run.output_dir={out}", "run.max_minutes=null",
+                 "run.max_epochs=3", "eval.at_start=false", "eval.every_minutes=null", "eval.every_epochs=10",
+                 "sampling.num_steps=3", "sampling.window.max_start=null", "sampling.groups_per_epoch=2",
+                 "sampling.group_size=2", "sampling.batch_size=4", "train.micro_batch_size=4",
+                 "reward.train={fails_on_second_call: 1.0}", "reward.eval=[jpeg_incompressibility]",
+                 "data.num_eval_prompts=2", "checkpoint.every_epochs=10"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert err == (f"flowrl train: error: epoch 2: reward server http://127.0.0.1:9/score answered 500: model "
+                   f"crashed (checkpoint of epoch 1 saved in {out}/checkpoints; resume with run.resume=true)")
+    assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+    assert (out / "checkpoints" / "step_0000001" / "state.pt").is_file()
+
+
+def test_every_step_takes_its_own_default_noise_level():
+    from flowrl.rl.sampling import SamplingConfig, rollout_step
+    from samplers import linear_sigmas
+
+    sigmas = linear_sigmas(4)
+    assert rollout_step(SamplingConfig(step="dance_sde"), sigmas).hyperparams["eta"] == 0.3
+    assert rollout_step(SamplingConfig(step="flow_sde"), sigmas).hyperparams["noise_level"] == 0.7
+    assert rollout_step(SamplingConfig(step="dance_sde", noise_level=0.5), sigmas).hyperparams["eta"] == 0.5
+
+
+def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
+    from flowrl.data.group_sampler import GroupSampler
+
+    with pytest.raises(ConfigError, match=r"^sampling.groups_per_epoch: groups_per_epoch x group_size = 3 x 3 = 9 "
+                                          r"samples per epoch do not split evenly over 2 processes"):
+        GroupSampler(["a"], None, groups=3, group_size=3, seed=0, num_processes=2, rank=0)
+
+
+def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shapes_dir, tmp_path):
+    """A failure inside the update leaves no checkpoint of half-updated weights, and says so."""
+    from flowrl.errors import RunError
+    from flowrl.rl.run import OnlineRun
+    from flowrl.train import load_recipe_config
+
+    _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={tmp_path}", "eval.at_start=false"])
+    run = OnlineRun(cfg, "test")
+    weights = {"w": torch.zeros(1)}
+
+    class State:
+        def state_dict(self):
+            return dict(weights)
+
+        def load_state_dict(self, state):
+            weights.update(state)
+
+    run.track(state=State())
+    with pytest.raises(RunError, match="epoch 1: bad input .*the epoch was not saved; the last checkpoint"):
+        with run:
+            while run.next_epoch():
+                with run.updating():
+                    weights["w"] += 1
+                    raise RewardError("bad input")
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("step_*"))
+    assert math.isfinite(float(weights["w"]))
