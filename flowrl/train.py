@@ -18,6 +18,12 @@ from flowrl.registry import Registry, UnknownNameError
 RECIPES: Registry = Registry("recipe")
 RECIPES.register("pretrain", "flowrl.recipes.pretrain:RECIPE")
 RECIPES.register("flow_grpo", "flowrl.recipes.flow_grpo:RECIPE")
+RECIPES.register("crd", "flowrl.recipes.crd:RECIPE")
+RECIPES.register("nft", "flowrl.recipes.nft:RECIPE")
+RECIPES.register("awm", "flowrl.recipes.awm:RECIPE")
+RECIPES.register("dgpo", "flowrl.recipes.dgpo:RECIPE")
+RECIPES.register("dpo", "flowrl.recipes.dpo:RECIPE")
+RECIPES.register("d3po", "flowrl.recipes.d3po:RECIPE")
 
 
 def load_recipe_config(path: str, overrides: list[str]):
