@@ -58,3 +58,32 @@ def flow_grpo_epoch(model, cfg, dist, batch, epoch: int, reward, tracker=None):
                                                     tracker=tracker, model=model, reward=reward,
                                                     guidance=s.guidance, batch_size=s.batch_size)
     return rollouts, advantages, valid, metrics
+
+
+def expected_reward(model, steps: int = 10) -> float:
+    """Mean first coordinate of 4000 ODE samples at fixed seeds: the toy's expected reward."""
+    from flowrl.sample import generate
+
+    images = generate(model, ["p"] * 4000, list(range(10_000, 14_000)), steps=steps, guidance=1.0, batch_size=4000)
+    return float(images[:, 0].mean())
+
+
+def forward_epoch_data(model, cfg, dist, batch, epoch: int, reward, velocity_fn=None):
+    """One epoch's data for a forward-process trainer, as its recipe produces it: rollouts with the configured
+    (ODE) step, per-sample advantages, as ``(ForwardData, sigmas)``."""
+    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.collect import collect_epoch
+    from flowrl.rl.forward import ForwardData
+    from flowrl.rl.sampling import rollout_step, rollout_window
+
+    s = cfg.sampling
+    sigmas = model.sigmas(s.num_steps)
+    rollouts = collect_epoch(model, batch, step=rollout_step(s, sigmas), window=rollout_window(s), epoch=epoch,
+                             seed=cfg.run.seed, reward=reward, guidance=s.guidance, batch_size=s.batch_size,
+                             velocity_fn=velocity_fn)
+    advantages, valid, _ = compute_advantages(rollouts, cfg.advantage, dist, seed=cfg.run.seed, epoch=epoch,
+                                              per_sample=True)
+    return ForwardData.from_rollouts(rollouts, advantages, valid), sigmas
+
+
+TOY_SAMPLING = {"num_steps": 10, "group_size": 16, "groups_per_epoch": 8, "batch_size": 128}
