@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import clean, curve_mean, interp, mean_std, read_curve, train_run  # noqa: E402
+from benchmarks.runs import clean, curve_mean, interp, mean_std, read_curve, save_figure, train_run  # noqa: E402
 from benchmarks.runs import fmt as _fmt  # noqa: E402
 from benchmarks.runs import median as _median  # noqa: E402
 
@@ -227,10 +227,7 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path) -> None:
     axes[1].set_title("(b) accuracy vs training time")
     control = " (grey: random-advantage control)" if any(m == "shuffled" for m, _ in runs) else ""
     fig.suptitle(f"Credit assignment on the shapes model: outcome vs TP-GRPO vs cosine{control}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ============================================================================ main

@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ROOT", "train_run", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean"]
+__all__ = ["ROOT", "train_run", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
+           "save_figure"]
 
 
 def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, reuse: bool = False,
@@ -36,7 +37,8 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
                *[f"{k}={v}" for k, v in overrides.items()], *extra]
     print(f"{label}: {' '.join(command[1:])}", flush=True)
     start = time.time()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path}
     with open(out / "train.log", "w") as log:
         proc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     status = "ok" if proc.returncode == 0 else "failed"
@@ -130,6 +132,16 @@ def read_curve(directory: Path, metric: str, *, initial: dict | None = None) -> 
         "advantages_s": median([r.get("time/advantages_s", math.nan) for r in steady]),
         "rows": train_rows,
     }
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def curve_mean(curves: list[dict], key: str, top: float | None = None, points: int = 51) -> tuple[list, list]:

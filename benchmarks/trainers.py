@@ -19,7 +19,7 @@ the budget. Outputs (``--results``, default ``benchmarks/results``):
 - ``--sweep``: each trainer's short sweep of its learning rate and its main coefficient (``SWEEP``), one
   seed each, reported in ``trainers_sweep.{json,md}``.
 
-Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 256
+Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 128
 training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
 4 pairs (a correct image preferred to an incorrect one); the images it sampled are reported beside its row.
 
@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import clean, curve_mean, fmt, interp, mean_std, read_curve, train_run  # noqa: E402
+from benchmarks.runs import (clean, curve_mean, fmt, interp, mean_std, read_curve, save_figure,  # noqa: E402
+                             train_run)
 
 TRAINERS = ("flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
 METRIC = "eval/shapes/accuracy"
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reuse", action="store_true", help="skip runs whose directory already has metrics")
     p.add_argument("--sweep", action="store_true", help="the learning-rate / coefficient sweep (first seed only)")
     p.add_argument("--make-pairs", action="store_true", help="write Diffusion-DPO's pairs (--pairs) and stop")
-    p.add_argument("--pair-prompts", type=int, default=256, help="--make-pairs: training prompts sampled")
+    p.add_argument("--pair-prompts", type=int, default=128, help="--make-pairs: training prompts sampled")
     p.add_argument("--analyse-only", action="store_true", help="train nothing; analyse the runs in --out")
     return p.parse_args(argv)
 
@@ -98,8 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_pairs(out: Path, *, prompts: int, per_prompt: int = 16, pairs_per_prompt: int = 4, steps: int = 10,
-               seed: int = 0, model_path: str | None = None) -> dict:
-    """Sample the base model on training prompts, score strictly, write (correct, incorrect) pairs of each prompt."""
+               seed: int = 0, model_path: str | None = None, bf16: bool = False) -> dict:
+    """Sample the base model on training prompts (``bf16``: under bfloat16 autocast), score strictly, write
+    (correct, incorrect) pairs of each prompt."""
     import numpy as np
     import torch
 
@@ -117,8 +119,10 @@ def make_pairs(out: Path, *, prompts: int, per_prompt: int = 16, pairs_per_promp
     pairs, start = [], time.perf_counter()
     for n, i in enumerate(chosen):
         prompt = train.prompts[i]
-        images = generate(model, [prompt] * per_prompt, [seed * 1_000_003 + i * per_prompt + k for k in range(per_prompt)],
-                          steps=steps, batch_size=per_prompt)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            images = generate(model, [prompt] * per_prompt,
+                              [seed * 1_000_003 + i * per_prompt + k for k in range(per_prompt)], steps=steps,
+                              batch_size=per_prompt)
         correct = reward(images, [prompt] * per_prompt, [train.metadata[i]] * per_prompt).details["correct"].bool()
         good, bad = torch.nonzero(correct).flatten().tolist(), torch.nonzero(~correct).flatten().tolist()
         for k in range(min(len(good), len(bad), pairs_per_prompt)):
@@ -129,7 +133,7 @@ def make_pairs(out: Path, *, prompts: int, per_prompt: int = 16, pairs_per_promp
             print(f"pairs: {n + 1}/{len(chosen)} prompts, {len(pairs)} pairs", flush=True)
     write_pair_shards(pairs, out)
     info = {"prompts": len(chosen), "images_sampled": len(chosen) * per_prompt, "pairs": len(pairs),
-            "steps": steps, "seconds": round(time.perf_counter() - start, 1)}
+            "steps": steps, "bf16": bf16, "seconds": round(time.perf_counter() - start, 1)}
     (out / "info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -232,8 +236,8 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
 
 def markdown(summary: dict, base: dict | None) -> str:
     kinds = " | ".join(KINDS)
-    lines = [f"| trainer | seeds | accuracy @ 10 min | accuracy @ 30 min | accuracy @ {summary['equal_images']:.0f} images "
-             f"| final | {kinds} | s / epoch | images / min | epochs | images |",
+    lines = [f"| trainer | seeds | accuracy @ 10 min | accuracy @ 30 min "
+             f"| accuracy @ {summary['equal_images']:.0f} images | final | {kinds} | s / epoch | images / min | epochs | images |",
              "|---|---|---|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|"]
     if base is not None:
         per_kind = " | ".join(fmt(base.get(f"eval/shapes/{k}", math.nan), 2) for k in KINDS)
@@ -246,7 +250,8 @@ def markdown(summary: dict, base: dict | None) -> str:
         lines.append(f"| {trainer} | {e['seeds']} | {pm('acc_at_10min')} | {pm('acc_at_30min')} | "
                      f"{pm('acc_at_equal_images')} | {pm('acc_final')} | "
                      + " | ".join(fmt(e[k], 2) for k in KINDS)
-                     + f" | {fmt(e['epoch_s'], 1)} | {fmt(e['images_per_min'], 0)} | {fmt(e['epochs'], 1)} | {images} |")
+                     + f" | {fmt(e['epoch_s'], 1)} | {fmt(e['images_per_min'], 0)} | {fmt(e['epochs'], 1)} "
+                     f"| {images} |")
     lines.append("")
     lines.append("Held-out `eval/shapes/accuracy`, mean ± std over seeds, linearly interpolated between evaluations; "
                  "per-task accuracies at each run's last evaluation (mean over seeds); seconds per epoch are medians "
@@ -256,9 +261,11 @@ def markdown(summary: dict, base: dict | None) -> str:
 
 
 def sweep_markdown(runs: dict[tuple[str, str], dict]) -> str:
-    lines = ["| trainer | setting | accuracy at the end | training minutes | epochs | images |", "|---|---|---|---|---|---|"]
+    lines = ["| trainer | setting | accuracy at the end | training minutes | epochs | images |",
+             "|---|---|---|---|---|---|"]
     for (trainer, variant), r in sorted(runs.items()):
-        lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} | {fmt(r['final_minutes'], 1)} "
+        lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} "
+                     f"| {fmt(r['final_minutes'], 1)} "
                      f"| {r['epochs']} | {r['final_images']:.0f} |")
     return "\n".join(lines)
 
@@ -280,7 +287,8 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path, title: st
             for r in mine:
                 ax.plot(r[key], r["accuracy"], color=color, alpha=0.35, linewidth=0.8, marker=".", markersize=3)
             grid, means = curve_mean(mine, key)
-            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{trainer} ({len(mine)} seed{'s' * (len(mine) > 1)})")
+            seeds = f"{len(mine)} seed{'s' * (len(mine) > 1)}"
+            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{trainer} ({seeds})")
         ax.set_xlabel(label)
         ax.set_ylabel("held-out accuracy")
         ax.grid(alpha=0.3)
@@ -288,10 +296,7 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path, title: st
     axes[0].set_title("(a) accuracy vs training time")
     axes[1].set_title("(b) accuracy vs images sampled (Diffusion-DPO: offline)")
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ============================================================================ main
@@ -302,7 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out, results = Path(args.out), Path(args.results)
     if args.make_pairs:
-        info = make_pairs(Path(args.pairs), prompts=args.pair_prompts, model_path=args.model_path)
+        info = make_pairs(Path(args.pairs), prompts=args.pair_prompts, model_path=args.model_path,
+                          bf16=any(o == "sampling.precision=bfloat16" for o in args.overrides))
         print(json.dumps(info), flush=True)
         return info
     base = base_evaluation(args)

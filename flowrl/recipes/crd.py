@@ -29,16 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowrl.config import RunConfig, bounds, fail
-from flowrl.models.config import ModelConfig
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
-from flowrl.rl.evaluate import EvalConfig
 from flowrl.rl.forward import ForwardTrainConfig, TimesConfig, check_forward_config
-from flowrl.rl.optim import OptimConfig
-from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
+from flowrl.rl.online import OnlineConfig
 from flowrl.rl.sampling import SamplingConfig
 from flowrl.rl.snapshots import SnapshotConfig
-from rewards.config import RewardConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -69,18 +64,10 @@ class TrainConfig(ForwardTrainConfig):
 
 
 @dataclass
-class Config:
+class Config(OnlineConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/crd"))
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def check(self) -> None:
         check_forward_config(self)
@@ -118,36 +105,26 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run CRD as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from flowrl.rl.forward import ForwardData, groups_stay_local
+    from flowrl.rl.forward import forward_epoch, groups_stay_local
     from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.sampling import rollout_step, rollout_window
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
     online = OnlineLoop(cfg, "crd", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         plot_groups={"crd": ["train/policy_loss", "train/implicit_reward", "train/old_decay",
                                              "train/sampler_decay"]})
-    run, model, s = online.run, online.model, cfg.sampling
+    run, model = online.run, online.model
     groups_stay_local(cfg, online.dist)
     old, sampler = ParamSnapshot(model, cfg.train.old.schedule()), ParamSnapshot(model, cfg.train.sampler.schedule())
     run.track(old=old, sampler=sampler)
-    sigmas = model.sigmas(s.num_steps)
-    step, window = rollout_step(s, sigmas), rollout_window(s)
 
     with run:
         while run.next_epoch():
-            rollouts, advantages, valid, metrics = online.collect(run.epoch, step=step, window=window,
-                                                                  velocity_fn=sampler.velocity_fn(model, s.guidance))
-            if run.check_rewards(metrics, s.samples_per_epoch):
-                passes = int(valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
-                with online.training(passes) as bar:
-                    data = ForwardData.from_rollouts(rollouts, advantages, valid)
-                    metrics.update(train_epoch(model, online.optimizer, data, sigmas, cfg, online.dist, run.epoch,
-                                               old=old, ema=online.ema, health=run.health, progress=bar))
+            metrics, rollouts = forward_epoch(online, train_epoch, old=old,
+                                              velocity_fn=sampler.velocity_fn(model, cfg.sampling.guidance))
             steps = optimizer_steps(online.optimizer)
             metrics["train/old_decay"] = old.update(model, steps)
             metrics["train/sampler_decay"] = sampler.update(model, steps)
             online.end_epoch(metrics, rollouts)
     return run.finish()
-
 
 RECIPE = Recipe(Config, main)

@@ -28,43 +28,25 @@ from typing import Literal
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
-from flowrl.models.config import ModelConfig
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
-from flowrl.rl.evaluate import EvalConfig
-from flowrl.rl.optim import OptimConfig
-from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
-from flowrl.rl.sampling import SamplingConfig
-from rewards.config import RewardConfig
+from flowrl.rl.online import OnlineConfig, UpdateConfig
 
 __all__ = ["TrainConfig", "Config", "group_pairs", "train_epoch", "main", "RECIPE"]
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(UpdateConfig):
+    micro_batch_size: int = field(default=16, metadata=bounds(ge=1, le=4096))  # pairs per backward, per process
     beta: float = field(default=0.1, metadata=bounds(gt=0))
     mode: Literal["trajectory", "per_step"] = "trajectory"
     ratio_clip: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # per-step ratio clamp (eps)
     label_smoothing: float = field(default=0.0, metadata=bounds(ge=0, le=0.5))  # conservative DPO
-    inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
-    minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
-    micro_batch_size: int = field(default=16, metadata=bounds(ge=1, le=4096))  # pairs per backward, per process
-    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # evaluation EMA; None: none
 
 
 @dataclass
-class Config:
+class Config(OnlineConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/d3po"))
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def check(self) -> None:
         if self.sampling.step == "ode":
@@ -152,7 +134,8 @@ def train_epoch(model, optimizer, rollouts, pairs: tuple[torch.Tensor, torch.Ten
                 dist.backward(loss * pass_scale(p, n_global, dist), model.denoiser, sync=p.sync)
                 if p.weight:
                     ratio = (logp.detach() - ref).sum(dim=1)
-                    stats.add(m, **{"train/loss": float(loss.detach()), "train/log_ratio_chosen": float(ratio[:m].mean()),
+                    stats.add(m, **{"train/loss": float(loss.detach()),
+                                    "train/log_ratio_chosen": float(ratio[:m].mean()),
                                     "train/log_ratio_rejected": float(ratio[m:].mean()),
                                     "train/kl_ref": float(ratio.abs().mean()),
                                     "train/implicit_acc": float((ratio[:m] > ratio[m:]).float().mean())})
@@ -170,18 +153,16 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run D3PO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import groups_stay_local
     from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.sampling import rollout_step, rollout_window
 
     online = OnlineLoop(cfg, "d3po", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         plot_groups={"d3po": ["train/log_ratio_chosen", "train/log_ratio_rejected",
                                               "train/implicit_acc"]})
     run, model, s = online.run, online.model, cfg.sampling
     groups_stay_local(cfg, online.dist)
-    step, window = rollout_step(s, model.sigmas(s.num_steps)), rollout_window(s)
 
     with run:
         while run.next_epoch():
-            rollouts, _, valid, metrics = online.collect(run.epoch, step=step, window=window)
+            rollouts, _, valid, metrics = online.collect(run.epoch)
             if run.check_rewards(metrics, s.samples_per_epoch):
                 pairs = group_pairs(torch.where(valid, rollouts.rewards, torch.nan), rollouts.group_ids)
                 passes = 2 * pairs[0].numel() * len(rollouts.trained_steps) * cfg.train.inner_epochs

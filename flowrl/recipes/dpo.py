@@ -145,7 +145,8 @@ class PairSet:
             x0 = encode(pixels.to(model.device)).float().cpu()
         if tuple(x0.shape[1:]) != tuple(model.latent_shape):
             raise ShardError(f"the pairs' images ({pixels.shape[2]}x{pixels.shape[3]}) encode to latents of shape "
-                             f"{tuple(x0.shape[1:])}, but the model samples {tuple(model.latent_shape)}; resize the pairs "
+                             f"{tuple(x0.shape[1:])}, but the model samples {tuple(model.latent_shape)}; resize the "
+                             "pairs "
                              "to the model's resolution")
         pair_ids = torch.arange(first, first + per_process).repeat_interleave(2)
         return ForwardData(x0=x0, cond={k: v.cpu() for k, v in model.encode_prompts(prompts).items()},

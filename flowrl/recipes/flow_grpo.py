@@ -38,14 +38,8 @@ from typing import Literal
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
-from flowrl.models.config import ModelConfig
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
-from flowrl.rl.evaluate import EvalConfig
-from flowrl.rl.optim import OptimConfig
-from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
-from flowrl.rl.sampling import SamplingConfig
-from rewards.config import RewardConfig
+from flowrl.rl.online import OnlineConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -70,18 +64,9 @@ class TrainConfig:
 
 
 @dataclass
-class Config:
+class Config(OnlineConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/flow_grpo"))
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def check(self) -> None:
         if self.sampling.step == "ode":
@@ -170,17 +155,14 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Flow-GRPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.sampling import rollout_step, rollout_window
 
     online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
     run, model, s = online.run, online.model, cfg.sampling
-    step, window = rollout_step(s, model.sigmas(s.num_steps)), rollout_window(s)
 
     with run:
         while run.next_epoch():
             epoch = run.epoch
-            rollouts, advantages, valid, metrics = online.collect(epoch, step=step, window=window,
-                                                                  store_x0="step_weights" in cfg.advantage.needs)
+            rollouts, advantages, valid, metrics = online.collect(epoch, store_x0="step_weights" in cfg.advantage.needs)
             if run.check_rewards(metrics, s.samples_per_epoch):  # False: every reward NaN, nothing to learn
                 # One tick per (sample, trained step) forward-backward pass.
                 passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs

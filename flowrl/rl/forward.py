@@ -28,9 +28,10 @@ from typing import Callable, Literal
 import torch
 
 from flowrl.config import bounds, fail
+from flowrl.rl.online import UpdateConfig
 
 __all__ = ["TimesConfig", "ForwardTrainConfig", "ForwardData", "ForwardBatch", "schedule_positions", "draw_times",
-           "forward_noise", "train_forward_epoch", "check_forward_config", "groups_stay_local"]
+           "forward_noise", "train_forward_epoch", "forward_epoch", "check_forward_config", "groups_stay_local"]
 
 # Stream tags keep the draws of this module independent of the rollout's.
 STREAM_TIMES = 0x7D1E5
@@ -76,19 +77,16 @@ class TimesConfig:
         positions = schedule_positions(num_steps, self.low, self.high)
         if len(positions) < self.count:
             raise ConfigError(f"{where}.count", f"{self.count} times per sample, but only {len(positions)} positions "
-                              f"of the {num_steps}-step rollout schedule lie in [low, high) = [{self.low}, {self.high}); "
+                              f"of the {num_steps}-step rollout schedule lie in [low, high) = [{self.low}, "
+                              f"{self.high}); "
                               "lower count or widen the range")
 
 
 @dataclass
-class ForwardTrainConfig:
+class ForwardTrainConfig(UpdateConfig):
     """The ``train`` fields every forward-process recipe shares (a recipe's ``TrainConfig`` extends it)."""
 
     times: TimesConfig = field(default_factory=TimesConfig)
-    inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
-    minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
-    micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # rows per backward, per process
-    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # evaluation EMA; None: none
 
 
 def schedule_positions(num_steps: int, low: float, high: float) -> list[int]:
@@ -291,7 +289,8 @@ def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tenso
                 loss, values = objective(batch)
                 dist.backward(loss * pass_scale(p, n_global, dist, len(units)), model.denoiser, sync=p.sync)
                 if p.weight:
-                    stats.add(len(p.rows), **{f"train/{k}": float(torch.as_tensor(v).detach()) for k, v in values.items()},
+                    values = {f"train/{k}": float(torch.as_tensor(v).detach()) for k, v in values.items()}
+                    stats.add(len(p.rows), **values,
                               **{"train/loss": float(loss.detach())})
                     if progress is not None:
                         progress.update(len(p.rows))
@@ -324,3 +323,25 @@ def groups_stay_local(cfg, dist) -> None:
         raise ConfigError("sampling.groups_per_epoch", f"{s.groups_per_epoch} groups do not split over "
                           f"{dist.world_size} processes; this trainer compares the samples of a group, so each "
                           f"process must hold whole groups: make groups_per_epoch a multiple of {dist.world_size}")
+
+
+def forward_epoch(online, train_epoch: Callable, *, velocity_fn=None, **state) -> tuple[dict, object]:
+    """The collect-and-train half of a forward-process recipe's epoch.
+
+    Rolls out and scores the epoch (:meth:`flowrl.rl.online.OnlineLoop.collect`; ``velocity_fn``: sample with
+    e.g. a snapshot), computes one advantage per sample and, unless every reward is NaN, calls the recipe's
+    ``train_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=, health=, progress=, **state)`` on
+    the epoch's :class:`ForwardData` inside the update block.
+
+    Returns:
+        ``(metrics, rollouts)``: the epoch's metrics so far and its rollouts (for ``online.end_epoch``).
+    """
+    cfg, run = online.cfg, online.run
+    rollouts, advantages, valid, metrics = online.collect(run.epoch, velocity_fn=velocity_fn)
+    if run.check_rewards(metrics, cfg.sampling.samples_per_epoch):
+        passes = int(valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
+        with online.training(passes) as bar:
+            data = ForwardData.from_rollouts(rollouts, advantages, valid)
+            metrics.update(train_epoch(online.model, online.optimizer, data, online.sigmas, cfg, online.dist,
+                                       run.epoch, ema=online.ema, health=run.health, progress=bar, **state))
+    return metrics, rollouts

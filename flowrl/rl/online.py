@@ -7,7 +7,7 @@ A recipe's ``main`` stays a readable loop (docs/architecture.md, "Adding a train
     run.track(old=snapshot)                                   # the recipe's own extra state
     with run:
         while run.next_epoch():
-            rollouts, advantages, valid, metrics = online.collect(run.epoch, step=step, window=window)
+            rollouts, advantages, valid, metrics = online.collect(run.epoch)
             if run.check_rewards(metrics, cfg.sampling.samples_per_epoch):
                 with online.training(passes) as bar:          # run.updating(), precision, progress
                     metrics.update(train_epoch(...))
@@ -24,12 +24,49 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["OnlineLoop"]
+from flowrl.config import RunConfig, bounds
+from flowrl.models.config import ModelConfig
+from flowrl.rl.advantages import AdvantageConfig
+from flowrl.rl.evaluate import EvalConfig
+from flowrl.rl.optim import OptimConfig
+from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
+from flowrl.rl.sampling import SamplingConfig
+from rewards.config import RewardConfig
+
+__all__ = ["OnlineConfig", "UpdateConfig", "OnlineLoop"]
+
+
+@dataclass
+class OnlineConfig:
+    """The sections every online recipe's ``Config`` composes (a recipe subclasses it, adds its ``train``
+    section and may redeclare a section to change its defaults)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass
+class UpdateConfig:
+    """The ``train`` fields that shape the update of every trainer but Flow-GRPO (which keeps its own)."""
+
+    inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
+    minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
+    micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # rows per backward, per process
+    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # evaluation EMA; None: none
 
 
 class OnlineLoop:
@@ -47,7 +84,9 @@ class OnlineLoop:
             config then needs no ``advantage`` section and no training prompts).
 
     Attributes:
-        run, dist, model, reward, sampler, evaluator, optimizer, scheduler, ema, tracker.
+        run, dist, model, reward, sampler, evaluator, optimizer, scheduler, ema, tracker; and, for online
+        recipes, ``sigmas`` (the rollout schedule), ``step`` and ``window`` (the rollout's ``samplers.Step``
+        and ``samplers.Window``, from the ``sampling`` section).
     """
 
     def __init__(self, cfg, recipe: str, *, model=None, dist=None, ema_decay: float | None = None,
@@ -83,6 +122,11 @@ class OnlineLoop:
         run.track(model=TrainableWeights(model), optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
                   tracker=self.tracker)
         run.evaluation(lambda epoch, should_stop: self.evaluator(model, epoch, self.ema, should_stop))
+        if rollouts:
+            from flowrl.rl.sampling import rollout_step, rollout_window
+
+            self.sigmas = model.sigmas(s.num_steps)
+            self.step, self.window = rollout_step(s, self.sigmas), rollout_window(s)
         self._train_start = time.perf_counter()
 
     def precision(self):
@@ -91,12 +135,11 @@ class OnlineLoop:
 
         return autocast(self.cfg.sampling, self.dist.device)
 
-    def collect(self, epoch: int, *, step, window, velocity_fn=None, store_x0: bool = False):
+    def collect(self, epoch: int, *, velocity_fn=None, store_x0: bool = False):
         """Roll out, decode and score this process's shard of ``epoch``, then compute advantages.
 
         Args:
             epoch: the epoch (drives prompts, seeds and the window).
-            step / window: the rollout ``samplers.Step`` and ``samplers.Window``.
             velocity_fn: sample with this velocity (e.g. a snapshot's) instead of the policy's.
             store_x0: keep the predicted clean latents of every step (cosine credit).
 
@@ -112,8 +155,8 @@ class OnlineLoop:
         bar = tqdm(total=s.samples_per_epoch // dist.world_size, desc=f"epoch {epoch + 1} sampling", leave=False,
                    disable=not dist.is_main, dynamic_ncols=True)
         with bar, self.precision():
-            rollouts = collect_epoch(self.model, self.sampler.epoch(epoch), step=step, window=window, epoch=epoch,
-                                     seed=cfg.run.seed, reward=self.reward, guidance=s.guidance,
+            rollouts = collect_epoch(self.model, self.sampler.epoch(epoch), step=self.step, window=self.window,
+                                     epoch=epoch, seed=cfg.run.seed, reward=self.reward, guidance=s.guidance,
                                      batch_size=s.batch_size, store_x0=store_x0, velocity_fn=velocity_fn, progress=bar)
         start = time.perf_counter()
         with self.precision():
