@@ -89,10 +89,9 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
         return out.loss, {"policy_loss": out.policy_loss, "kl_loss": out.kl_loss, "kl_ref": out.stats["kl_ref"],
                           "kl_ema": out.stats["kl_ema"], "ratio_mean": out.stats["ratio"]}
 
-    return train_forward_epoch(model, optimizer, data, sigmas, t, dist, seed=cfg.run.seed, epoch=epoch,
-                               objective=objective, snapshots=snapshots,
-                               reference_guidance=1.0 if t.kl_coef > 0 else None, grad_clip=cfg.optim.grad_clip,
-                               ema=ema, health=health, progress=progress)
+    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
+                               snapshots=snapshots, reference=t.kl_coef > 0, ema=ema, health=health,
+                               progress=progress)
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:

@@ -100,9 +100,9 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
                                            "implicit_acc": out.implicit_acc}
 
     metrics = train_forward_epoch(
-        model, optimizer, data, sigmas, t, dist, seed=cfg.run.seed, epoch=epoch, objective=objective,
-        snapshots={"ema": ema_snapshot} if t.clip_range is not None else {}, reference_guidance=1.0,
-        whole_groups=True, grad_clip=cfg.optim.grad_clip, ema=ema, health=health, progress=progress,
+        model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
+        snapshots={"ema": ema_snapshot} if t.clip_range is not None else {}, reference=True, whole_groups=True,
+        ema=ema, health=health, progress=progress,
         after_step=lambda: decays.append(ema_snapshot.update(model, optimizer_steps(optimizer))))
     if decays:
         metrics["train/ema_decay"] = decays[-1]

@@ -186,9 +186,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
         return loss, {"implicit_acc": (margin > 0).float().mean(), "reward_margin": margin.mean(),
                       "kl_ref": (err - err_ref).abs().mean()}
 
-    return train_forward_epoch(model, optimizer, data, sigmas, t, dist, seed=cfg.run.seed, epoch=epoch,
-                               objective=objective, reference_guidance=1.0, whole_groups=True,
-                               grad_clip=cfg.optim.grad_clip, ema=ema, health=health, progress=progress)
+    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective, reference=True,
+                               whole_groups=True, ema=ema, health=health, progress=progress)
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:

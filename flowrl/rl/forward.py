@@ -13,7 +13,8 @@ objective compares velocity predictions there with the target ``u = eps - x0``. 
   points with the velocities the objective asked for;
 - :class:`ForwardTrainConfig` and :func:`train_forward_epoch`: minibatches (of whole groups when the
   objective compares a group's samples), passes (micro-batch x training time), the velocities of the
-  policy, of parameter snapshots and of the reference, the objective, and the optimizer step.
+  policy, of parameter snapshots and of the reference, the objective, and the optimizer step;
+- :func:`forward_epoch`: a recipe's collect-and-train half of an epoch.
 
 Every random draw is a pure function of ``(run seed, epoch, inner epoch, global sample or group id,
 time index)``, never of the process, so one process with accumulation ``2a`` and two with ``a`` draw the
@@ -31,7 +32,8 @@ from flowrl.config import bounds, fail
 from flowrl.rl.online import UpdateConfig
 
 __all__ = ["TimesConfig", "ForwardTrainConfig", "ForwardData", "ForwardBatch", "schedule_positions", "draw_times",
-           "forward_noise", "train_forward_epoch", "forward_epoch", "check_forward_config", "groups_stay_local"]
+           "forward_noise", "training_guidance", "train_forward_epoch", "forward_epoch", "check_forward_config",
+           "groups_stay_local"]
 
 # Stream tags keep the draws of this module independent of the rollout's.
 STREAM_TIMES = 0x7D1E5
@@ -222,29 +224,38 @@ def _noised_batch(data: ForwardData, rows: torch.Tensor, times: torch.Tensor, un
 Objective = Callable[[ForwardBatch], "tuple[torch.Tensor, dict[str, float]]"]
 
 
-def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tensor, cfg: ForwardTrainConfig, dist, *,
-                        seed: int, epoch: int, objective: Objective, snapshots: dict | None = None,
-                        reference_guidance: float | None = None, whole_groups: bool = False, grad_clip: float = 1.0,
-                        ema=None, health=None, progress=None,
+def training_guidance(model, sampling) -> float:
+    """The guidance the policy is trained at: none (1.0) for a model with classifier-free guidance (the
+    forward-process trainers train CFG-free), the rollout's for a guidance-distilled model (FLUX.1-dev reads
+    its guidance as an input, so training at another value would train another function)."""
+    return 1.0 if model.uses_cfg else sampling.guidance
+
+
+def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tensor, cfg, dist, epoch: int, *,
+                        objective: Objective, snapshots: dict | None = None, reference: bool | float = False,
+                        whole_groups: bool = False, ema=None, health=None, progress=None,
                         after_step: Callable[[], None] | None = None) -> dict[str, float]:
     """One epoch of a forward-process objective: for each inner epoch, minibatch, and pass (micro-batch x
     training time), noise the rows, predict, call ``objective``, back-propagate; one optimizer step per
     minibatch.
 
     Before the policy's forward pass (which alone carries a gradient) the pass predicts with every snapshot
-    in ``snapshots`` (``batch.snapshots[name]``) and, when ``reference_guidance`` is set, with the reference
-    model at that classifier-free guidance scale (``batch.v_ref``). The policy is trained without guidance.
+    in ``snapshots`` (``batch.snapshots[name]``) and, when ``reference`` is set, with the frozen reference
+    (``batch.v_ref``). The policy and its snapshots predict at :func:`training_guidance` (CFG-free).
 
     Args:
         data: the epoch's :class:`ForwardData` (this process's rows).
         sigmas: the rollout schedule ``[T + 1]`` (for ``times.mode`` ``schedule`` / ``stratified``).
-        cfg: the recipe's ``train`` section (a :class:`ForwardTrainConfig`).
+        cfg: the recipe's config; its ``train`` section is a :class:`ForwardTrainConfig` (``run.seed``,
+            ``optim.grad_clip`` and ``sampling.guidance`` are read too).
         objective: ``objective(batch) -> (loss, stats)``: ``loss`` the mean over the batch's rows, ``stats``
             floats averaged over the epoch (weighted by rows) and logged as ``train/<name>``.
         snapshots: ``{name: ParamSnapshot}`` whose velocities the objective reads.
+        reference: False (none), True (the reference at the policy's guidance) or a classifier-free guidance
+            scale for the reference (CRD's teacher).
         whole_groups: minibatches and micro-batches hold whole prompt groups (objectives that centre or
             compare within a group); a group must not span processes.
-        grad_clip / ema / health: as for :func:`flowrl.rl.passes.optimizer_step`.
+        ema / health: as for :func:`flowrl.rl.passes.optimizer_step`.
         progress: advanced by the rows of every pass.
         after_step: called after every optimizer step (e.g. DGPO's per-step snapshot update).
 
@@ -255,36 +266,41 @@ def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tenso
     from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_scale,
                                   training_passes)
 
+    t_cfg, seed = cfg.train, cfg.run.seed
     device = model.device
     snapshots = snapshots or {}
-    velocity = model.velocity_fn(1.0)
+    guidance = training_guidance(model, cfg.sampling)
+    velocity = model.velocity_fn(guidance)
+    reference_velocity = None
+    if reference is not False:
+        reference_velocity = model.velocity_fn(guidance if reference is True else float(reference))
     params = model.trainable_parameters()
-    units = list(range(cfg.times.count))
+    units = list(range(t_cfg.times.count))
     stats, grad_norms = MetricMeans(), MetricMeans()
     # Minibatches partition global ids (of groups, when the objective compares a group's samples); the
     # partition must agree across processes, so it is drawn over the global number of ids.
     partition_ids = data.group_ids if whole_groups else data.sample_ids
     total = int(dist.gather(partition_ids.max().view(1)).max()) + 1
-    for inner in range(cfg.inner_epochs):
-        times = draw_times(cfg.times, sigmas, data.group_ids, data.sample_ids, seed=seed, epoch=epoch, inner=inner)
-        for rows in minibatch_rows(partition_ids, cfg.minibatches, seed=seed, epoch=epoch, inner=inner, total=total):
+    for inner in range(t_cfg.inner_epochs):
+        times = draw_times(t_cfg.times, sigmas, data.group_ids, data.sample_ids, seed=seed, epoch=epoch, inner=inner)
+        for rows in minibatch_rows(partition_ids, t_cfg.minibatches, seed=seed, epoch=epoch, inner=inner, total=total):
             rows = rows[data.valid[rows]]
             n_global = global_count(dist, rows)
             if n_global == 0:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            for p in training_passes(rows, units, cfg.micro_batch_size, dist,
+            for p in training_passes(rows, units, t_cfg.micro_batch_size, dist,
                                      groups=data.group_ids if whole_groups else None):
-                batch = _noised_batch(data, p.rows, times, p.unit, cfg.times, seed=seed, epoch=epoch, inner=inner,
+                batch = _noised_batch(data, p.rows, times, p.unit, t_cfg.times, seed=seed, epoch=epoch, inner=inner,
                                       device=device)
                 x_t = batch.x_t.to(model.dtype)
                 with torch.no_grad():
                     for name, snapshot in snapshots.items():
                         with snapshot.active(model):
                             batch.snapshots[name] = velocity(x_t, batch.t, batch.cond).float()
-                    if reference_guidance is not None:
+                    if reference_velocity is not None:
                         with model.reference():
-                            batch.v_ref = model.velocity_fn(reference_guidance)(x_t, batch.t, batch.cond).float()
+                            batch.v_ref = reference_velocity(x_t, batch.t, batch.cond).float()
                 batch.v = velocity(x_t, batch.t, batch.cond).float()
                 loss, values = objective(batch)
                 dist.backward(loss * pass_scale(p, n_global, dist, len(units)), model.denoiser, sync=p.sync)
@@ -294,8 +310,9 @@ def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tenso
                               **{"train/loss": float(loss.detach())})
                     if progress is not None:
                         progress.update(len(p.rows))
-            grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist, grad_clip=grad_clip,
-                                                                     ema=ema, health=health)})
+            grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist,
+                                                                     grad_clip=cfg.optim.grad_clip, ema=ema,
+                                                                     health=health)})
             if after_step is not None:
                 after_step()
     norm = grad_norms.means().get("train/grad_norm", 0.0)

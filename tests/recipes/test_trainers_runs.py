@@ -36,7 +36,7 @@ def tiny_overrides(name: str, model_dir: Path, out: Path, pairs: Path, **extra) 
     if name == "awm":
         settings["train.ema_kl_coef"] = 0.1  # exercise the EMA snapshot
     if name == "dgpo":
-        settings["train.clip_range"] = 0.01
+        settings.update({"train.clip_range": 0.01, "train.sample_from_ema_after": 1})  # EMA rollouts from epoch 2
     settings.update(extra)
     return [f"{k}={v}" for k, v in settings.items()]
 
@@ -97,5 +97,7 @@ def test_trains_logs_and_resumes_exactly(name, tiny_shapes_dir, pairs_dir, tmp_p
     assert row["train/optimizer_steps"] == 1 and row["train/grad_norm"] > 0
     assert row["images_sampled"] == (0 if name == "dpo" else 8)
     assert "eval/shapes/accuracy" in a_rows[2] and "eval/shapes/mean" in a_rows[2]
+    if name == "dgpo":
+        assert [r.get("train/sampled_from_ema") for r in a_rows[1:]] == [0, 1, 1, 1]
     assert (straight / "plots" / "eval.png").is_file() and (straight / "plots" / f"{name}.png").is_file()
     assert (straight / "samples" / "epoch_0004.png").is_file()
