@@ -16,8 +16,8 @@ the budget. Outputs (``--results``, default ``benchmarks/results``):
 - ``trainers.json`` / ``trainers.md``: accuracy at 10 and 30 training minutes (mean ± std over seeds, linearly
   interpolated between evaluations), accuracy at equal images, per-task accuracy at the end, seconds per epoch,
   images per training minute, epochs and images in the budget;
-- ``--sweep``: each trainer's short sweep of its learning rate and its main coefficient (``SWEEP``), one
-  seed each, reported in ``trainers_sweep.{json,md}``.
+- ``--sweep``: each trainer's shipped config and a short sweep of its learning rate and its main coefficient
+  (``SWEEP``, one at a time), one seed each, reported in ``trainers_sweep.{json,md}``.
 
 Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 128
 training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
@@ -61,7 +61,7 @@ SWEEP = {
     "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4, 1e-2]},
     "crd": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.3, 3.0]},
     "nft": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.1, 0.3]},
-    "awm": {"optim.lr": [3e-5, 3e-4], "train.kl_coef": [0.0, 1e-2]},
+    "awm": {"optim.lr": [1e-5, 1e-4], "train.ema_kl_coef": [0.1, 3.0]},
     "dgpo": {"optim.lr": [3e-5, 3e-4], "train.beta": [10.0, 1000.0]},
     "dpo": {"optim.lr": [3e-5, 3e-4], "train.beta": [100.0, 5000.0]},
     "d3po": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.03, 0.3]},
@@ -195,6 +195,7 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
 
     if args.sweep:
         for trainer in args.trainers:
+            add(trainer, args.seeds[0])  # the shipped config
             for key, values in SWEEP[trainer].items():
                 for value in values:
                     add(trainer, args.seeds[0], f"{key.split('.')[-1]}={value:g}", [f"{key}={value}"])

@@ -44,6 +44,6 @@ def test_trainers_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path)
     assert json.loads((tmp_path / "results" / "trainers.json").read_text())["settings"]["trainers"] == ["flow_grpo",
                                                                                                          "nft"]
     sweep = trainers.main([*common, "--trainers", "nft", "--sweep"])
-    assert sorted(sweep["runs"]) == sorted(f"nft {k.split('.')[-1]}={v:g}" for k, vs in trainers.SWEEP["nft"].items()
-                                           for v in vs)
+    assert sorted(sweep["runs"]) == sorted(["nft "] + [f"nft {k.split('.')[-1]}={v:g}"
+                                                       for k, vs in trainers.SWEEP["nft"].items() for v in vs])
     assert "beta: 0.1" in (tmp_path / "runs" / "nft_beta=0.1_s0" / "config.yaml").read_text()
