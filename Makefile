@@ -7,8 +7,10 @@ BIN := $(VENV)/bin
 # or override, e.g. `make test TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cu124"`.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.flowrl-installed
+# Debian's browser and its WebDriver, for the demo's browser test (tests/demo/test_screenshot.py, Selenium).
+BROWSER_PACKAGES := chromium chromium-driver
 
-.PHONY: install test demo bench clean
+.PHONY: install browser test demo bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,9 +19,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,ocr]"
 	@touch $@
 
-install: $(STAMP)
+# Installs the browser packages when `chromium` or `chromedriver` is missing (apt-get; sudo unless root).
+# Without apt-get or the rights to use it, it says what to install and the browser test will fail.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  echo "make: installing $(BROWSER_PACKAGES) for the demo's browser test"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  if command -v apt-get >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+	     && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null; then \
+	    echo "make: installed $$(chromium --version 2>/dev/null | head -1)"; \
+	  else \
+	    echo "make: could not install $(BROWSER_PACKAGES); install Chromium and its chromedriver (same version) or set FLOWRL_CHROMIUM / FLOWRL_CHROMEDRIVER, else tests/demo/test_screenshot.py fails"; \
+	  fi; \
+	fi
 
-test: $(STAMP)
+install: $(STAMP) browser
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)

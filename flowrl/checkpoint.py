@@ -5,6 +5,12 @@ plain Python data only, loaded with ``torch.load(weights_only=True)``) and any f
 (e.g. a loadable model directory). It is written under a temporary name and renamed into place, and
 ``latest`` is rewritten atomically afterwards, so a write killed half-way never damages the last good
 checkpoint.
+
+An online run's checkpoint (``flowrl.rl.run.OnlineRun``, docs/distributed.md) also holds
+``accelerate/`` (``accelerator.save_state``: the optimizer, sharded under FSDP2 / ZeRO, the gradient scaler,
+every process's random generators, and under FSDP2 / ZeRO the model's shards), written by every process
+into the same temporary directory before it is renamed, and for LoRA runs of diffusers pipelines ``lora/``
+(a diffusers LoRA folder, ``flowrl.export``).
 """
 
 from __future__ import annotations
@@ -18,8 +24,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "checkpoints", "load_state",
-           "load_latest_state", "clean_stale_files", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointError", "save_checkpoint", "begin_checkpoint", "finish_checkpoint", "abandon_checkpoint",
+           "latest_checkpoint", "checkpoints", "load_state", "load_latest_state", "clean_stale_files", "rng_state",
+           "set_rng_state", "ACCELERATE_DIR", "LORA_DIR"]
+
+#: Sub-directory of a checkpoint written by ``accelerator.save_state`` (online runs).
+ACCELERATE_DIR = "accelerate"
+#: Sub-directory of a LoRA checkpoint holding the adapter as a diffusers LoRA folder.
+LORA_DIR = "lora"
 
 
 class CheckpointError(RuntimeError):
@@ -51,9 +63,73 @@ def _write_state(state: dict[str, Any], path: Path) -> None:
     torch.save(state, path)
 
 
+def _write_failed(final: Path, err: OSError) -> CheckpointError:
+    return CheckpointError(f"could not write checkpoint {final}: {err.strerror or err}; free space in "
+                           f"{final.parent} (or point run.output_dir elsewhere) and resume from the last checkpoint "
+                           "with run.resume=true")
+
+
+def begin_checkpoint(output_dir: str | Path, step: int, token: str | int | None = None) -> Path:
+    """Create the empty temporary directory checkpoint ``step`` is written into (the main process only;
+    every process may then write into it, e.g. ``accelerator.save_state``).
+
+    Args:
+        token: makes the name unique to this writer (default: this process's id); every process of a run
+            must use the main process's.
+
+    Raises:
+        CheckpointError: the directory cannot be created (e.g. the disk is full).
+    """
+    root = Path(output_dir) / "checkpoints"
+    tmp = root / f".tmp_step_{step:07d}_{os.getpid() if token is None else token}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(root / f"step_{step:07d}", err) from None
+    return tmp
+
+
+def abandon_checkpoint(tmp: Path) -> None:
+    """Remove a temporary checkpoint directory after a failed write (the previous checkpoints stay)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finish_checkpoint(tmp: Path, step: int, state: dict[str, Any], *,
+                      write_extra: Callable[[Path], None] | None = None, keep: int = 2) -> Path:
+    """Write ``state.pt`` (and files from ``write_extra(dir)``) into ``tmp``, rename it to ``step_<N>``,
+    point ``latest`` at it, and delete all but the ``keep`` newest checkpoints.
+
+    Raises:
+        CheckpointError: a write failed; ``tmp`` is removed and the previous checkpoints are untouched.
+    """
+    root = tmp.parent
+    final = root / f"step_{step:07d}"
+    try:
+        _write_state(state, tmp / "state.pt")
+        if write_extra is not None:
+            write_extra(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / f".latest_{os.getpid()}"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "latest")
+    except OSError as err:
+        abandon_checkpoint(tmp)
+        raise _write_failed(final, err) from None
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], *,
                     write_extra: Callable[[Path], None] | None = None, keep: int = 2) -> Path:
-    """Write ``state`` (and files from ``write_extra(dir)``) as checkpoint ``step``, atomically.
+    """Write ``state`` (and files from ``write_extra(dir)``) as checkpoint ``step``, atomically, from one
+    process (:func:`begin_checkpoint` + :func:`finish_checkpoint`).
 
     Args:
         output_dir: the run directory; checkpoints go to ``output_dir/checkpoints``.
@@ -69,31 +145,7 @@ def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], *,
         CheckpointError: the checkpoint could not be written (e.g. the disk is full); the partial copy is
             removed and the previous checkpoints are untouched.
     """
-    root = Path(output_dir) / "checkpoints"
-    final = root / f"step_{step:07d}"
-    tmp = root / f".tmp_step_{step:07d}_{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        _write_state(state, tmp / "state.pt")
-        if write_extra is not None:
-            write_extra(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / f".latest_{os.getpid()}"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / "latest")
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {err.strerror or err}; free space in "
-                              f"{root} (or point run.output_dir elsewhere) and resume from the last checkpoint "
-                              "with run.resume=true") from None
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return finish_checkpoint(begin_checkpoint(output_dir, step), step, state, write_extra=write_extra, keep=keep)
 
 
 def clean_stale_files(output_dir: str | Path) -> list[Path]:

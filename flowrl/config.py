@@ -158,27 +158,27 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+        raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value in allowed and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}{hint}")
+        raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}{hint}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         return _build(tp, value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(path, f"got {_short(value)}, expected a list of {len(args)} items")
+                raise ConfigError(path, f"got {_short(value)}; expected a list of {len(args)} items")
             items = [_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
         else:
             inner = args[0] if args else Any
@@ -186,7 +186,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+            raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
         key_tp, val_tp = typing.get_args(tp) or (Any, Any)
         return {_convert(k, key_tp, f"{path}.{k}"): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
@@ -206,14 +206,14 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 pass
         if number is not None:
             if not math.isfinite(number):  # inf / nan would only surface later as NaN weights
-                raise ConfigError(path, f"got {_short(value)}, expected a finite number")
+                raise ConfigError(path, f"got {_short(value)}; expected a finite number")
             return number
     elif tp is str:
         if isinstance(value, str):
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(path, f"got {_short(value)}, expected {_describe(tp)}")
+    raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
 
 
 def _check_bounds(value: Any, limits: dict, path: str) -> None:
@@ -226,7 +226,7 @@ def _check_bounds(value: Any, limits: dict, path: str) -> None:
     if violated:
         allowed = " and ".join(f"{sym} {limit}" for key, (_, sym) in rules.items()
                                if (limit := limits.get(key)) is not None)
-        raise ConfigError(path, f"got {_short(value)}, must be {allowed}")
+        raise ConfigError(path, f"got {_short(value)}; must be {allowed}")
 
 
 def _build(cls: type[T], data: dict, path: str) -> T:
@@ -282,16 +282,33 @@ def to_dict(obj: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping with a clear error for a missing file or a syntax error."""
+    """Read a YAML mapping; a missing, unreadable, binary or malformed file is a one-line ConfigError."""
     path = Path(path)
+    fix = "give a YAML config file such as configs/shapes/flow_grpo.yaml"
+    if path.is_dir():
+        raise ConfigError("<config>", f"config file {str(path)!r} is a folder; {fix}")
     if not path.is_file():
         raise ConfigError("<config>", f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        size = path.stat().st_size
+        if size > 16 * 2 ** 20:  # configs are a few kB; this is some other file
+            raise ConfigError("<config>", f"{path} is {size} bytes, too large for a config; {fix}")
+        data_bytes = path.read_bytes()
+    except OSError as err:
+        raise ConfigError("<config>", f"cannot read {path} ({err.strerror or err}); check its permissions") from None
+    try:
+        text = data_bytes.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("<config>", f"{path} is not a text file (byte 0x{data_bytes[err.start]:02x} at offset "
+                                      f"{err.start} is not UTF-8); {fix}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError("<config>", f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    except RecursionError:
+        raise ConfigError("<config>", f"{path} is nested too deeply to be a config; {fix}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from flowrl.config import atomic_write_text
 
-__all__ = ["MetricsLogger", "read_metrics", "plot_metrics", "save_sample_grid"]
+__all__ = ["MetricsLogger", "read_metrics", "plot_metrics"]
 
 
 def _plain(value: Any) -> Any:
@@ -31,17 +31,19 @@ class MetricsLogger:
         output_dir: the run directory.
         backends: any of ``"tensorboard"``, ``"wandb"`` (``metrics.jsonl`` is always written).
         enabled: False on non-main ranks.
-        plot_groups: ``{plot name: [metric keys or key prefixes]}`` drawn to ``plots/<name>.png``.
+        plot_groups: ``{plot name: [metric keys, prefixes or globs]}`` drawn to ``plots/<name>.png``.
+        plot_units: ``{plot name: y-axis label}``.
         project / run_name / config: passed to wandb.
     """
 
     def __init__(self, output_dir: str | Path, *, backends: Sequence[str] = (), enabled: bool = True,
                  plot_groups: dict[str, list[str]] | None = None, project: str = "flowrl",
-                 run_name: str | None = None, config: dict | None = None):
+                 run_name: str | None = None, config: dict | None = None, plot_units: dict[str, str] | None = None):
         self.enabled = enabled
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / "metrics.jsonl"
         self.plot_groups = plot_groups or {}
+        self.plot_units = plot_units or {}
         self._tb = None
         self._wandb = None
         if not enabled:
@@ -87,10 +89,25 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(row, step=step)
 
+    def log_image(self, name: str, image, *, step: int) -> None:
+        """Send a PIL image (a sample grid) to the TensorBoard / wandb backends (the PNG itself is written by
+        the caller into the run directory)."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            import numpy as np
+
+            self._tb.add_image(name, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({name: wandb.Image(image)}, step=step)
+
     def plot(self) -> None:
         """Redraw ``plots/<group>.png`` from everything logged so far."""
         if self.enabled and self.plot_groups and self.path.is_file():
-            plot_metrics(read_metrics(self.path), self.output_dir / "plots", self.plot_groups)
+            plot_metrics(read_metrics(self.path), self.output_dir / "plots", self.plot_groups, units=self.plot_units)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -110,8 +127,20 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
-def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[str]], x_key: str = "epoch") -> None:
-    """One PNG per group; each line is a metric key (or every key starting with a prefix ending in '/')."""
+def _matches(key: str, pattern: str) -> bool:
+    """A metric key against a plot pattern: the key itself, a prefix ending in '/', or a glob (``time/*_s``)."""
+    import fnmatch
+
+    if "*" in pattern:
+        return fnmatch.fnmatchcase(key, pattern)
+    return key == pattern or (pattern.endswith("/") and key.startswith(pattern))
+
+
+def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[str]], x_key: str = "epoch",
+                 units: dict[str, str] | None = None) -> None:
+    """One PNG per group; each line is a metric key matching one of the group's patterns (a key, a prefix
+    ending in '/', or a glob). A key ``<name>_mean`` with a logged ``<name>_std`` is drawn with a +-1 std band.
+    ``units`` names the y-axis of a group (one unit per axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,18 +150,23 @@ def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[s
     out_dir.mkdir(parents=True, exist_ok=True)
     all_keys = list(dict.fromkeys(k for r in rows for k in r))
     for name, patterns in groups.items():
-        keys = [k for k in all_keys for p in patterns if k == p or (p.endswith("/") and k.startswith(p))]
-        keys = list(dict.fromkeys(keys))
+        keys = list(dict.fromkeys(k for p in patterns for k in all_keys if _matches(k, p)))
         if not keys:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         for key in keys:
-            points = [(r[x_key], r[key]) for r in rows
+            points = [(r[x_key], r[key], r.get(key[:-5] + "_std") if key.endswith("_mean") else None) for r in rows
                       if key in r and x_key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key])]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
+            if not points:
+                continue
+            xs, ys, spreads = zip(*points)
+            (line,) = ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
+            if all(isinstance(v, (int, float)) and math.isfinite(v) for v in spreads):
+                ax.fill_between(xs, [y - v for y, v in zip(ys, spreads)], [y + v for y, v in zip(ys, spreads)],
+                                color=line.get_color(), alpha=0.2, linewidth=0, label=f"{key} +- std")
         ax.set_xlabel(x_key)
+        if units and name in units:
+            ax.set_ylabel(units[name])
         ax.set_title(name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -141,14 +175,3 @@ def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[s
         fig.savefig(tmp, dpi=100)
         plt.close(fig)
         tmp.replace(out_dir / f"{name}.png")
-
-
-def save_sample_grid(images, prompts: list[str], path: str | Path, columns: int = 8) -> None:
-    """A run's sample grid: ``images [B, 3, H, W]`` in [0, 1] as a PNG, and their prompts beside it (``.txt``)."""
-    import torchvision
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid = torchvision.utils.make_grid(images, nrow=columns, padding=2, pad_value=0.5)
-    torchvision.utils.save_image(grid, path)
-    path.with_suffix(".txt").write_text("\n".join(prompts) + "\n")

@@ -6,8 +6,14 @@
     flowrl eval --model shapes|PATH --reward shapes --split eval --steps 40 [--n 600] [--guidance G] \\
         [--batch-size B] [--prompts FILE] --out eval.json
 
+    SD3 / FLUX and training runs (flowrl.models.select): --model sd3|flux [--path DIR_OR_HUB_ID]
+    [--lora RUN_DIR_OR_EXPORT], --model PIPELINE_DIR, or --run RUN_DIR; eval --prompts FILE.jsonl
+    (GenEval-style: a "prompt" and its metadata per line) hands each prompt's metadata to the reward,
+    and --reward NAME:key=value,... passes arguments (e.g. remote:url=http://127.0.0.1:18085).
+
 Both exit with code 2 and one line on stderr for bad input (unknown model path, bad seeds, unknown
-reward, a prompt the reward cannot read), never with a traceback.
+reward, a prompt the reward cannot read, an output path that cannot be written, sizes that would
+exhaust memory or never finish), never with a traceback.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from pathlib import Path
 
 import torch
 
-from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
+from flowrl.cli_args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
+                             positive_int, read_text_file)
+from flowrl.grid import image_grid
 from samplers import euler_step, initial_noise
 
-__all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg", "image_grid",
+__all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg",
            "format_table", "sample_main", "eval_main"]
 
 
@@ -72,8 +80,9 @@ def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, step
 
 
 def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40, guidance: float | None = None,
-             batch_size: int = 64, progress=None) -> tuple[dict, torch.Tensor]:
-    """Generate one image per ``(prompt, kind, seed)`` row and score it.
+             batch_size: int = 64, progress=None, metadata: list[dict] | None = None) -> tuple[dict, torch.Tensor]:
+    """Generate one image per ``(prompt, kind, seed)`` row and score it (``metadata``: one dict per row for
+    rewards that read it, e.g. a GenEval scorer behind the remote reward).
 
     Returns:
         (summary, images): summary has ``overall`` (mean of ``details['correct']`` if the reward has it,
@@ -82,7 +91,7 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
     prompts = [r[0] for r in rows]
     images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
                       batch_size=batch_size, progress=progress)
-    out = reward(images, prompts)
+    out = reward(images, prompts, metadata)
     correct = out.details.get("correct", out.scores)
     kinds: dict[str, list[float]] = {}
     for (_, kind, _), c in zip(rows, correct.tolist()):
@@ -99,35 +108,49 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
 # ----------------------------------------------------------------------------- helpers of the commands
 
 
-def parse_seeds(text: str) -> list[int]:
+MAX_SEED = 2 ** 63 - 1  # seeds are int64 tensors (per-sample noise); torch.Generator takes them all
+MAX_SEEDS = 1024  # columns of one grid
+MAX_IMAGES = 4096  # images of one `flowrl sample` call (prompts x seeds)
+MAX_STEPS = 1000
+MAX_EVAL_PROMPTS = 100_000
+MAX_SCALE = 16
+
+
+def parse_seeds(text: str, max_count: int = MAX_SEEDS) -> list[int]:
     """Seeds from ``"0-7"`` (inclusive range), ``"0,3,5"`` (list), ``"4"`` or mixes (``"0-3,8"``).
 
     Raises:
-        ValueError: the text is not of that form (the message shows the forms).
+        ValueError: the text is not of that form, a seed is outside ``0..2**63-1``, or it names more than
+            ``max_count`` seeds (checked before any range is expanded; the message shows the forms).
     """
     forms = "expected a seed ('4'), an inclusive range ('0-7') or a comma-separated list ('0,3,5' or '0-3,8')"
-    seeds: list[int] = []
+    spans: list[tuple[int, int]] = []
     items = [item.strip() for item in str(text).split(",")]
     if not text or not all(items):
         raise ValueError(f"bad seeds {text!r}: {forms}")
     for item in items:
         low, dash, high = item.partition("-")
         try:
-            if dash:
-                first, last = int(low), int(high)
-                if last < first:
-                    raise ValueError
-                seeds.extend(range(first, last + 1))
-            else:
-                seeds.append(int(item))
+            first, last = (int(low), int(high)) if dash else (int(item), int(item))
+            if last < first:
+                raise ValueError
         except ValueError:
             raise ValueError(f"bad seeds {text!r} (at {item!r}): {forms}; seeds are non-negative") from None
-    return seeds
+        if first < 0 or last > MAX_SEED:
+            raise ValueError(f"bad seeds {text!r}: seed {last if last > MAX_SEED else first} is outside 0..{MAX_SEED} "
+                             "(seeds are 64-bit signed integers); use smaller seeds")
+        spans.append((first, last))
+    count = sum(last - first + 1 for first, last in spans)
+    if count > max_count:
+        raise ValueError(f"--seeds {text!r} names {count} seeds, more than the {max_count} one command takes; "
+                         "give a shorter range")
+    return [seed for first, last in spans for seed in range(first, last + 1)]
 
 
 def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
-    """The model named on a command line: ``shapes`` (the shipped checkpoint) or a saved shapes-model
-    directory (also a pretraining run directory, whose ``model/`` is used).
+    """The model named on a command line: ``shapes`` (the shipped checkpoint), a saved shapes-model
+    directory (also a pretraining run directory, whose ``model/`` is used), or a diffusers SD3 / FLUX pipeline
+    directory (``model_index.json``; :mod:`flowrl.models.select` has the other ways to name SD3 / FLUX).
 
     Raises:
         ModelLoadError: nothing loadable there (the message says what to give instead).
@@ -138,6 +161,11 @@ def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
     if spec == "shapes":
         return ShapesModel.from_pretrained(None, device=device)
     path = Path(spec)
+    from flowrl.models.select import load_pipeline_model, pipeline_kind
+
+    kind = pipeline_kind(path) if path.is_dir() else None
+    if kind is not None:  # a diffusers SD3 / FLUX pipeline directory
+        return load_pipeline_model(kind, path, device=device)
     if path.is_dir() and not (path / "model.json").is_file() and (path / "model" / "model.json").is_file():
         path = path / "model"  # a pretraining run directory
     if not path.exists():
@@ -152,70 +180,6 @@ def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
         raise
     except (OSError, ValueError, KeyError) as err:  # corrupt or foreign files
         raise ModelLoadError(f"cannot load a shapes model from {spec!r}: {err}") from None
-
-
-def _font(size: int = 12):
-    from PIL import ImageFont
-
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow < 10.1: fixed-size bitmap font
-        return ImageFont.load_default()
-
-
-GRID_PAD = 4  # px between cells and around the grid
-GRID_HEADER = 18  # px of the column-header strip
-GRID_CELL_LABEL = 14  # px of the strip under each cell when cells have labels
-GRID_MAX_LABEL = 60  # characters of a row label before it is cut
-
-
-def image_grid(images: torch.Tensor, row_labels: list[str], col_labels: list[str], *, scale: int = 4,
-               cell_labels: list[str] | None = None):
-    """A labelled grid of images: one row per row label (drawn on the left), one column per column
-    label (drawn on top), each image upscaled ``scale`` x with nearest-neighbour pixels.
-
-    Args:
-        images: ``[R * C, 3, H, W]`` in [0, 1], row-major.
-        row_labels: ``R`` labels (prompts).
-        col_labels: ``C`` labels (seeds).
-        scale: integer upscaling of each image.
-        cell_labels: optional ``R * C`` labels drawn under each image (rewards).
-
-    Returns:
-        An RGB ``PIL.Image`` of height ``GRID_HEADER + R * (cell + GRID_PAD) + GRID_PAD`` where ``cell``
-        is ``H * scale`` (+ ``GRID_CELL_LABEL`` with cell labels).
-    """
-    from PIL import Image, ImageDraw
-
-    rows, cols = len(row_labels), len(col_labels)
-    if images.shape[0] != rows * cols:
-        raise ValueError(f"{images.shape[0]} images for a {rows} x {cols} grid")
-    font = _font()
-    labels = [t if len(t) <= GRID_MAX_LABEL else t[: GRID_MAX_LABEL - 3] + "..." for t in row_labels]
-    label_width = int(max(font.getlength(t) for t in labels)) + 2 * GRID_PAD
-    h, w = images.shape[2] * scale, images.shape[3] * scale
-    cell_h = h + (GRID_CELL_LABEL if cell_labels else 0)
-    width = label_width + cols * (w + GRID_PAD) + GRID_PAD
-    height = GRID_HEADER + rows * (cell_h + GRID_PAD) + GRID_PAD
-    canvas = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(canvas)
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    for c, text in enumerate(col_labels):
-        x = label_width + c * (w + GRID_PAD) + w / 2
-        draw.text((x, GRID_HEADER / 2 + 1), text, fill=(0, 0, 0), font=font, anchor="mm")
-    for r, text in enumerate(labels):
-        y = GRID_HEADER + r * (cell_h + GRID_PAD)
-        draw.text((GRID_PAD, y + h / 2), text, fill=(0, 0, 0), font=font, anchor="lm")
-        for c in range(cols):
-            i = r * cols + c
-            x = label_width + c * (w + GRID_PAD)
-            tile = Image.fromarray(pixels[i]).resize((w, h), Image.Resampling.NEAREST)
-            canvas.paste(tile, (x, y))
-            draw.rectangle([x - 1, y - 1, x + w, y + h], outline=(200, 200, 200))
-            if cell_labels:
-                draw.text((x + w / 2, y + h + GRID_CELL_LABEL / 2 + 1), cell_labels[i], fill=(60, 60, 60),
-                          font=font, anchor="mm")
-    return canvas
 
 
 def format_table(summary: dict) -> str:
@@ -242,22 +206,20 @@ def _seeds_arg(text: str) -> list[int]:
 def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
     parser.add_argument("--model", default="shapes",
                         help="`shapes` (the shipped model, default) or a saved shapes-model directory")
-    parser.add_argument("--steps", type=positive_int, default=default_steps,
-                        help=f"Euler ODE steps (default {default_steps})")
-    parser.add_argument("--guidance", type=float, default=None,
+    parser.add_argument("--steps", type=bounded_int(1, MAX_STEPS, "more steps change nothing visible"),
+                        default=default_steps, help=f"Euler ODE steps, 1-{MAX_STEPS} (default {default_steps})")
+    parser.add_argument("--guidance", type=finite_float, default=None,
                         help="classifier-free guidance scale (default: the model's own)")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per model call (default 64)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from flowrl.models.select import add_model_args
+
+    add_model_args(parser)  # --path, --lora, --run, --dtype, --resolution, --no-ema (SD3 / FLUX, runs)
 
 
 def _out_path(text: str, suffixes: tuple[str, ...], what: str) -> Path:
-    path = Path(text)
-    if path.is_dir():
-        raise UsageError(f"--out {text!r} is a directory; give a file name ending in {' or '.join(suffixes)}")
-    if path.suffix.lower() not in suffixes:
-        raise UsageError(f"--out {text!r}: {what} must end in {' or '.join(suffixes)}")
-    return path
+    return output_file(text, suffixes=suffixes, what=what)
 
 
 def _check_prompts(reward, prompts: list[str]) -> None:
@@ -289,6 +251,14 @@ def _run_command(prog: str, body, argv: list[str]) -> int:
         message = err.message if isinstance(err, UnknownNameError) else str(err)
         print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"{prog}: error: out of memory; use fewer prompts, seeds or a smaller --batch-size", file=sys.stderr)
+        return 2
+    except OSError as err:  # e.g. the disk filled up while writing the output
+        where = f" at {err.filename!r}" if getattr(err, "filename", None) else ""
+        print(f"{prog}: error: {one_line(err.strerror or err)}{where}; check that path and the free disk space",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -304,19 +274,23 @@ def _sample(argv: list[str]) -> int:
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more rows)")
     parser.add_argument("--seeds", type=_seeds_arg, default=parse_seeds("0-7"),
                         help="columns: '0-7' (default), '0,3,5' or '4'")
-    parser.add_argument("--scale", type=positive_int, default=4, help="nearest-neighbour upscaling (default 4)")
+    parser.add_argument("--scale", type=bounded_int(1, MAX_SCALE), default=4,
+                        help=f"nearest-neighbour upscaling, 1-{MAX_SCALE} (default 4)")
     parser.add_argument("--reward", default=None, help="optionally score each image with this reward "
                                                        "(drawn under it), e.g. shapes")
     parser.add_argument("--out", default="grid.png", help="output image (default grid.png)")
     args = parser.parse_args(argv)
+    if len(args.prompt) * len(args.seeds) > MAX_IMAGES:
+        raise UsageError(f"{len(args.prompt)} prompts x {len(args.seeds)} seeds = {len(args.prompt) * len(args.seeds)} "
+                         f"images, more than the {MAX_IMAGES} of one grid; use fewer prompts or seeds")
     out = _out_path(args.out, (".png", ".jpg", ".jpeg", ".webp"), "the grid")
     reward = None
     if args.reward:
         import rewards
 
-        reward = rewards.load(args.reward)
+        reward = _load_reward(args.reward)
         _check_prompts(reward, args.prompt)
-    model = load_model_arg(args.model, device=device_arg(args.device))
+    model = _model(args, device_arg(args.device))
     model.eval()
     prompts = [p for p in args.prompt for _ in args.seeds]
     seeds = [s for _ in args.prompt for s in args.seeds]
@@ -325,12 +299,12 @@ def _sample(argv: list[str]) -> int:
     with tqdm(total=len(prompts), desc="sampling", unit="img", disable=args.no_progress) as bar:
         images = generate(model, prompts, seeds, steps=args.steps, guidance=args.guidance,
                           batch_size=args.batch_size, progress=bar.update)
-    cell_labels = None
+    captions = None
     if reward is not None:
         scores = reward(images, prompts).scores.tolist()
-        cell_labels = [f"{args.reward} {s:.2f}" for s in scores]
-    grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], scale=args.scale,
-                      cell_labels=cell_labels)
+        captions = [f"{args.reward} {s:.2f}" for s in scores]
+    grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], captions,
+                      cell=max(images.shape[2], images.shape[3]) * args.scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(out)
     print(f"wrote {out} ({len(args.prompt)} prompts x {len(args.seeds)} seeds, {args.steps} steps)")
@@ -352,9 +326,10 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--reward", default="shapes", help="reward model (default shapes)")
     parser.add_argument("--split", choices=("eval", "train"), default="eval",
                         help="prompt split (default eval, the held-out prompts)")
-    parser.add_argument("--n", type=positive_int, default=None,
-                        help="number of prompts (default 600; with --prompts, every line)")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the prompt set (default 1234)")
+    parser.add_argument("--n", type=bounded_int(1, MAX_EVAL_PROMPTS), default=None,
+                        help=f"number of prompts, up to {MAX_EVAL_PROMPTS} (default 600; with --prompts, every line)")
+    parser.add_argument("--seed", type=bounded_int(0, 2 ** 31 - 1), default=1234,
+                        help="seed of the prompt set (default 1234)")
     parser.add_argument("--prompts", default=None, help="a text file of prompts, one per line, instead of --split")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -362,8 +337,11 @@ def _eval(argv: list[str]) -> int:
 
     import rewards
 
-    reward = rewards.load(args.reward)
-    if args.prompts:
+    reward = _load_reward(args.reward)
+    metadata = None
+    if args.prompts and args.prompts.endswith(".jsonl"):
+        rows, metadata = _rows_from_jsonl(args.prompts, args.n, args.seed)
+    elif args.prompts:
         rows = _rows_from_file(args.prompts, args.n, args.seed)
     else:
         from flowrl.data.shapes import prompt_rows
@@ -373,17 +351,16 @@ def _eval(argv: list[str]) -> int:
 
     device = device_arg(args.device)
     start = time.perf_counter()
-    model = load_model_arg(args.model, device=device)
-    model.eval()
+    model = _model(args, device)
     loaded = time.perf_counter()
     from tqdm import tqdm
 
     with tqdm(total=len(rows), desc="evaluating", unit="img", disable=args.no_progress) as bar:
         summary, _ = evaluate(model, reward, rows, steps=args.steps, guidance=args.guidance,
-                              batch_size=args.batch_size, progress=bar.update)
+                              batch_size=args.batch_size, progress=bar.update, metadata=metadata)
     done = time.perf_counter()
     summary["settings"] = {
-        "model": args.model, "reward": args.reward, "split": None if args.prompts else args.split,
+        "model": model.description, "reward": args.reward, "split": None if args.prompts else args.split,
         "prompts": args.prompts, "n": len(rows), "seed": args.seed, "steps": args.steps,
         "guidance": model.default_guidance if args.guidance is None else args.guidance,
         "batch_size": args.batch_size, "device": str(device),
@@ -401,11 +378,12 @@ def _eval(argv: list[str]) -> int:
 def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str, int]]:
     from flowrl.data.shapes import PromptParseError, parse_prompt
 
-    try:
-        lines = [line.strip() for line in Path(path).read_text().splitlines()]
-    except OSError as err:
-        raise UsageError(f"cannot read --prompts {path!r}: {err.strerror or err}") from None
+    text = read_text_file(path, what=f"--prompts {path!r}", fix="give a text file with one prompt per line")
+    lines = [line.strip() for line in text.splitlines()]
     prompts = [line for line in lines if line and not line.startswith("#")][:n]
+    if len(prompts) > MAX_EVAL_PROMPTS:
+        raise UsageError(f"--prompts {path!r} holds {len(prompts)} prompts, more than the {MAX_EVAL_PROMPTS} one "
+                         "evaluation takes; pass --n or split the file")
     if not prompts:
         raise UsageError(f"--prompts {path!r} holds no prompts (one per line; # starts a comment)")
     rows = []
@@ -419,5 +397,54 @@ def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str,
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    """``flowrl eval``; returns the exit code."""
-    return _run_command("flowrl eval", _eval, list(sys.argv[1:] if argv is None else argv))
+    """``flowrl eval``; returns the exit code. ``--task vqa|zoom`` evaluates a VLM policy instead
+    (``flowrl.envs.evaluate.vqa_eval_main``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--task" or a.startswith("--task=") for a in argv):
+        from flowrl.envs.evaluate import vqa_eval_main
+
+        return vqa_eval_main(argv)
+    return _run_command("flowrl eval", _eval, argv)
+
+
+# ----------------------------------------------------------------------------- SD3 / FLUX, runs, reward specs
+
+
+def _model(args, device):
+    """The model of ``--model`` / ``--path`` / ``--lora`` / ``--run`` (flowrl.models.select), in eval mode."""
+    from flowrl.models.select import model_from_args
+
+    model = model_from_args(args, device)
+    model.eval()
+    return model
+
+
+def _load_reward(spec: str):
+    """``NAME`` or ``NAME:key=value,...`` (e.g. ``remote:url=http://127.0.0.1:18085``)."""
+    import rewards
+    from flowrl.demo.engine import parse_reward_spec
+
+    try:
+        name, kwargs = parse_reward_spec(spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        return rewards.load(name, **kwargs)
+    except TypeError as err:  # an argument the reward does not take
+        raise UsageError(f"--reward {spec!r}: {err}") from None
+
+
+def _rows_from_jsonl(path: str, n: int | None, seed: int) -> tuple[list[tuple[str, str, int]], list[dict]]:
+    """Rows and metadata of a GenEval-style prompt file: one JSON object per line with ``prompt`` and any
+    metadata (GenEval's ``tag`` names the task kind; a ``seed`` key fixes that row's noise)."""
+    from flowrl.data.prompts import PromptSetError, load_prompts
+
+    try:
+        prompt_set = load_prompts(path, n)
+    except PromptSetError as err:
+        raise UsageError(f"--prompts: {err}") from None
+    rows = []
+    for index, (prompt, meta) in enumerate(zip(prompt_set.prompts, prompt_set.metadata)):
+        kind = str(meta.get("tag") or meta.get("kind") or "other")
+        rows.append((prompt, kind, int(meta.get("seed", index + seed * 100_000))))
+    return rows, list(prompt_set.metadata)

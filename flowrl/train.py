@@ -1,4 +1,7 @@
-"""``flowrl train CONFIG [a.b=c ...]``: load a recipe's typed config and run it.
+"""``flowrl train CONFIG [a.b=c ...] [--dry-run]``: load a recipe's typed config and run it.
+
+``--dry-run`` runs one epoch of the config's recipe on a tiny model of its architecture, offline, and prints what
+the real run needs (weights, rewards, prompt files, a memory estimate, the work of an epoch): ``flowrl.dryrun``.
 
 The YAML's top-level ``recipe`` key names the recipe (``pretrain``, ``flow_grpo``, ...); each recipe
 module defines a ``Config`` dataclass and ``main(cfg)``. A YAML may name ``base: other.yaml`` and keep
@@ -24,6 +27,8 @@ RECIPES.register("awm", "flowrl.recipes.awm:RECIPE")
 RECIPES.register("dgpo", "flowrl.recipes.dgpo:RECIPE")
 RECIPES.register("dpo", "flowrl.recipes.dpo:RECIPE")
 RECIPES.register("d3po", "flowrl.recipes.d3po:RECIPE")
+RECIPES.register("vlm_sft", "flowrl.recipes.vlm_sft:RECIPE")
+RECIPES.register("vlm_grpo", "flowrl.recipes.vlm_grpo:RECIPE")
 
 
 def load_recipe_config(path: str, overrides: list[str]):
@@ -51,12 +56,23 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="recipe YAML, e.g. configs/shapes/flow_grpo.yaml")
     parser.add_argument("overrides", nargs="*", help="a.b=c overrides, e.g. run.seed=3 run.resume=true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="one epoch on a tiny model of the config's architecture, offline; print what the real "
+                             "run needs (weights, memory, steps per epoch)")
+    args = parser.parse_intermixed_args(argv)  # --dry-run may come before, between or after the overrides
     try:
         recipe, cfg = load_recipe_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"flowrl train: config error: {err}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from flowrl.dryrun import main as dry_run_main
+
+        try:
+            return dry_run_main(args.config, args.overrides)
+        except ConfigError as err:
+            print(f"flowrl train --dry-run: config error: {err}", file=sys.stderr)
+            return 2
     try:
         return int(recipe.main(cfg) or 0)
     except user_errors() as err:

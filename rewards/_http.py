@@ -1,30 +1,38 @@
-"""Small stdlib HTTP/JSON client with a timeout, retries and exponential backoff, plus PNG helpers.
+"""HTTP/JSON client on httpx with timeouts, retries and exponential backoff, plus PNG helpers.
 
 Used by the remote reward client and the OpenAI-compatible VLM judge. Retries cover connection
-failures, timeouts and the transient statuses 429/502/503/504 (500 too, once per attempt); any other
-4xx/5xx answer is final. Every failure surfaces as one :class:`~rewards.base.RewardError` that names
-the URL.
+failures, timeouts and the transient statuses 429/500/502/503/504; any other 4xx/5xx answer is final.
+Every failure surfaces as one :class:`UpstreamError` (a :class:`~rewards.base.RewardError`) that names
+the URL. Answers are read up to ``max_response_bytes``: a misbehaving server cannot exhaust memory.
+
+API keys travel only where they cannot be read on the way: :func:`key_may_travel` allows https URLs and
+loopback hosts, never plain http to another machine.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import ipaddress
 import json
-import socket
 import time
-import urllib.error
-import urllib.request
 from typing import Any
+from urllib.parse import urlsplit
 
 from .base import RewardError
 
-__all__ = ["post_json", "get_json", "encode_png", "decode_png", "HTTPStatusError"]
+__all__ = ["post_json", "get_json", "encode_png", "decode_png", "HTTPStatusError", "UpstreamError", "make_client",
+           "key_may_travel", "is_loopback_url"]
 
 _RETRY_STATUSES = {429, 500, 502, 503, 504}
+MAX_RESPONSE_BYTES = 64 * 2 ** 20
 
 
-class HTTPStatusError(RewardError):
+class UpstreamError(RewardError):
+    """A service a reward depends on is unreachable or failed (a reward server, a VLM endpoint)."""
+
+
+class HTTPStatusError(UpstreamError):
     """The server answered with a non-2xx status (after retries for the transient ones)."""
 
     def __init__(self, message: str, status: int):
@@ -32,73 +40,114 @@ class HTTPStatusError(RewardError):
         self.status = status
 
 
-def _error_text(err: urllib.error.HTTPError) -> str:
+def is_loopback_url(url: str) -> bool:
+    """True when ``url``'s host is ``localhost`` or a loopback address."""
+    host = (urlsplit(url).hostname or "").strip("[]")
+    if host == "localhost":
+        return True
     try:
-        body = err.read(2000).decode("utf-8", "replace")
-    except Exception:  # the body is a courtesy; a broken one must not hide the status
-        body = ""
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def key_may_travel(url: str) -> bool:
+    """An API key may be sent to ``url``: it is https, or stays on this machine (loopback)."""
+    return urlsplit(url).scheme == "https" or is_loopback_url(url)
+
+
+def make_client(timeout: float):
+    """An ``httpx.Client`` with ``timeout`` seconds for connecting, each read and each write."""
+    import httpx
+
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), follow_redirects=False,
+                        headers={"User-Agent": "flowrl"})
+
+
+def _error_text(body: bytes) -> str:
+    text = body[:2000].decode("utf-8", "replace")
     try:
-        body = json.loads(body).get("error", body)
-        if isinstance(body, dict):
-            body = body.get("message", json.dumps(body))
-    except (ValueError, AttributeError):
+        data = json.loads(text)
+        text = data.get("error", data.get("detail", text)) if isinstance(data, dict) else text
+        if isinstance(text, dict):
+            text = text.get("message", json.dumps(text))
+    except ValueError:
         pass
-    return " ".join(str(body).split())[:300]
+    return " ".join(str(text).split())[:300]
+
+
+def _read_capped(response, limit: int, what: str, url: str) -> bytes:
+    chunks, size = [], 0
+    for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamError(f"{what} at {url} sent an answer over {limit} bytes; is it the right server?")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _request(method: str, url: str, body: bytes | None, *, timeout: float, retries: int, backoff: float,
-             headers: dict[str, str] | None, what: str, unreachable_hint: str = "") -> Any:
+             headers: dict[str, str] | None, what: str, unreachable_hint: str = "", client=None,
+             max_response_bytes: int = MAX_RESPONSE_BYTES) -> Any:
+    import httpx
+
+    own = client is None
+    client = client or make_client(timeout)
     attempts = int(retries) + 1
-    last: str = ""
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(backoff * (2 ** (attempt - 1)))
-        request = urllib.request.Request(url, data=body, method=method,
-                                         headers={"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as err:
-            text = _error_text(err)
-            if err.code in _RETRY_STATUSES and attempt + 1 < attempts:
-                last = f"HTTP {err.code}: {text}"
+    last = ""
+    try:
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(backoff * (2 ** (attempt - 1)))
+            try:
+                with client.stream(method, url, content=body, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                   headers={"Content-Type": "application/json", **(headers or {})}) as response:
+                    payload = _read_capped(response, max_response_bytes, what, url)
+                    status = response.status_code
+            except httpx.TransportError as err:  # connect, read, write, timeout, protocol errors
+                last = f"{type(err).__name__}: {err}"
                 continue
-            raise HTTPStatusError(f"{what} at {url} answered HTTP {err.code}: {text}", err.code) from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            last = f"{type(reason).__name__}: {reason}"
-            continue
-        try:
-            return json.loads(payload)
-        except ValueError:
-            raise RewardError(f"{what} at {url} returned a body that is not JSON: {payload[:200]!r}") from None
+            if status >= 400:
+                text = _error_text(payload)
+                if status in _RETRY_STATUSES and attempt + 1 < attempts:
+                    last = f"HTTP {status}: {text}"
+                    continue
+                raise HTTPStatusError(f"{what} at {url} answered HTTP {status}: {text}", status)
+            try:
+                return json.loads(payload)
+            except ValueError:
+                raise UpstreamError(f"{what} at {url} returned a body that is not JSON: {payload[:200]!r}") from None
+    finally:
+        if own:
+            client.close()
     hint = f" {unreachable_hint}" if unreachable_hint else ""
-    raise RewardError(f"{what} at {url} is unreachable after {attempts} attempt(s) "
-                      f"(timeout {timeout:g}s each; last error: {last}).{hint}")
+    raise UpstreamError(f"{what} at {url} is unreachable after {attempts} attempt(s) "
+                        f"(timeout {timeout:g}s each; last error: {last}).{hint}")
 
 
 def post_json(url: str, payload: dict, *, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
               headers: dict[str, str] | None = None, max_bytes: int | None = None, what: str = "server",
-              unreachable_hint: str = "") -> Any:
+              unreachable_hint: str = "", client=None) -> Any:
     """POST ``payload`` as JSON and return the decoded JSON answer.
 
     Args:
-        timeout: seconds per attempt (connect and read).
+        timeout: seconds per attempt (connect, and each read or write).
         retries: extra attempts after the first, waiting ``backoff * 2**k`` seconds before attempt ``k+1``.
         max_bytes: refuse to send a body larger than this (bounded payloads).
+        client: an ``httpx.Client`` to reuse (keeps connections open); default: a new one per call.
     """
     body = json.dumps(payload).encode("utf-8")
     if max_bytes is not None and len(body) > max_bytes:
         raise RewardError(f"request to {what} at {url} would be {len(body)} bytes, over the {max_bytes}-byte "
                           f"limit; send fewer or smaller images per request")
     return _request("POST", url, body, timeout=timeout, retries=retries, backoff=backoff, headers=headers,
-                    what=what, unreachable_hint=unreachable_hint)
+                    what=what, unreachable_hint=unreachable_hint, client=client)
 
 
 def get_json(url: str, *, timeout: float = 10.0, retries: int = 0, backoff: float = 0.5, what: str = "server",
-             unreachable_hint: str = "") -> Any:
-    return _request("GET", url, None, timeout=timeout, retries=retries, backoff=backoff, headers=None, what=what,
-                    unreachable_hint=unreachable_hint)
+             unreachable_hint: str = "", headers: dict[str, str] | None = None, client=None) -> Any:
+    return _request("GET", url, None, timeout=timeout, retries=retries, backoff=backoff, headers=headers, what=what,
+                    unreachable_hint=unreachable_hint, client=client)
 
 
 def encode_png(image, compress_level: int = 1) -> str:

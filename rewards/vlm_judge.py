@@ -9,7 +9,10 @@ Two back ends, chosen by which argument is given:
   ``POST {URL}/v1/chat/completions`` per image with the question and the image as a base64 PNG
   ``image_url``, ``temperature: 0``, ``logprobs: true, top_logprobs: 20``. Requests have a timeout,
   retries with exponential backoff, a bounded body (images are downscaled to ``max_image_side``) and
-  run ``concurrency`` at a time.
+  run ``concurrency`` at a time. The API key (``api_key=`` or ``$OPENAI_API_KEY``) is sent as a bearer
+  token only over https or to a loopback address: a key given explicitly for a plain-http endpoint on
+  another machine is an error, one found in the environment is not sent (with a warning), unless
+  ``insecure_key=True``.
 
 Modes (``mode=``):
 
@@ -34,11 +37,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._http import encode_png, post_json
+from ._http import encode_png, key_may_travel, post_json
 from ._loading import OFFLINE_HINT, load_errors, looks_like_path, require_dir, resolve_device, resolve_dtype
 from .base import Reward, RewardError, RewardOutput, to_pil_images
 
@@ -108,7 +112,9 @@ class VLMJudge(Reward):
         on_unparseable: ``"error"`` (default) or ``"nan"``.
         trust_remote_code: allow custom model code from the model folder (off by default).
         chat_template: a Jinja chat template for processors that ship none.
-        api_key: bearer token; default: the environment variable named by ``api_key_env`` (if set).
+        api_key: bearer token; default: the environment variable named by ``api_key_env`` (if set). Sent only
+            over https or to loopback (see the module docstring).
+        insecure_key: send the key over plain http to another machine anyway.
         timeout, retries, backoff: per-request seconds, extra attempts, first backoff in seconds.
         max_image_side: images sent to the endpoint are downscaled so their longer side is at most this.
         max_request_bytes: refuse larger request bodies.
@@ -125,7 +131,7 @@ class VLMJudge(Reward):
                  local_files_only: bool = False, chat_template: str | None = None, api_key: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
                  max_image_side: int = 1024, max_request_bytes: int = 20_000_000, concurrency: int = 4,
-                 max_new_tokens: int = 8, batch_size: int = 8):
+                 max_new_tokens: int = 8, batch_size: int = 8, insecure_key: bool = False):
         if (model is None) == (endpoint is None):
             raise RewardError("vlm_judge: pass exactly one of model=<local VLM folder> or endpoint=<OpenAI-compatible "
                               "URL>")
@@ -141,7 +147,7 @@ class VLMJudge(Reward):
         self.endpoint = None
         if endpoint is not None:
             self._init_remote(endpoint, api_model, api_key, api_key_env, timeout, retries, backoff, max_image_side,
-                              max_request_bytes, concurrency)
+                              max_request_bytes, concurrency, insecure_key)
         else:
             self._init_local(model, device, dtype, trust_remote_code, local_files_only, chat_template)
 
@@ -212,7 +218,7 @@ class VLMJudge(Reward):
     # ------------------------------------------------------------------------------------------ remote
 
     def _init_remote(self, endpoint, api_model, api_key, api_key_env, timeout, retries, backoff, max_image_side,
-                     max_request_bytes, concurrency) -> None:
+                     max_request_bytes, concurrency, insecure_key) -> None:
         url = str(endpoint).rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"vlm_judge: endpoint must be an http(s) URL, got {endpoint!r}")
@@ -221,6 +227,13 @@ class VLMJudge(Reward):
         self.endpoint = url
         self.api_model = api_model
         key = api_key if api_key is not None else (os.environ.get(api_key_env) if api_key_env else None)
+        if key and not key_may_travel(url) and not insecure_key:
+            if api_key is not None:
+                raise RewardError(f"vlm_judge: refusing to send api_key over plain http to {url}; use an https:// "
+                                  "endpoint or a loopback address (e.g. an SSH tunnel), or pass insecure_key=true")
+            warnings.warn(f"vlm_judge: not sending ${api_key_env} to {url}: plain http to another machine would "
+                          "expose it; use an https:// endpoint (or insecure_key=true)", stacklevel=3)
+            key = None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.max_image_side, self.max_request_bytes = int(max_image_side), int(max_request_bytes)

@@ -12,7 +12,8 @@ from flowrl.cli import main
 from flowrl.data.shapes import Scene, eval_prompt_set, sample_examples, split_prompts
 from flowrl.data.webdataset_io import ShardError, iter_shards
 from flowrl.data.shapes import prompt_rows
-from flowrl.sample import GRID_HEADER, GRID_PAD, parse_seeds
+from flowrl.grid import HEADER, LINE_HEIGHT, PAD
+from flowrl.sample import parse_seeds
 
 TINY = dict(block_out_channels=[32, 32], head_dim=16, text_hidden_size=32, text_layers=1, text_heads=2)
 
@@ -96,12 +97,12 @@ def test_sample_writes_a_labelled_grid(model_dir, tmp_path, capsys):
     assert "2 prompts x 3 seeds" in capsys.readouterr().out
     grid = Image.open(out)
     cell = 32 * 4
-    assert grid.height == GRID_HEADER + 2 * (cell + 14 + GRID_PAD) + GRID_PAD  # 14: the reward strip
-    assert grid.width > 3 * (cell + GRID_PAD) + 150  # row labels on the left
+    assert grid.height == HEADER + 2 * (cell + LINE_HEIGHT + 4 + PAD) + PAD  # one caption line under each image
+    assert grid.width == 170 + 3 * (cell + PAD) + PAD  # row labels on the left
     # Without a reward: no strip under the cells; one seed.
     assert main(["sample", "--model", model_dir, "--prompt", "a circle", "--seeds", "4", "--steps", "1",
                  "--scale", "2", "--out", str(out), "--no-progress"]) == 0
-    assert Image.open(out).height == GRID_HEADER + 64 + 2 * GRID_PAD
+    assert Image.open(out).height == HEADER + 64 + 2 * PAD
 
 
 # ----------------------------------------------------------------------------- flowrl eval

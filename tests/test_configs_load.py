@@ -17,7 +17,8 @@ def test_there_are_configs_of_every_kind():
     for required in ("shapes/pretrain.yaml", "shapes/flow_grpo.yaml", "sd3/flow_grpo_geneval.yaml",
                      "sd3/flow_grpo_ocr.yaml", "sd3/flow_grpo_pickscore.yaml", "flux/flow_grpo_pickscore.yaml",
                      "accelerate/cpu_2proc.yaml", "accelerate/multi_gpu.yaml", "accelerate/multi_node.yaml",
-                     "accelerate/fsdp.yaml", "accelerate/zero2.yaml"):
+                     "accelerate/fsdp.yaml", "accelerate/zero2.yaml", "vlm/shapes_vqa_sft.yaml",
+                     "vlm/shapes_vqa_grpo.yaml", "vlm/shapes_zoom_gigpo.yaml", "vlm/qwen2_5_vl_3b_grpo.yaml"):
         assert required in names
 
 

@@ -15,7 +15,9 @@ Registered (docs/algorithms.md, "Advantages" and "Step-level credit"):
 
 - ``outcome`` (Flow-GRPO): every trained step gets the sample's normalised reward;
 - ``tp_grpo`` (TurningPoint-GRPO): incremental step rewards from ODE completions, turning points;
-- ``cosine`` (dense cosine credit, CoCA): the outcome advantage weighted by each step's progress.
+- ``cosine`` (dense cosine credit, CoCA): the outcome advantage weighted by each step's progress;
+- ``gigpo`` and ``turn_return`` (multi-turn agents, ``T`` = turns): GiGPO's episode + anchor-state step
+  advantages, and per-turn discounted returns normalised per group and turn.
 
 The outcome normalisation (``normalizer``: ``group`` | ``rloo`` | ``per_prompt``) is an option of the
 estimators that use it, not a second registry. A new estimator registers here with
@@ -35,7 +37,7 @@ from flowrl.core.credit import stepwise_group_advantages, turning_point_rewards
 from flowrl.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "NORMALIZERS", "CreditBatch", "register_estimator", "outcome_advantages",
-           "outcome_estimator", "tp_grpo_estimator", "cosine_estimator"]
+           "outcome_estimator", "tp_grpo_estimator", "cosine_estimator", "gigpo_estimator", "turn_return_estimator"]
 
 NORMALIZERS = ("group", "rloo", "per_prompt")
 
@@ -58,6 +60,10 @@ class CreditBatch:
             rollout's own reward). NaN where a completion could not be scored.
         step_weights: ``[N, n]`` cosine credit's multiplier of the outcome advantage at each trained step
             (``alpha + (1 - alpha) rho_t``, see :func:`flowrl.core.credit.cosine_credit`).
+        turn_rewards: ``[N, K]`` per-turn rewards of multi-turn episodes (agents; ``steps`` are the ``K`` turns).
+        turn_mask: ``[N, K]`` bool, the turns an episode played (advantages are 0 elsewhere).
+        anchor_ids: ``[N, K]`` int state ids for GiGPO's step groups
+            (:func:`flowrl.core.turn_credit.anchor_index`).
     """
 
     rewards: Tensor
@@ -67,6 +73,9 @@ class CreditBatch:
     prompts: Sequence[str] | None = None
     completion_rewards: Tensor | None = None
     step_weights: Tensor | None = None
+    turn_rewards: Tensor | None = None
+    turn_mask: Tensor | None = None
+    anchor_ids: Tensor | None = None
 
 
 def register_estimator(name: str, *, needs: tuple[str, ...] = ()) -> Callable:
@@ -128,7 +137,10 @@ def outcome_estimator(batch: CreditBatch, *, normalizer: str = "group", std_scop
     """
     adv = outcome_advantages(batch.rewards, batch.group_ids, normalizer=normalizer, std_scope=std_scope, eps=eps,
                              clip=clip, prompts=batch.prompts, tracker=tracker)
-    return _placed(adv[:, None].expand(-1, len(batch.steps)), batch.steps, batch.num_steps), {}
+    placed = _placed(adv[:, None].expand(-1, len(batch.steps)), batch.steps, batch.num_steps)
+    if batch.turn_mask is not None:  # episodes of different lengths: only the turns they played
+        placed = placed * batch.turn_mask.float().cpu()
+    return placed, {}
 
 
 @register_estimator("tp_grpo", needs=("completion_rewards",))
@@ -191,3 +203,34 @@ def cosine_estimator(batch: CreditBatch, *, normalizer: str = "group", std_scope
     adv = stepwise_group_advantages(weighted, batch.group_ids, eps=eps, clip=clip).float() if W.numel() else weighted
     return _placed(adv, batch.steps, batch.num_steps), {
         "credit/rho_mean": float(W.float().mean()) if W.numel() else 0.0}
+
+
+def _turn_std_scope(std_scope: str) -> str:
+    """Turn-level credit normalises within groups or only centres (``batch`` falls back to ``group``)."""
+    return "none" if std_scope == "none" else "group"
+
+
+@register_estimator("gigpo", needs=("turn_rewards", "anchor_ids"))
+def gigpo_estimator(batch: CreditBatch, *, std_scope: str = "group", eps: float = 1e-4, clip: float | None = 5.0,
+                    gamma: float = 0.95, step_weight: float = 1.0, **_: object) -> tuple[Tensor, dict[str, float]]:
+    """GiGPO for multi-turn agents (:func:`flowrl.core.turn_credit.gigpo_advantages`): the episode's group
+    advantage plus ``step_weight`` times a step advantage among turns of the group that share an anchor
+    state. Returns ``([N, K], {})``."""
+    from flowrl.core.turn_credit import gigpo_advantages
+
+    adv = gigpo_advantages(batch.turn_rewards, batch.turn_mask, batch.group_ids, batch.anchor_ids, gamma=gamma,
+                           step_weight=step_weight, std_scope=_turn_std_scope(std_scope), eps=eps, clip=clip)
+    return adv, {}
+
+
+@register_estimator("turn_return", needs=("turn_rewards",))
+def turn_return_estimator(batch: CreditBatch, *, std_scope: str = "group", eps: float = 1e-4,
+                          clip: float | None = 5.0, gamma: float = 0.95,
+                          **_: object) -> tuple[Tensor, dict[str, float]]:
+    """Per-turn discounted returns normalised per group and turn index
+    (:func:`flowrl.core.turn_credit.turn_return_advantages`). Returns ``([N, K], {})``."""
+    from flowrl.core.turn_credit import turn_return_advantages
+
+    adv = turn_return_advantages(batch.turn_rewards, batch.turn_mask, batch.group_ids, gamma=gamma,
+                                 std_scope=_turn_std_scope(std_scope), eps=eps, clip=clip)
+    return adv, {}

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flowrl.cli_args import OneLineParser, UsageError, positive_int
+from flowrl.cli_args import OneLineParser, UsageError, bounded_int, one_line, output_dir
+
+MAX_EXAMPLES = 10_000_000  # about 20 GB of shards; more is a typo, not a dataset
 
 __all__ = ["main"]
 
@@ -24,16 +26,15 @@ def _parser() -> argparse.ArgumentParser:
                             description="Write rendered examples of the shapes world as webdataset shards "
                                         "(png image, txt prompt, json scene + task kind).")
     shapes.add_argument("--split", choices=("train", "eval"), required=True, help="prompt split")
-    shapes.add_argument("--n", type=positive_int, required=True, help="number of examples")
+    shapes.add_argument("--n", type=bounded_int(1, MAX_EXAMPLES), required=True,
+                        help=f"number of examples (up to {MAX_EXAMPLES})")
     shapes.add_argument("--out", required=True, help="output directory (created if missing)")
-    shapes.add_argument("--seed", type=int, default=0, help="stream seed (default 0, as pretraining)")
-    shapes.add_argument("--shard-size", type=positive_int, default=1000, help="examples per shard (default 1000)")
+    shapes.add_argument("--seed", type=bounded_int(0, 2 ** 63 - 1), default=0,
+                        help="stream seed (default 0, as pretraining)")
+    shapes.add_argument("--shard-size", type=bounded_int(1, 1_000_000), default=1000,
+                        help="examples per shard (default 1000)")
     shapes.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,17 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
+        out = output_dir(args.out)
     except UsageError as err:
-        print(f"flowrl data: error: {_one_line(err)}", file=sys.stderr)
+        print(f"flowrl data: error: {one_line(err)}", file=sys.stderr)
         return 2
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
-    from pathlib import Path
-
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"flowrl data shapes: error: --out {str(out)!r} is a file; give a directory", file=sys.stderr)
-        return 2
     from tqdm import tqdm
 
     from .webdataset_io import write_shapes_shards
@@ -60,10 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             paths = write_shapes_shards(args.split, args.n, out, seed=args.seed, shard_size=args.shard_size,
                                         progress=bar.update)
-        except OSError as err:
+        except OSError as err:  # e.g. the disk filled up
             bar.close()
-            print(f"flowrl data shapes: error: cannot write to {str(out)!r}: {_one_line(err)}", file=sys.stderr)
+            print(f"flowrl data: error: cannot write to {str(out)!r} ({one_line(err.strerror or err)}); free space "
+                  "or choose another --out", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            bar.close()
+            print("flowrl data: interrupted; the last shard may be incomplete", file=sys.stderr)
+            return 130
     print(f"wrote {args.n} examples of the {args.split} split in {len(paths)} shard(s): "
           f"{paths[0]}{' ... ' + str(paths[-1]) if len(paths) > 1 else ''}")
     return 0

@@ -51,6 +51,28 @@ def _builtin(name: str, limit: int | None) -> PromptSet:
     return PromptSet(prompts, metadata, name)
 
 
+MAX_PROMPT_FILE_BYTES = 256 * 2 ** 20
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 prompt file; unreadable, oversized or binary files are a PromptSetError."""
+    fix = "give a UTF-8 .txt file with one prompt per line or a .jsonl file with a 'prompt' key per line"
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROMPT_FILE_BYTES:
+            raise PromptSetError(f"prompt file {str(path)!r} is {size} bytes, over the {MAX_PROMPT_FILE_BYTES}-byte "
+                                 f"limit; split it")
+        data = path.read_bytes()
+    except OSError as err:
+        raise PromptSetError(f"cannot read prompt file {str(path)!r} ({err.strerror or err}); check its "
+                             "permissions") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise PromptSetError(f"prompt file {str(path)!r} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+                             f"{err.start}); {fix}") from None
+
+
 def load_prompts(source: str, limit: int | None = None) -> PromptSet:
     """Load a prompt set.
 
@@ -59,7 +81,8 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
         limit: keep the first ``limit`` prompts (for ``shapes:eval``: build that many).
 
     Raises:
-        PromptSetError: missing file, empty set, or a malformed JSONL line (named by number).
+        PromptSetError: missing, unreadable, oversized or binary file, empty set, or a malformed JSONL
+            line (named by number).
     """
     if ":" in source and not Path(source).exists():
         prompt_set = _builtin(source, limit)
@@ -68,7 +91,7 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
         if not path.is_file():
             raise PromptSetError(f"prompt file {source!r} does not exist (give a .txt with one prompt per "
                                  "line, a .jsonl with a 'prompt' key per line, or shapes:train / shapes:eval)")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = _read_lines(path)
         prompts, metadata = [], []
         if path.suffix == ".jsonl":
             for number, line in enumerate(lines, start=1):
@@ -78,6 +101,8 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise PromptSetError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+                except RecursionError:
+                    raise PromptSetError(f"{path}:{number}: nested too deeply") from None
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                     raise PromptSetError(f"{path}:{number}: each line needs a string 'prompt' key")
                 prompts.append(row.pop("prompt"))

@@ -10,7 +10,7 @@ The logic lives here so that ``app.py`` stays a few lines and every piece is tes
 - :mod:`flowrl.demo.render`: image grids, trajectory strips and plots (PIL / matplotlib);
 - :mod:`flowrl.demo.ui`: the Gradio ``Blocks`` (tabs Compare, Trajectory, Score);
 - :mod:`flowrl.demo.cli`: the command line of ``app.py``;
-- :mod:`flowrl.demo.headless`: a stdlib-only headless-Chromium driver (screenshot tests, README image).
+- :mod:`flowrl.demo.headless`: headless Chromium under Selenium (the browser test, the README image).
 """
 
 from flowrl.demo.limits import DemoInputError, Limits

@@ -3,10 +3,12 @@
     python app.py [--model shapes|PATH] [--checkpoint NAME=PATH ...] [--reward NAME ...]
                   [--host 127.0.0.1] [--port P] [--runs-dir runs] [--device cpu|cuda] [--no-ema]
 
-- ``--model``: the base model, ``shapes`` (the shipped checkpoint, default) or a saved shapes-model
-  directory (a pretraining run directory works too). It is the row called ``base``.
+- ``--model``: the base model, ``shapes`` (the shipped checkpoint, default), a saved shapes-model
+  directory (a pretraining run directory works too) or a diffusers SD3 / FLUX pipeline directory. It is the row
+  called ``base``.
 - ``--checkpoint NAME=PATH``: a fine-tuned model to compare, loaded at start-up: a run directory
-  (its newest checkpoint), a ``checkpoints/step_<N>`` directory or a saved model; ``NAME=`` may be left out
+  (its newest checkpoint; SD3 / FLUX runs too), a ``checkpoints/step_<N>`` directory, a saved model or a
+  pipeline directory (``flowrl export --format merged``); ``NAME=`` may be left out
   (the directory's name is used). Repeat the flag or give several after one flag.
 - ``--runs-dir``: runs found there (fine-tuning runs with a checkpoint, pretraining runs with a saved model)
   are offered too and load when first selected; ``--runs-dir none`` turns this off.
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned "
                                                   "models, with their rewards and trajectories.")
     parser.add_argument("--model", default="shapes",
-                        help="base model: `shapes` (the shipped model, default) or a saved shapes-model directory")
+                        help="base model: `shapes` (the shipped model, default), a saved shapes-model directory or "
+                             "an SD3 / FLUX pipeline directory")
     parser.add_argument("--checkpoint", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="fine-tuned model(s): a run directory, a checkpoints/step_<N> directory or a saved "
                              "model; NAME= is optional")

@@ -65,7 +65,8 @@ def _locate(path: Path) -> tuple[Path, Path | None]:
     return path, None
 
 
-def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_ema: bool = True) -> FlowModel:
+def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_ema: bool = True,
+                   base_path: str | None = None, dtype: str | None = None, expect: str | None = None) -> FlowModel:
     """Rebuild a fine-tuned model from its run directory or one of its checkpoints.
 
     Args:
@@ -75,6 +76,10 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
         device: where the model goes.
         use_ema: load the EMA weights when the run kept them (``train.ema_decay``), as the recipe's
             evaluation does; otherwise the raw trained weights.
+        base_path: rebuild the base from this directory or hub id instead of the run's ``model.path`` (e.g. a
+            local copy of the hub model the run trained on).
+        dtype: the base's dtype instead of the run's ``model.dtype``.
+        expect: the model kind the caller needs (``sd3``, ``flux``, ``shapes``); another is a ModelLoadError.
 
     Returns:
         The model in eval mode, with ``model.finetune_info`` = ``{"run", "checkpoint", "epoch", "lora",
@@ -95,6 +100,10 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
     run_dir, checkpoint = _locate(path)
     config_path = run_dir / "config.yaml"
     if checkpoint is None and not config_path.is_file():
+        if (run_dir / "model_index.json").is_file():  # a diffusers pipeline (e.g. `flowrl export --format merged`)
+            model = load_base(str(run_dir), device=device)
+            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False}
+            return model
         if (run_dir / "model.json").is_file() or (run_dir / "model" / "model.json").is_file():
             model = load_base(str(run_dir), device=device)
             model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False}
@@ -118,6 +127,13 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
         model_cfg = from_dict(ModelConfig, data["model"])
     except ConfigError as err:
         raise ModelLoadError(f"{config_path}: model.{err}") from None
+    if expect is not None and model_cfg.name != expect:
+        raise ModelLoadError(f"run {str(run_dir)!r} trained a {model_cfg.name} model, not {expect}; give --model "
+                             f"{model_cfg.name}")
+    if base_path is not None:
+        model_cfg.path = base_path
+    if dtype is not None:
+        model_cfg.dtype = dtype
     if model_cfg.path and not Path(model_cfg.path).exists() and (run_dir / model_cfg.path).exists():
         model_cfg.path = str(run_dir / model_cfg.path)  # a path relative to the run directory
     try:

@@ -458,6 +458,10 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                 s_run.click(run_score, [s_files, s_prompt, s_rewards, s_resize], [s_table, s_status],
                             api_name="score", **concurrency)
 
+            from flowrl.demo.agent_tab import add_agent_tab
+
+            add_agent_tab(getattr(state, "runs_dir", "runs"), concurrency)
+
             with gr.Tab("Models", id="models"):
                 models_md = gr.Markdown(_models_markdown(state))
                 gr.Button("Refresh", size="sm").click(lambda: _models_markdown(state), None, models_md,

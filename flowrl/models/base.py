@@ -3,7 +3,9 @@
 Every recipe talks to generators only through :class:`FlowModel`, so the same loop trains the tiny
 shapes model, Stable Diffusion 3 and FLUX.1. An adapter
 
-- encodes prompts once per unique prompt (cached) into a ``Cond``: a dict of tensors, batch first;
+- encodes prompts once per unique prompt into a ``Cond``: a dict of tensors, batch first, kept in a
+  bounded least-recently-used cache on the CPU (``prompt_cache_size`` prompts; about 1.7 MB each for SD3 at
+  128 T5 tokens in bfloat16) and moved to the model's device per batch;
 - predicts the velocity ``v = eps - x0`` at ``(x, sigma, cond)`` in flowrl's time convention
   (sigma = 1 noise, sigma = 0 data), converting from the backbone's own convention;
 - decodes latents to images ``[B, 3, H, W]`` in [0, 1];
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -29,7 +32,10 @@ Cond = dict[str, torch.Tensor]  # each value [B, ...]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
 __all__ = ["Cond", "VelocityFn", "LoraSettings", "FlowModel", "ModelLoadError", "cond_select", "cond_cat",
-           "unwrap"]
+           "unwrap", "DEFAULT_PROMPT_CACHE_SIZE", "ATTENTION_BACKENDS", "check_attention_backend"]
+
+#: Prompts the text-conditioning cache keeps by default (least recently used evicted first).
+DEFAULT_PROMPT_CACHE_SIZE = 1024
 
 
 class ModelLoadError(RuntimeError):
@@ -84,7 +90,9 @@ class FlowModel(nn.Module):
                  gradient_checkpointing: bool = False):
         super().__init__()
         self.denoiser = denoiser
-        self._prompt_cache: dict[str, Cond] = {}
+        self._prompt_cache: OrderedDict[str, Cond] = OrderedDict()
+        self.prompt_cache_size = DEFAULT_PROMPT_CACHE_SIZE
+        self.prompt_cache_device: str = "cpu"  # "cpu", or "model": kept on the model's device
         self._reference: nn.Module | None = None
         self.lora = lora
         if gradient_checkpointing:
@@ -128,15 +136,39 @@ class FlowModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(unwrap(self.denoiser).parameters()).dtype
 
+    def set_prompt_cache(self, size: int = DEFAULT_PROMPT_CACHE_SIZE, device: str = "cpu") -> None:
+        """Bound the prompt cache to ``size`` prompts (0: no cache), kept on ``device`` (``"cpu"``, or
+        ``"model"`` for the model's own device: no copy per batch, device memory per prompt)."""
+        if size < 0 or device not in ("cpu", "model"):
+            raise ValueError(f"prompt cache: size >= 0 and device 'cpu' or 'model', got {size}, {device!r}")
+        self.prompt_cache_size, self.prompt_cache_device = int(size), device
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._prompt_cache) > self.prompt_cache_size:
+            self._prompt_cache.popitem(last=False)  # the least recently used
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Cond:
-        """Cond for ``prompts`` (batch ``len(prompts)``), encoding each unique prompt once and caching it."""
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._prompt_cache))
+        """Cond for ``prompts`` (batch ``len(prompts)``) on the model's device, encoding each unique prompt
+        not in the cache once (one batched call) and caching it (least recently used evicted first)."""
+        rows: dict[str, Cond] = {}
+        for prompt in dict.fromkeys(prompts):
+            if prompt in self._prompt_cache:
+                self._prompt_cache.move_to_end(prompt)
+                rows[prompt] = self._prompt_cache[prompt]
+        missing = [p for p in dict.fromkeys(prompts) if p not in rows]
         if missing:
             encoded = self._encode(missing)
+            keep = self.device if self.prompt_cache_device == "model" else torch.device("cpu")
             for i, prompt in enumerate(missing):
-                self._prompt_cache[prompt] = {k: v[i : i + 1].detach() for k, v in encoded.items()}
-        return cond_cat([self._prompt_cache[p] for p in prompts])
+                # clone: a row must not keep the whole batch's storage alive in the cache
+                rows[prompt] = {k: v[i : i + 1].detach().to(keep).clone() for k, v in encoded.items()}
+                if self.prompt_cache_size:
+                    self._prompt_cache[prompt] = rows[prompt]
+            self._evict()
+        device = self.device
+        return {k: v.to(device, non_blocking=True) for k, v in cond_cat([rows[p] for p in prompts]).items()}
 
     def uncond(self, batch_size: int = 1) -> Cond:
         """The empty-prompt Cond repeated ``batch_size`` times (for classifier-free guidance)."""
@@ -164,6 +196,43 @@ class FlowModel(nn.Module):
 
         return classifier_free_guidance(self.velocity, self.uncond(1), scale, detach_uncond=detach_uncond)
 
+    # ------------------------------------------------------------------ attention
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Run the denoiser's attention with ``backend`` (docs/distributed.md, "Attention backends").
+
+        - ``native``: PyTorch's scaled-dot-product attention (on CUDA it picks its FlashAttention or
+          memory-efficient kernel itself);
+        - ``xformers``: xformers' memory-efficient kernel (CUDA): diffusers' attention dispatcher where the
+          model's attention goes through it (FLUX), its xformers processors otherwise (SD3's joint attention,
+          the shapes UNet);
+        - ``flash``: the flash-attn package through diffusers' attention dispatcher (FLUX).
+
+        Raises:
+            ConfigError: the backend cannot run here (no CUDA device, package missing, or a model whose
+                attention does not go through the dispatcher); the message names the fix.
+        """
+        check_attention_backend(backend, self.device)
+        module = unwrap(self.denoiser)
+        dispatched = _uses_attention_dispatcher(module)
+        if backend == "native":
+            if dispatched:
+                module.reset_attention_backend()
+            return
+        if backend == "xformers":
+            if dispatched:
+                module.set_attention_backend("xformers")
+            else:
+                module.enable_xformers_memory_efficient_attention()
+            return
+        if not dispatched:
+            from flowrl.config import ConfigError
+
+            raise ConfigError("model.attention_backend", f"flash: {type(module).__name__}'s attention does not go "
+                              "through diffusers' attention dispatcher in this diffusers version; use native (PyTorch "
+                              "SDPA runs its own FlashAttention kernel on CUDA for bfloat16 / float16) or xformers")
+        module.set_attention_backend("flash")
+
     # ------------------------------------------------------------------ training state
 
     def _add_lora(self, lora: LoraSettings) -> None:
@@ -176,7 +245,10 @@ class FlowModel(nn.Module):
         unwrap(self.denoiser).add_adapter(config)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in unwrap(self.denoiser).parameters() if p.requires_grad]
+        """The trained parameters (under FSDP2 the sharded ones, which the optimizer holds)."""
+        module = unwrap(self.denoiser)
+        _reshard(module)
+        return [p for p in module.parameters() if p.requires_grad]
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the trained tensors (LoRA weights, or the whole denoiser), detached on CPU."""
@@ -226,3 +298,52 @@ class FlowModel(nn.Module):
             reference.requires_grad_(False).eval()
             # A plain attribute (not a registered submodule) so it never enters state_dict / DDP.
             object.__setattr__(self, "_reference", reference)
+
+
+def _reshard(module: nn.Module) -> None:
+    """Put FSDP2-sharded modules back in their sharded state. FSDP2 registers a module's whole (unsharded)
+    parameters while they are gathered and leaves the root's gathered after a forward pass; the sharded
+    parameters are the ones the optimizer steps, that gradients land on, and that an EMA must track.
+    (Duck-typed: only ``flowrl/dist.py`` imports ``torch.distributed``.)"""
+    for sub in module.modules():
+        if type(sub).__name__.startswith("FSDP") and callable(getattr(sub, "reshard", None)):
+            sub.reshard()
+
+
+#: ``model.attention_backend`` values.
+ATTENTION_BACKENDS = ("native", "xformers", "flash")
+
+
+def _uses_attention_dispatcher(module: nn.Module) -> bool:
+    """True when the module's attention processors go through diffusers' attention dispatcher (they carry an
+    ``_attention_backend``), so ``set_attention_backend`` reaches them."""
+    return any(hasattr(getattr(m, "processor", None), "_attention_backend") for m in module.modules())
+
+
+def check_attention_backend(backend: str, device: torch.device | str) -> None:
+    """Fail early, in one line, when ``backend`` cannot run on ``device`` (before any weights load).
+
+    Raises:
+        ConfigError: unknown backend, no CUDA device for xformers / flash, or the package is not installed.
+    """
+    import importlib.util
+
+    from flowrl.config import ConfigError
+
+    field = "model.attention_backend"
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(field, f"unknown backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "native":
+        return
+    kind = torch.device(device).type
+    if kind != "cuda":
+        what = "xformers has no CPU kernels" if backend == "xformers" else "flash-attn runs on CUDA GPUs only"
+        raise ConfigError(field, f"{backend} needs a CUDA device and this model runs on {kind} ({what}); set "
+                          f"model.attention_backend=native")
+    if backend == "xformers" and importlib.util.find_spec("xformers") is None:
+        raise ConfigError(field, "xformers is not installed; install the xformers wheel built for your torch (pip "
+                          "install xformers --index-url https://download.pytorch.org/whl/<your CUDA, e.g. cu124>; "
+                          "docs/distributed.md) or set model.attention_backend=native")
+    if backend == "flash" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(field, "flash-attn is not installed (pip install flash-attn --no-build-isolation, built "
+                          "against your torch); or set model.attention_backend=native")

@@ -34,6 +34,13 @@ class ModelConfig:
     resolution: int | None = field(default=None, metadata=bounds(ge=64))  # sd3 / flux only
     # T5 tokens of the text conditioning (sd3 / flux); None: the pipeline's default (256 / 512).
     max_sequence_length: int | None = field(default=None, metadata=bounds(ge=1))
+    # native: PyTorch SDPA; xformers: xformers' kernel (CUDA, installed to match torch); flash: flash-attn
+    # through diffusers' attention dispatcher (FLUX). docs/distributed.md, "Attention backends".
+    attention_backend: Literal["native", "xformers", "flash"] = "native"
+    # Encoded prompts kept (least recently used evicted), on the CPU (moved to the device per batch) or on
+    # the model's device.
+    prompt_cache_size: int = field(default=1024, metadata=bounds(ge=0, le=1_000_000))
+    prompt_cache_device: Literal["cpu", "model"] = "cpu"
 
     def check(self) -> None:
         from flowrl.config import fail
@@ -47,7 +54,19 @@ def build_model(cfg: ModelConfig, device: torch.device | str):
 
     Raises:
         ModelLoadError: the weights are missing or do not load (the message names the fix).
+        ConfigError: ``attention_backend`` cannot run on ``device`` (checked before loading).
     """
+    from flowrl.models.base import check_attention_backend
+
+    check_attention_backend(cfg.attention_backend, device)  # before any weights load
+    model = _build(cfg, device)
+    model.set_prompt_cache(cfg.prompt_cache_size, cfg.prompt_cache_device)
+    if cfg.attention_backend != "native":
+        model.set_attention_backend(cfg.attention_backend)
+    return model
+
+
+def _build(cfg: ModelConfig, device: torch.device | str):
     from flowrl.models.base import LoraSettings
 
     dtype = getattr(torch, cfg.dtype)

@@ -28,10 +28,14 @@ from flowrl.config import bounds, from_dict, to_dict
 
 from .base import Cond, FlowModel, LoraSettings, ModelLoadError
 
-__all__ = ["ShapesModelConfig", "ShapesModel", "build_tokenizer", "SHIPPED_CHECKPOINT"]
+__all__ = ["ShapesModelConfig", "ShapesModel", "build_tokenizer", "SHIPPED_CHECKPOINT", "SHAPES_LORA_TARGETS"]
 
 SHIPPED_CHECKPOINT = Path(__file__).parent / "shapes_checkpoint"
 SPECIAL_TOKENS = ("[PAD]", "[BOS]", "[EOS]", "[UNK]")
+
+
+#: LoRA targets of the shapes UNet: attention projections and the feed-forward layers of its transformer blocks.
+SHAPES_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
 
 
 @dataclass
@@ -162,7 +166,7 @@ class ShapesModel(FlowModel):
                     if path == SHIPPED_CHECKPOINT else
                     "point model.path at a directory written by `flowrl train configs/shapes/pretrain.yaml` "
                     "(its checkpoints/*/model) or leave it unset for the shipped model")
-            raise ModelLoadError(f"shapes model at {str(path)!r} is missing {', '.join(missing)}: {hint}")
+            raise ModelLoadError(f"shapes model at {str(path)!r} is missing {', '.join(missing)}; {hint}")
         try:
             meta = json.loads((path / "model.json").read_text())
             config = from_dict(ShapesModelConfig, meta["config"])
@@ -238,8 +242,7 @@ class ShapesModel(FlowModel):
         return images * 2.0 - 1.0
 
     def default_lora_targets(self) -> list[str]:
-        # Attention projections and the feed-forward layers of the transformer blocks.
-        return ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
+        return list(SHAPES_LORA_TARGETS)
 
 
 def _half_copy(module: nn.Module) -> nn.Module:

@@ -20,7 +20,6 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import RunConfig, bounds, fail, save_config
-from flowrl.logging import save_sample_grid
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
 from flowrl.recipes import Recipe
 
@@ -145,10 +144,26 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
         ema.restore(params)
         model.clear_prompt_cache()
         model.train()
-    save_sample_grid(images[:64], [r[0] for r in rows[:64]], output_dir / "samples" / f"epoch_{epoch:04d}.png")
+    _save_grid(images[:64], [r[0] for r in rows[:64]], summary, output_dir / "samples" / f"epoch_{epoch:04d}.png")
     metrics = {"eval/shapes/accuracy": summary["overall"], "eval/shapes/mean": summary["score_mean"]}
     metrics.update({f"eval/shapes/{k}": v["accuracy"] for k, v in summary["kinds"].items()})
     return metrics
+
+
+def _save_grid(images: torch.Tensor, prompts: list[str], summary: dict, path: Path, columns: int = 8) -> None:
+    """The evaluation's first images, eight to a row, each captioned with its prompt (wrapped)."""
+    import textwrap
+
+    from flowrl.grid import image_grid
+
+    rows = (len(prompts) + columns - 1) // columns
+    pad = rows * columns - len(prompts)
+    images = torch.cat([images, torch.ones(pad, *images.shape[1:])]) if pad else images
+    captions = ["\n".join(textwrap.wrap(p, 20)[:3]) for p in prompts] + [""] * pad
+    grid = image_grid(images, [f"{r * columns}-{min((r + 1) * columns, len(prompts)) - 1}" for r in range(rows)],
+                      [str(c) for c in range(columns)], captions, row_label_width=60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
 
 
 def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:

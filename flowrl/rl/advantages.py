@@ -18,7 +18,10 @@ import torch
 from flowrl.config import bounds, fail
 from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
 
-__all__ = ["AdvantageConfig", "compute_advantages", "advantage_options"]
+__all__ = ["AdvantageConfig", "compute_advantages", "advantage_options", "LOOP_INPUTS"]
+
+#: The estimator inputs this loop can produce (:mod:`flowrl.rl.credit`).
+LOOP_INPUTS = {"completion_rewards", "step_weights"}
 
 
 @dataclass
@@ -39,8 +42,11 @@ class AdvantageConfig:
     cosine_alpha: float = field(default=0.0, metadata=bounds(ge=0, le=1))
 
     def check(self) -> None:
-        if self.estimator not in ADVANTAGE_ESTIMATORS:
-            fail("estimator", f"got {self.estimator!r}, expected one of {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        usable = [name for name in ADVANTAGE_ESTIMATORS.names()
+                  if set(ADVANTAGE_ESTIMATORS.get(name).needs) <= LOOP_INPUTS]
+        if self.estimator not in usable:
+            fail("estimator", f"got {self.estimator!r}; expected one of {', '.join(usable)} (the estimators of "
+                 "denoising trajectories)")
         if self.per_prompt_min_count > self.per_prompt_buffer:
             fail("per_prompt_min_count", f"{self.per_prompt_min_count} exceeds per_prompt_buffer "
                  f"{self.per_prompt_buffer} (a history never holds more rewards than the buffer)")

@@ -81,9 +81,10 @@ def checked_reward(reward: Callable, images: torch.Tensor, prompts: list[str], m
         raise RewardError(f"the reward {name} failed: {type(err).__name__}: {' '.join(str(err).split())[:300]}") \
             from err
     if not isinstance(out, RewardOutput):
-        raise RewardError(f"the reward {name} returned a {type(out).__name__}, not a RewardOutput")
+        raise RewardError(f"the reward {name} returned a {type(out).__name__}; a reward must return a RewardOutput")
     if out.scores.numel() != len(prompts):
-        raise RewardError(f"the reward {name} returned {out.scores.numel()} scores for {len(prompts)} images")
+        raise RewardError(f"the reward {name} returned {out.scores.numel()} scores for {len(prompts)} images; a "
+                          "reward must return one score per image")
     return out
 
 

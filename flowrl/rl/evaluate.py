@@ -36,13 +36,16 @@ class Evaluator:
         prompt_set: the eval prompts; each row's ``metadata["seed"]`` (default: its index) fixes its noise.
         steps / guidance: the ODE sampling of the evaluation.
         dist: the run's :class:`flowrl.dist.Dist`.
-        output_dir: the run directory (grids go to ``samples/epoch_<N>.png``).
+        output_dir: the run directory (grids go to ``samples/epoch_<N>.png``: base vs current model).
+        logger: the run's :class:`flowrl.logging.MetricsLogger` (grids also go to TensorBoard / wandb).
     """
 
     def __init__(self, cfg: EvalConfig, rewards: dict, prompt_set, *, steps: int, guidance: float, dist,
-                 output_dir: Path):
+                 output_dir: Path, logger=None):
         self.cfg, self.rewards, self.prompt_set = cfg, rewards, prompt_set
         self.steps, self.guidance, self.dist, self.output_dir = steps, guidance, dist, Path(output_dir)
+        self.logger = logger
+        self._base: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
 
     def __call__(self, model, epoch: int, ema=None, should_stop=None) -> dict[str, float]:
         """``{"eval/<reward>/mean": ..., "eval/<reward>/accuracy": ..., ...}``; the EMA weights (if any) are
@@ -76,12 +79,14 @@ class Evaluator:
                 ema.restore(params)
             model.train()
         metrics: dict[str, float] = {}
+        local_scores: dict[str, torch.Tensor] = {}
         pad = per_process - len(rows)  # equal shapes for the gather; padded rows are dropped after it
         keep = dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
         for name, reward in self.rewards.items():
             if images is not None:
                 out = checked_reward(reward, images, prompts, [prompt_set.metadata[i] for i in rows])
                 scores, correct = out.scores.float(), out.details.get("correct")
+                local_scores[name] = scores
             else:
                 scores, correct = torch.zeros(0), None
             scores = dist.gather(torch.cat([scores, torch.zeros(pad)]))[keep]
@@ -95,8 +100,52 @@ class Evaluator:
                     selected = torch.tensor([k == kind for k in kinds])
                     metrics[f"eval/{name}/{kind}"] = float(correct[selected].mean())
         if dist.is_main and images is not None and self.cfg.grid_size:
-            from flowrl.logging import save_sample_grid
-
             k = min(self.cfg.grid_size, len(rows))
-            save_sample_grid(images[:k], prompts[:k], self.output_dir / "samples" / f"epoch_{epoch:04d}.png")
+            self._save_grid(model, epoch, images[:k], prompts[:k], seeds[:k],
+                            {name: s[:k] for name, s in local_scores.items()}, [prompt_set.metadata[i] for i in rows[:k]])
         return metrics
+
+    def _base_images(self, model, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
+                     metadata: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The base model's images of the grid's prompts and seeds, and their scores (computed once: at the
+        evaluation before training they are the current images; otherwise the reference weights draw them)."""
+        from flowrl.rl.collect import checked_reward
+        from flowrl.sample import generate
+
+        if self._base is None:
+            if epoch == 0:
+                base = images
+            else:
+                was_training = model.training
+                model.eval()
+                try:
+                    with model.reference():
+                        base = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
+                                        batch_size=self.cfg.batch_size)
+                finally:
+                    model.train(was_training)
+            scores = {name: checked_reward(reward, base, prompts, metadata).scores.float()
+                      for name, reward in self.rewards.items()}
+            self._base = (base, scores)
+        return self._base
+
+    def _save_grid(self, model, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
+                   scores: dict[str, torch.Tensor], metadata: list[dict]) -> None:
+        """``samples/epoch_<N>.png``: each grid prompt (a row) drawn by the base model and by the model at this
+        epoch from the same noise, captioned with every eval reward; also sent to TensorBoard / wandb."""
+        from flowrl.grid import image_grid
+
+        base, base_scores = self._base_images(model, epoch, images, prompts, seeds, metadata)
+
+        def caption(i: int, values: dict[str, torch.Tensor]) -> str:
+            return "\n".join(f"{name} {float(v[i]):.2f}" for name, v in values.items())
+
+        stacked = torch.stack([base, images], dim=1).flatten(0, 1)  # row i: base i, current i
+        captions = [c for i in range(len(prompts)) for c in (caption(i, base_scores), caption(i, scores))]
+        labels = [f"{p}\nseed {s}" for p, s in zip(prompts, seeds)]
+        grid = image_grid(stacked, labels, ["base", f"epoch {epoch}"], captions)
+        path = self.output_dir / "samples" / f"epoch_{epoch:04d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(path)
+        if self.logger is not None:
+            self.logger.log_image("samples", grid, step=epoch)

@@ -114,11 +114,13 @@ class OnlineLoop:
         self.evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(self.dist.device),
                                    load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts),
                                    steps=s.eval_num_steps, guidance=s.guidance if s.eval_guidance is None
-                                   else s.eval_guidance, dist=self.dist, output_dir=run.output_dir)
-        params = model.trainable_parameters()
-        self.optimizer, self.scheduler = build_optimizer(params, cfg.optim)
-        model.denoiser = self.dist.prepare(model.denoiser)
-        self.ema = build_ema(params, ema_decay)
+                                   else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
+                                   logger=run.logger)
+        self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
+        # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
+        model.denoiser, self.optimizer = self.dist.prepare_training(
+            model.denoiser, self.optimizer, micro_batch_size=cfg.train.micro_batch_size, grad_clip=cfg.optim.grad_clip)
+        self.ema = build_ema(model.trainable_parameters(), ema_decay)  # the prepared (possibly sharded) ones
         run.track(model=TrainableWeights(model), optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
                   tracker=self.tracker)
         run.evaluation(lambda epoch, should_stop: self.evaluator(model, epoch, self.ema, should_stop))

@@ -19,7 +19,10 @@ A recipe reads top to bottom (docs/architecture.md, "Adding a trainer")::
     return run.finish()
 
 The checkpoint holds every tracked object's ``state_dict()`` under its name, the random generators'
-states and the counters (``epoch``, ``images_sampled``, ``train_minutes``, ``wall_minutes``).
+states and the counters (``epoch``, ``images_sampled``, ``train_minutes``, ``wall_minutes``) in ``state.pt``;
+the optimizer the recipe prepared with ``dist.prepare_training`` (and, under FSDP2 / ZeRO, the sharded weights),
+the gradient scaler and every process's generators go through ``accelerator.save_state`` into ``accelerate/``
+(docs/distributed.md, "Checkpoints"). Every process takes part in ``save_checkpoint`` and ``resume``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass, field
@@ -116,6 +120,7 @@ def prepare_output_dir(run, dist) -> Path:
     Raises:
         ConfigError: the folder is a file, cannot be created or written, or holds a run nobody asked to
             resume or overwrite.
+        CheckpointError: ``run.resume`` with no checkpoint to resume from.
     """
     import shutil
 
@@ -130,6 +135,12 @@ def prepare_output_dir(run, dist) -> Path:
         raise ConfigError("run.output_dir", f"{out} holds an earlier run; continue it with run.resume=true, start "
                           "over with run.overwrite=true (deletes its metrics and checkpoints), or choose another "
                           "run.output_dir")
+    if run.resume:
+        from flowrl.checkpoint import CheckpointError, checkpoints
+
+        if not checkpoints(out):  # say so before a model loads
+            raise CheckpointError(f"run.resume=true but {out}/checkpoints holds no checkpoint; run without "
+                                  "run.resume=true to start fresh")
     dist.barrier()  # every process has looked before the main one changes anything
     if dist.is_main:
         try:
@@ -167,15 +178,25 @@ class OnlineRun:
 
         self.cfg, self.recipe = cfg, recipe
         self.dist = dist or Dist()
+        if self.dist.is_main:
+            print(f"flowrl: {recipe} on {self.dist.describe()}", flush=True)
+            for note in self.dist.notes():
+                print(f"flowrl: warning: {note}", file=sys.stderr, flush=True)
         prepare_output_dir(cfg.run, self.dist)
         self.output_dir = prepare_run(cfg.run)
         if self.dist.is_main:
             save_config(cfg, self.output_dir / "config.yaml", extra={"recipe": recipe})
-        groups = {"reward": ["train/reward_mean"], "eval": ["eval/"],
-                  "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"], "time": ["time/"]}
+        # What tells a user whether training works, one unit per axis.
+        groups = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": ["train/grad_norm"],
+                  "signal": ["train/zero_std_frac", "train/clip_frac"],
+                  "policy": ["train/approx_kl", "train/kl_ref"], "hack": ["hack/"],
+                  "time_per_epoch": ["time/*_s"], "time_total": ["time/*_min"]}
+        units = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
+                 "grad_norm": "gradient norm before clipping", "signal": "fraction",
+                 "policy": "KL (nats per element)", "time_per_epoch": "seconds per epoch", "time_total": "minutes"}
         groups.update(plot_groups or {})
         self.logger = MetricsLogger(self.output_dir, backends=cfg.log.backends, enabled=self.dist.is_main,
-                                    project=cfg.log.project, plot_groups=groups)
+                                    project=cfg.log.project, plot_groups=groups, plot_units=units)
         self.health = UpdateHealth()  # updates skipped for non-finite losses or gradients
         self.epoch = 0
         self.images_sampled = 0
@@ -201,6 +222,9 @@ class OnlineRun:
     def prepare_model(self, model=None):
         """Build the model of ``cfg.model`` (unless one is given), move it to this process's device and
         freeze the reference weights (full fine-tuning)."""
+        model_cfg = getattr(self.cfg, "model", None)
+        if isinstance(getattr(model_cfg, "dtype", None), str):
+            self.dist.check_model_dtype(model_cfg.dtype)  # the launch config's mixed precision must agree
         if model is None:
             from flowrl.models.config import build_model
 
@@ -222,14 +246,84 @@ class OnlineRun:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _resume(self) -> None:
-        from flowrl.checkpoint import load_latest_state, set_rng_state
+    def _restored_by_accelerate(self, obj: Any) -> bool:
+        """Objects whose checkpoint state ``accelerator.save_state`` keeps: the prepared optimizer, and the
+        trained weights when they are sharded (FSDP2 / ZeRO)."""
+        if isinstance(obj, TrainableWeights):
+            return self.dist.shards_weights and self.dist.manages_module(obj.model.denoiser)
+        return self.dist.manages(obj)
 
-        required = tuple(self._tracked) + ("rng", "epoch", "images_sampled", "train_minutes", "wall_minutes")
-        checkpoint, state = load_latest_state(self.output_dir, required, warn=self._warn)
+    def _in_state_file(self, name: str, obj: Any) -> bool:
+        """Whether ``state.pt`` holds ``obj``: everything but the prepared optimizer. The trained weights are
+        always there whole (export, the demo and ``load_finetuned`` read them), sharded or not."""
+        return isinstance(obj, TrainableWeights) or not self.dist.manages(obj)
+
+    def _state_of(self, obj: Any) -> Any:
+        """``obj``'s state for ``state.pt``, whole (collective under FSDP2; None off the main process)."""
+        if isinstance(obj, TrainableWeights) and self.dist.manages_module(obj.model.denoiser):
+            return self.dist.trainable_state_dict(obj.model.denoiser)
+        state = obj.state_dict()
+        return self.dist.gather_full(state) if self.dist.shards_weights else state
+
+    def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
+        """Load one checkpoint into every tracked object (every process)."""
+        from flowrl.checkpoint import ACCELERATE_DIR, CheckpointError, set_rng_state
+
+        accelerate_dir = checkpoint / ACCELERATE_DIR
         for name, obj in self._tracked.items():
-            obj.load_state_dict(state[name])
+            if self._restored_by_accelerate(obj) and accelerate_dir.is_dir():
+                continue
+            if name not in state:  # neither in state.pt (e.g. the optimizer) nor an accelerate/ to load it from
+                raise CheckpointError(f"checkpoint {checkpoint} is incomplete (no {name}, no {ACCELERATE_DIR}/)")
+            value = state[name]  # (a checkpoint written before accelerate/ existed keeps its optimizer here)
+            if self.dist.shards_weights and not isinstance(obj, TrainableWeights):
+                value = self.dist.shard_like(value, obj.state_dict())
+            obj.load_state_dict(value)
         set_rng_state(state["rng"])
+        if accelerate_dir.is_dir():
+            # The optimizer (and sharded weights), the scaler and each process's own random generators.
+            self.dist.load_state(str(accelerate_dir))
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint every process can read; a corrupt or partial newer one is skipped with
+        a warning. Every process reads the same files (``run.output_dir`` must be on a file system every
+        machine sees) and all move on to the next checkpoint together."""
+        from flowrl.checkpoint import CheckpointError, checkpoints, load_state
+
+        required = (tuple(name for name, obj in self._tracked.items()
+                          if self._in_state_file(name, obj) and not self.dist.manages(obj))
+                    + ("rng", "epoch", "images_sampled", "train_minutes", "wall_minutes"))
+        candidates = checkpoints(self.output_dir)
+        counts = self.dist.gather_object([len(candidates)])
+        if len(set(counts)) > 1:
+            raise CheckpointError(f"the processes see different checkpoints in {self.output_dir}/checkpoints "
+                                  f"({', '.join(map(str, counts))} per process): run.output_dir must be on a file "
+                                  "system every machine shares")
+        problems: list[str] = []
+        for checkpoint in candidates:
+            problem, state = None, None
+            try:
+                state = load_state(checkpoint, required=required)
+            except CheckpointError as err:
+                problem = str(err).split("; delete")[0]
+            if not self.dist.any(problem is not None):
+                try:
+                    self._restore(checkpoint, state)
+                except (CheckpointError, OSError, ValueError, KeyError, RuntimeError, EOFError,
+                        pickle.UnpicklingError) as err:  # a truncated or foreign file in accelerate/
+                    problem = (f"cannot restore checkpoint {checkpoint}: "
+                               f"{' '.join(str(err).split())[:200]}").split("; delete")[0]
+                if not self.dist.any(problem is not None):
+                    for earlier in problems:
+                        self._warn(f"flowrl: warning: {earlier}; resuming from {checkpoint} instead")
+                    break
+            problems.append(problem or f"checkpoint {checkpoint} failed on another process")
+        else:
+            if problems:
+                raise CheckpointError("no checkpoint of " + str(self.output_dir) + " can be read: "
+                                      + "; ".join(problems) + "; start the run again without run.resume=true")
+            raise CheckpointError(f"run.resume=true but {self.output_dir}/checkpoints holds no checkpoint; run "
+                                  "without run.resume=true to start fresh")
         self.epoch, self.images_sampled = int(state["epoch"]), int(state["images_sampled"])
         self._train_minutes_before = float(state["train_minutes"])
         self._wall_minutes_before = float(state["wall_minutes"])
@@ -243,18 +337,101 @@ class OnlineRun:
             print(message, file=sys.stderr, flush=True)
 
     def save_checkpoint(self) -> None:
-        """Checkpoint the tracked state at the current epoch (main process only; once per epoch)."""
-        from flowrl.checkpoint import rng_state, save_checkpoint
+        """Checkpoint the tracked state at the current epoch (once per epoch).
+
+        Every process must call it: ``accelerator.save_state`` writes each process's random generators (and
+        under FSDP2 / ZeRO its shards) into the checkpoint, and gathering sharded state is collective. The
+        main process writes ``state.pt`` and the LoRA folder and renames the directory into place.
+
+        Raises:
+            CheckpointError: on every process, when any process failed to write its part (nothing partial
+                is left; the previous checkpoints are untouched).
+        """
+        self._save(solo=False)
+
+    def _save(self, *, solo: bool) -> None:
+        from flowrl.checkpoint import (ACCELERATE_DIR, CheckpointError, abandon_checkpoint, begin_checkpoint,
+                                       finish_checkpoint, rng_state)
 
         if self._saved_epoch == self.epoch:
             return
         self._saved_epoch = self.epoch
+        if solo:
+            self._save_alone()
+            return
+        dist = self.dist
+        state: dict[str, Any] = {}
+        if dist.is_main or dist.shards_weights:  # gathering sharded state is collective
+            for name, obj in self._tracked.items():
+                if self._in_state_file(name, obj):
+                    state[name] = self._state_of(obj)
+        state.update({"rng": rng_state(), "epoch": self.epoch, "images_sampled": self.images_sampled,
+                      "train_minutes": self.train_minutes(), "wall_minutes": self.wall_minutes()})
+        token = dist.broadcast_object(os.getpid())
+        tmp, error = None, None
+        if dist.is_main:
+            try:
+                tmp = begin_checkpoint(self.output_dir, self.epoch, token)
+            except CheckpointError as err:
+                error = err
+        if dist.any(error is not None):
+            raise error or CheckpointError("the main process could not create the checkpoint directory")
+        tmp = Path(self.output_dir) / "checkpoints" / f".tmp_step_{self.epoch:07d}_{token}"
+        try:
+            dist.save_state(str(tmp / ACCELERATE_DIR))
+        except OSError as err:
+            error = CheckpointError(f"could not write checkpoint {tmp.parent / f'step_{self.epoch:07d}'}: "
+                                    f"{err.strerror or err}; free space in {tmp.parent} (or point run.output_dir "
+                                    "elsewhere) and resume from the last checkpoint with run.resume=true")
+        saved = not dist.any(error is not None)  # every process takes part in each collective
+        if dist.is_main and saved:
+            try:
+                finish_checkpoint(tmp, self.epoch, state, write_extra=self._write_extra(state),
+                                  keep=self.cfg.checkpoint.keep)
+            except CheckpointError as err:
+                error = err
+        elif dist.is_main:
+            abandon_checkpoint(tmp)
+        if dist.any(error is not None):
+            raise error or CheckpointError(f"another process could not write checkpoint {self.epoch}; see its "
+                                           "message above")
+
+    def _save_alone(self) -> None:
+        """The checkpoint a failure leaves in a run of several processes. The other processes may be anywhere
+        (waiting in a collective, failing too), so the main process saves alone, without collectives, what it
+        holds whole: ``state.pt`` with the optimizer inside (the layout before ``accelerate/``, which resumes).
+        Sharded state (FSDP2 / ZeRO) cannot be saved by one process.
+
+        Raises:
+            CheckpointError: sharded state, or the write failed.
+        """
+        from flowrl.checkpoint import CheckpointError, rng_state, save_checkpoint
+
         if not self.dist.is_main:
             return
+        if self.dist.shards_weights:
+            raise CheckpointError(f"after a failure one process cannot save the sharded ({self.dist.backend}) state; "
+                                  f"the last checkpoint in {self.output_dir}/checkpoints resumes with run.resume=true")
         state = {name: obj.state_dict() for name, obj in self._tracked.items()}
         state.update({"rng": rng_state(), "epoch": self.epoch, "images_sampled": self.images_sampled,
                       "train_minutes": self.train_minutes(), "wall_minutes": self.wall_minutes()})
-        save_checkpoint(self.output_dir, self.epoch, state, keep=self.cfg.checkpoint.keep)
+        save_checkpoint(self.output_dir, self.epoch, state, write_extra=self._write_extra(state),
+                        keep=self.cfg.checkpoint.keep)
+
+    def _write_extra(self, state: dict[str, Any]):
+        """Files beside ``state.pt``: the LoRA of a diffusers pipeline as a diffusers LoRA folder (the weights
+        ``load_finetuned`` uses: the EMA when the run keeps one), so a checkpoint loads in plain diffusers."""
+        from flowrl.checkpoint import LORA_DIR
+
+        weights = next((obj for obj in self._tracked.values() if isinstance(obj, TrainableWeights)), None)
+        if weights is None or getattr(weights.model, "lora", None) is None:
+            return None
+        from flowrl.export import lora_spec, lora_supported, write_diffusers_lora
+
+        if not lora_supported(weights.model):
+            return None
+        name, spec = next(n for n, o in self._tracked.items() if o is weights), lora_spec(weights.model)
+        return lambda directory: write_diffusers_lora(spec, state, directory / LORA_DIR, weights_key=name)
 
     # ------------------------------------------------------------------ time
 
@@ -300,7 +477,8 @@ class OnlineRun:
             saved = f"(the epoch was not saved; the last checkpoint in {where} resumes with run.resume=true)"
         else:
             try:
-                self.save_checkpoint()
+                # Several processes: the others may not be here, so the main process saves alone.
+                self._save(solo=self.dist.world_size > 1)
                 saved = f"(checkpoint of epoch {self.epoch} saved in {where}; resume with run.resume=true)"
             except CheckpointError as err:
                 saved = f"({err})"

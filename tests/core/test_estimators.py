@@ -17,11 +17,11 @@ def batch(**extra) -> CreditBatch:
 
 
 def test_registry_names_needs_and_unknown_name():
-    assert ADVANTAGE_ESTIMATORS.names() == ["cosine", "outcome", "tp_grpo"]
+    assert ADVANTAGE_ESTIMATORS.names() == ["cosine", "gigpo", "outcome", "tp_grpo", "turn_return"]
     assert ADVANTAGE_ESTIMATORS.get("outcome").needs == ()
     assert ADVANTAGE_ESTIMATORS.get("tp_grpo").needs == ("completion_rewards",)
     assert ADVANTAGE_ESTIMATORS.get("cosine").needs == ("step_weights",)
-    with pytest.raises(KeyError, match="unknown advantage estimator 'grpo'.*valid names: cosine, outcome, tp_grpo"):
+    with pytest.raises(KeyError, match="unknown advantage estimator 'grpo'.*valid names: cosine, gigpo, outcome, tp_grpo, turn_return"):
         ADVANTAGE_ESTIMATORS.get("grpo")
 
 
@@ -82,3 +82,22 @@ def test_cosine_weights_the_outcome_advantage_then_restandardises():
     with pytest.raises(ValueError, match="consecutive trained steps"):
         ADVANTAGE_ESTIMATORS.get("cosine")(CreditBatch(torch.ones(2), torch.zeros(2), steps=[0, 2], num_steps=4,
                                                        step_weights=torch.ones(2, 2)))
+
+
+def test_turn_level_estimators_are_the_turn_credit_functions():
+    from flowrl.core.turn_credit import gigpo_advantages, turn_return_advantages
+
+    turn_rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    turn_mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    anchors = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 1]])
+    credit = batch(turn_rewards=turn_rewards, turn_mask=turn_mask, anchor_ids=anchors)
+    credit.steps, credit.num_steps = [0, 1], 2
+    adv, _ = ADVANTAGE_ESTIMATORS.get("gigpo")(credit, std_scope="batch", gamma=0.9, step_weight=0.5)
+    expected = gigpo_advantages(turn_rewards, turn_mask, credit.group_ids, anchors, gamma=0.9, step_weight=0.5,
+                                std_scope="group")
+    assert torch.equal(adv, expected) and adv.abs().sum() > 0
+    adv, _ = ADVANTAGE_ESTIMATORS.get("turn_return")(credit, std_scope="none")
+    assert torch.equal(adv, turn_return_advantages(turn_rewards, turn_mask, credit.group_ids, std_scope="none"))
+    # outcome on episodes: the episode's advantage on every turn it played, 0 on the turns it did not
+    adv, _ = ADVANTAGE_ESTIMATORS.get("outcome")(credit)
+    assert adv[1, 1] == 0 and adv[0, 0] == adv[0, 1] != 0

@@ -53,22 +53,22 @@ def test_misspelt_key_names_path_and_suggests():
 def test_wrong_type_names_value_and_expected_type():
     with pytest.raises(ConfigError) as info:
         from_dict(Cfg, {"run": {"seed": "seven"}})
-    assert one_line(info.value) == "run.seed: got 'seven', expected an integer"
-    with pytest.raises(ConfigError, match=r"^run\.resume: got 1, expected true or false$"):
+    assert one_line(info.value) == "run.seed: got 'seven'; expected an integer"
+    with pytest.raises(ConfigError, match=r"^run\.resume: got 1; expected true or false$"):
         from_dict(Cfg, {"run": {"resume": 1}})
-    with pytest.raises(ConfigError, match=r"^steps\[1\]: got 'x', expected an integer$"):
+    with pytest.raises(ConfigError, match=r"^steps\[1\]: got 'x'; expected an integer$"):
         from_dict(Cfg, {"steps": [1, "x"]})
 
 
 def test_out_of_range_and_choices():
     with pytest.raises(ConfigError) as info:
         from_dict(Cfg, {"clip": 1.5})
-    assert one_line(info.value) == "clip: got 1.5, must be >= 0 and < 1"
+    assert one_line(info.value) == "clip: got 1.5; must be >= 0 and < 1"
     with pytest.raises(ConfigError) as info:
         from_dict(Cfg, {"optim": {"kind": "adam"}})
     text = one_line(info.value)
-    assert text.startswith("optim.kind: got 'adam', expected one of 'adamw', 'sgd'") and "did you mean 'adamw'" in text
-    with pytest.raises(ConfigError, match=r"^run\.max_epochs: got -1, must be >= 0$"):
+    assert text.startswith("optim.kind: got 'adam'; expected one of 'adamw', 'sgd'") and "did you mean 'adamw'" in text
+    with pytest.raises(ConfigError, match=r"^run\.max_epochs: got -1; must be >= 0$"):
         from_dict(Cfg, {"run": {"max_epochs": -1}})
 
 

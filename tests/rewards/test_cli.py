@@ -61,7 +61,7 @@ def test_score_folder_end_to_end(image_dir, tmp_path, open_clip_dir, clip_reward
     values = [r["score"] for r in rows]
     assert float(score_line.split()[1]) == pytest.approx(sum(values) / 3, abs=1e-4)
     assert float(score_line.split()[3]) == pytest.approx(min(values), abs=1e-4)
-    assert "skipped 1 unreadable image(s):" in printed and "img_2.png" in printed
+    assert "skipped 1 image(s) that could not be scored:" in printed and "img_2.png" in printed
 
     out_csv = tmp_path / "scores.csv"
     assert score_main(["--reward", "jpeg_compressibility", "--images", str(image_dir), "--prompts",
@@ -186,3 +186,132 @@ def _png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------- safe scoring
+
+
+class Recording(rewards.Reward):
+    """Mean pixel value; records batch sizes; raises what ``fail(call, prompts)`` returns (if anything)."""
+
+    name = "recording"
+    batch_size = 1024
+
+    def __init__(self, fail=lambda call, prompts: None):
+        self.calls: list[int] = []
+        self.fail = fail
+
+    def score(self, images, prompts, metadata):
+        self.calls.append(len(prompts))
+        error = self.fail(len(self.calls), prompts)
+        if error is not None:
+            raise error
+        return rewards.RewardOutput(images.mean(dim=(1, 2, 3)))
+
+
+def solid(value: int, size: int = 32):
+    from PIL import Image
+
+    return Image.new("RGB", (size, size), (value, value, value))
+
+
+def run(reward, items, out, batch_size=16, budget=2 ** 30, per_pixel=100.0):
+    from rewards.cli import _run
+
+    return _run(reward, iter(items), None, out, batch_size, budget, per_pixel, False, "flowrl score")
+
+
+def test_an_unparsable_prompt_is_skipped_and_the_rest_is_scored(image_dir, tmp_path, capsys):
+    from PIL import Image
+
+    for i in range(4):
+        Image.new("RGB", (32, 32), "white").save(image_dir / f"img_{i}.png")
+    (tmp_path / "prompts.txt").write_text("a red circle\na dog\na circle\ntwo blue squares\n")
+    out = tmp_path / "scores.jsonl"
+    code = score_main(["--reward", "shapes", "--images", str(image_dir), "--prompts", str(tmp_path / "prompts.txt"),
+                       "--out", str(out), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    rows = read_jsonl(out)
+    assert [r["file"] for r in rows] == ["img_0.png", "img_2.png", "img_3.png"]
+    assert [r["score"] for r in rows] == [0.0, 0.0, 0.0]  # white images: nothing detected
+    assert "skipped 1 image(s)" in printed and "img_1.png: shapes reward: cannot parse prompt 'a dog'" in printed
+
+
+def test_a_failing_batch_is_rescored_one_image_at_a_time(tmp_path, capsys):
+    from rewards import RewardError
+
+    reward = Recording(lambda call, prompts: RewardError("recording: bad prompt") if "bad" in prompts else None)
+    items = [(f"i{k}", solid(10 * k), "bad" if k == 2 else "ok") for k in range(5)]
+    out = tmp_path / "s.jsonl"
+    assert run(reward, items, out, batch_size=8) == 0
+    assert reward.calls == [5, 1, 1, 1, 1, 1]  # the batch, then each image alone
+    assert [r["file"] for r in read_jsonl(out)] == ["i0", "i1", "i3", "i4"]
+    assert read_jsonl(out)[3]["score"] == pytest.approx(40 / 255, abs=1e-6)
+    assert "i2: recording: bad prompt" in capsys.readouterr().out
+
+
+def test_batches_are_cut_to_the_memory_budget(tmp_path):
+    reward = Recording()
+    items = [(f"i{k}", solid(k), "p") for k in range(5)]  # 1,024 pixels each
+    assert run(reward, items, tmp_path / "s.jsonl", batch_size=16, budget=2500, per_pixel=1.0) == 0
+    assert reward.calls == [2, 2, 1]
+
+
+def test_huge_images_are_skipped_from_their_header_before_decoding(image_dir, tmp_path, capsys):
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    # An 8000 x 8000 PNG header (the pixels are never decoded: the size check reads the header only).
+    header = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8000, 8000, 8, 2, 0, 0, 0))
+    (image_dir / "img_1.png").write_bytes(header + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
+    solid(0, 64).save(image_dir / "img_3.png")  # 4,096 pixels: over a 1 MiB budget at 776 bytes per pixel
+    out = tmp_path / "scores.jsonl"
+    code = score_main(["--reward", "shapes", "--images", str(image_dir), "--empty-prompts", "--out", str(out),
+                       "--no-progress", "--max-memory-mb", "1"])
+    printed = capsys.readouterr().out
+    assert code == 1  # everything else is unreadable or over the budget ...
+    assert "img_1.png: 8000x8000 image (64.0 MP) would need 46.3 GiB to score with shapes, over --max-memory-mb 1" \
+        in printed
+    assert "img_3.png: 64x64 image (0.0 MP) would need 3.0 MiB" in printed and "raise --max-memory-mb" in printed
+    assert not out.exists()  # ... and no empty file pretends to be a result
+    # A cheap reward (96 bytes per pixel) at the default budget of 4 GiB: the 64 x 64 image is scored, and
+    # 8000 x 8000 still needs 5.7 GiB.
+    assert score_main(["--reward", "jpeg_compressibility", "--images", str(image_dir), "--empty-prompts", "--out",
+                       str(out), "--no-progress"]) == 0
+    assert [r["file"] for r in read_jsonl(out)] == ["img_0.png", "img_3.png"]
+    assert "img_1.png: 8000x8000 image (64.0 MP) would need 5.7 GiB to score with jpeg_compressibility" \
+        in capsys.readouterr().out
+
+
+def test_an_existing_output_survives_a_failed_run_and_partial_rows_are_kept(tmp_path, capsys):
+    from rewards._http import UpstreamError
+
+    out = tmp_path / "scores.jsonl"
+    out.write_text('{"file": "earlier", "score": 1.0}\n')
+    before = out.read_bytes()
+    reward = Recording(lambda call, prompts: UpstreamError("reward server at http://x is unreachable") if call == 2
+                       else None)
+    items = [(f"i{k}", solid(k), "p") for k in range(4)]
+    assert run(reward, items, out, batch_size=2) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flowrl score: error: reward server at http://x is unreachable")
+    assert "the 2 row(s) scored are in" in err[0] and f"({out} is unchanged)" in err[0]
+    assert out.read_bytes() == before
+    assert [r["file"] for r in read_jsonl(tmp_path / "scores.partial.jsonl")] == ["i0", "i1"]
+    assert not list(tmp_path.glob(".scores.jsonl.tmp-*"))  # no temporary file left behind
+
+    def interrupted():
+        yield "i0", solid(0), "p"
+        yield "i1", solid(1), "p"
+        raise KeyboardInterrupt
+
+    assert run(Recording(), interrupted(), out, batch_size=1) == 130
+    assert "flowrl score: interrupted; the 2 row(s) scored are in" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    # A complete run replaces the output in one rename.
+    assert run(Recording(), [("i9", solid(9), "p")], out) == 0
+    assert [r["file"] for r in read_jsonl(out)] == ["i9"]

@@ -125,7 +125,7 @@ def test_spec_mistakes_are_clear(registered):
         build_reward({"hand_c": 1.0})
     with pytest.raises(RewardError, match=r"reward spec reward.hand_a.wieght: unknown key \(did you mean 'weight'\?\)"):
         build_reward({"hand_a": {"wieght": 2}})
-    with pytest.raises(RewardError, match="reward spec reward.hand_a.weight: got 'x', expected a number"):
+    with pytest.raises(RewardError, match="reward spec reward.hand_a.weight: got 'x'; expected a number"):
         build_reward({"hand_a": {"weight": "x"}})
     with pytest.raises(RewardError, match="bad weight 'x'"):
         build_reward("hand_a:x")

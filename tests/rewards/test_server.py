@@ -26,7 +26,8 @@ def server(clip_reward):
     srv.server_close()
 
 
-def raw_request(server, data: bytes, shutdown_write: bool = False) -> tuple[int, dict]:
+def raw_request(server, data: bytes, shutdown_write: bool = False) -> tuple[int, dict] | None:
+    """Send raw bytes; the answer's (status, JSON body), or None when the server closed without one."""
     host, port = server.server_address[:2]
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(data)
@@ -39,6 +40,8 @@ def raw_request(server, data: bytes, shutdown_write: bool = False) -> tuple[int,
                 break
             chunks.append(chunk)
     response = b"".join(chunks)
+    if not response:
+        return None
     head, _, body = response.partition(b"\r\n\r\n")
     status = int(head.split(b" ")[1])
     return status, json.loads(body)
@@ -100,7 +103,11 @@ def test_health(server):
     ("too_many_bytes", 413, "over the limit of 2000000"),
     ("too_many_images", 413, "over the limit of 8"),
     ("too_many_pixels", 413, "over the limit of 16384"),
-    ("truncated", 400, "truncated: got"),
+    ("truncated", None, None),  # the client closed its side: nobody to answer, the server drops it
+    ("deep_json", 400, "nested too deeply"),
+    ("deep_metadata", 400, "nested more than 16 levels"),
+    ("prompt_not_string", 400, "prompts[0] must be a string"),
+    ("wrong_method", 405, "GET is not allowed on /score"),
     ("no_length", 411, "Content-Length"),
     ("wrong_path", 404, "unknown path"),
 ])
@@ -133,11 +140,26 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, case, status, nee
     elif case == "truncated":
         body = valid_payload()
         got = post(server, body[:100], length=len(body), shutdown_write=True)
+    elif case == "deep_json":
+        got = post(server, b"[" * 100_000 + b"]" * 100_000)
+    elif case == "deep_metadata":
+        nested: dict = {}
+        for _ in range(40):
+            nested = {"a": nested}
+        got = post(server, json.dumps({"images": [png_b64(Image.new("RGB", (8, 8)))], "prompts": ["x"],
+                                       "metadata": [nested]}).encode())
+    elif case == "prompt_not_string":
+        got = post(server, json.dumps({"images": [png_b64(Image.new("RGB", (8, 8)))], "prompts": [7]}).encode())
+    elif case == "wrong_method":
+        got = raw_request(server, b"GET /score HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     elif case == "no_length":
         got = raw_request(server, b"POST /score HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     else:
         got = raw_request(server, b"GET /nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert got[0] == status and needle in got[1]["error"], got
+    if status is None:
+        assert got is None
+    else:
+        assert got[0] == status and needle in got[1]["error"], got
     # ... and the server still scores a valid request
     ok_status, ok = post(server, valid_payload())
     assert ok_status == 200 and len(ok["scores"]) == 2

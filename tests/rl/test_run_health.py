@@ -164,12 +164,12 @@ def test_bad_rewards_and_sizes_are_config_or_one_line_errors(tiny_shapes_dir, tm
     register("wrong_count", WrongCount)
     cases = {
         "reward.train={no_such_reward: 1.0}": "reward.train: unknown reward 'no_such_reward'",
-        "optim.lr=.inf": "optim.lr: got inf, expected a finite number",
-        "sampling.num_steps=10000000": "sampling.num_steps: got 10000000, must be >= 2 and <= 1000",
-        "data.num_eval_prompts=1000000000": "data.num_eval_prompts: got 1000000000, must be >= 1 and <= 100000",
-        f"run.seed={2**63}": f"run.seed: got {2**63}, must be >= 0 and < {2**63}",
+        "optim.lr=.inf": "optim.lr: got inf; expected a finite number",
+        "sampling.num_steps=10000000": "sampling.num_steps: got 10000000; must be >= 2 and <= 1000",
+        "data.num_eval_prompts=1000000000": "data.num_eval_prompts: got 1000000000; must be >= 1 and <= 100000",
+        f"run.seed={2**63}": f"run.seed: got {2**63}; must be >= 0 and < {2**63}",
         "log.backends=[tensorbored]": "log.backends: unknown backend 'tensorbored'",
-        "sampling.guidance=1e30": "sampling.guidance: got 1e+30, must be >= 0 and <= 100",
+        "sampling.guidance=1e30": "sampling.guidance: got 1e+30; must be >= 0 and <= 100",
     }
     for override, message in cases.items():
         code, err = train(capsys, *settings(tiny_shapes_dir, tmp_path / "x"), override)

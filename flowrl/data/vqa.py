@@ -1,0 +1,294 @@
+"""Shapes-VQA: questions about rendered scenes of the shapes world, with exact-match answers.
+
+The embedded task of flowrl's VLM agents. A scene (``flowrl.data.shapes``: coloured circles, squares and
+triangles on a white canvas) is drawn *for* a question, so that every question has exactly one right
+answer, and the answers are balanced within each kind:
+
+=========  ==========================================  ==========================
+kind       question                                    answers
+=========  ==========================================  ==========================
+count      "how many red circles are there?"           0, 1, 2, 3 (uniform)
+color      "what colour is the square?"                the 6 colours (uniform)
+shape      "what shape is the blue object?"            circle, square, triangle
+position   "is the circle left of the triangle?"       yes / no (half each)
+exists     "is there a green triangle?"                yes / no (half each)
+=========  ==========================================  ==========================
+
+Distractors make the questions about binding, not detection: a count question's scene holds objects of
+the same colour and another shape, or the same shape and another colour; an ``exists`` question whose
+answer is no shows an object of the asked colour or of the asked shape. A position question's objects are
+separated by at least half an object along the asked axis, so "no" means the opposite relation holds.
+
+**Splits.** ``count``, ``position`` and ``exists`` questions belong to one split each by a stable hash of
+their text (25% held out): the eval split asks about combinations (e.g. *blue squares*, *the triangle
+above the circle*) that no training question names, on scenes drawn from their own seeds. ``color`` (3
+questions) and ``shape`` (6) have no combination to hold out; they are in both splits, with fresh scenes,
+and are reported separately like every kind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, RESOLUTION, SHAPES, Scene, SceneObject, _place, render
+
+__all__ = ["QUESTION_KINDS", "VQAExample", "QuestionSpec", "all_questions", "split_questions", "make_example",
+           "sample_vqa", "vqa_eval_set", "normalize_answer", "answer_vocabulary", "question_words",
+           "EVAL_FRACTION"]
+
+QUESTION_KINDS = ("count", "color", "shape", "position", "exists")
+VQA_RELATIONS = ("left of", "right of", "above", "below")
+COUNT_ANSWERS = (0, 1, 2, 3)
+EVAL_FRACTION = 0.25
+MAX_OBJECTS = 4
+_OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+_NUMBER_WORDS = {"zero": "0", "none": "0", "one": "1", "two": "2", "three": "3", "four": "4",
+                 "five": "5", "six": "6"}
+
+
+@dataclass(frozen=True)
+class QuestionSpec:
+    """A question template filled in: ``kind`` plus its arguments (colour, shape, relation, second shape)."""
+
+    kind: str
+    color: str | None = None
+    shape: str | None = None
+    relation: str | None = None
+    other: str | None = None  # position: the second shape
+
+    def text(self) -> str:
+        if self.kind == "count":
+            return f"how many {self.color} {self.shape}s are there?"
+        if self.kind == "color":
+            return f"what colour is the {self.shape}?"
+        if self.kind == "shape":
+            return f"what shape is the {self.color} object?"
+        if self.kind == "position":
+            return f"is the {self.shape} {self.relation} the {self.other}?"
+        if self.kind == "exists":
+            return f"is there a {self.color} {self.shape}?"
+        raise ValueError(f"unknown question kind {self.kind!r}; valid: {', '.join(QUESTION_KINDS)}")
+
+
+@dataclass
+class VQAExample:
+    """One question about one scene.
+
+    Attributes:
+        question: the question text.
+        answer: the canonical answer (a digit, a colour, a shape, ``yes`` or ``no``).
+        kind: one of :data:`QUESTION_KINDS`.
+        scene: the drawn scene (``Scene.to_json`` round-trips it).
+        seed: the seed that produced the scene (``make_example(spec, seed)`` rebuilds the example).
+    """
+
+    question: str
+    answer: str
+    kind: str
+    scene: Scene
+    seed: int
+    spec: QuestionSpec = field(repr=False, default=None)
+
+    def image(self, resolution: int | None = None) -> np.ndarray:
+        """The scene rendered as ``[H, W, 3]`` uint8 (at ``resolution`` px if given)."""
+        scene = self.scene if resolution is None else _rescale(self.scene, resolution)
+        return render(scene)
+
+
+def _rescale(scene: Scene, resolution: int) -> Scene:
+    k = resolution / scene.resolution
+    return Scene(tuple(SceneObject(o.shape, o.color, o.cx * k, o.cy * k, o.size * k) for o in scene.objects),
+                 resolution)
+
+
+# ----------------------------------------------------------------------------- questions and splits
+
+
+def all_questions() -> dict[str, list[QuestionSpec]]:
+    """Every question, by kind, in a fixed order."""
+    pairs = [(c, s) for s in SHAPES for c in COLORS]
+    return {
+        "count": [QuestionSpec("count", color=c, shape=s) for c, s in pairs],
+        "color": [QuestionSpec("color", shape=s) for s in SHAPES],
+        "shape": [QuestionSpec("shape", color=c) for c in COLORS],
+        "position": [QuestionSpec("position", shape=a, relation=r, other=b)
+                     for r in VQA_RELATIONS for a in SHAPES for b in SHAPES if a != b],
+        "exists": [QuestionSpec("exists", color=c, shape=s) for c, s in pairs],
+    }
+
+
+def _in_eval_split(spec: QuestionSpec) -> bool:
+    digest = hashlib.sha256(f"shapes-vqa-split-v1:{spec.text()}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < EVAL_FRACTION
+
+
+@lru_cache(maxsize=2)
+def split_questions(split: str) -> dict[str, tuple[QuestionSpec, ...]]:
+    """The questions of ``split`` (``train`` or ``eval``) by kind (see the module docstring)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    out = {}
+    for kind, specs in all_questions().items():
+        if kind in ("color", "shape"):
+            out[kind] = tuple(specs)
+        else:
+            out[kind] = tuple(s for s in specs if _in_eval_split(s) == (split == "eval"))
+    return out
+
+
+# ----------------------------------------------------------------------------- scenes
+
+
+def _scene(rng: random.Random, objects: list[tuple[str, str]], resolution: int,
+           check=None) -> Scene | None:
+    scale = resolution / RESOLUTION
+    sizes = [rng.uniform(MIN_SIZE, MAX_SIZE) * scale for _ in objects]
+    for _ in range(50):
+        centres = _place(rng, sizes, resolution)
+        if centres is None:
+            continue
+        scene = Scene(tuple(SceneObject(s, c, x, y, size) for (s, c), size, (x, y) in zip(objects, sizes, centres)),
+                      resolution)
+        if check is None or check(scene):
+            return scene
+    return None
+
+
+def _other(rng: random.Random, values: tuple[str, ...], *exclude: str) -> str:
+    return rng.choice([v for v in values if v not in exclude])
+
+
+def _holds(a: SceneObject, b: SceneObject, relation: str, margin: float) -> bool:
+    dx, dy = b.cx - a.cx, b.cy - a.cy
+    return {"left of": dx > margin, "right of": -dx > margin, "above": dy > margin, "below": -dy > margin}[relation]
+
+
+def _objects_for(spec: QuestionSpec, rng: random.Random) -> tuple[list[tuple[str, str]], str, object]:
+    """Objects ``[(shape, colour)]`` to draw for ``spec``, the answer, and an optional scene check."""
+    if spec.kind == "count":
+        n = rng.choice(COUNT_ANSWERS)
+        objects = [(spec.shape, spec.color)] * n
+        for _ in range(rng.randint(1 if n == 0 else 0, MAX_OBJECTS - n)):
+            # Distractors share the colour or the shape, never both.
+            if rng.random() < 0.5:
+                objects.append((_other(rng, SHAPES, spec.shape), spec.color))
+            else:
+                objects.append((spec.shape, _other(rng, COLORS, spec.color)))
+        return objects, str(n), None
+    if spec.kind == "color":
+        color = rng.choice(COLORS)
+        objects = [(spec.shape, color)]
+        objects += [(_other(rng, SHAPES, spec.shape), rng.choice(COLORS)) for _ in range(rng.randint(0, 2))]
+        return objects, color, None
+    if spec.kind == "shape":
+        shape = rng.choice(SHAPES)
+        objects = [(shape, spec.color)]
+        objects += [(rng.choice(SHAPES), _other(rng, COLORS, spec.color)) for _ in range(rng.randint(0, 2))]
+        return objects, shape, None
+    if spec.kind == "position":
+        yes = rng.random() < 0.5
+        third = _other(rng, SHAPES, spec.shape, spec.other)
+        objects = [(spec.shape, rng.choice(COLORS)), (spec.other, rng.choice(COLORS))]
+        objects += [(third, rng.choice(COLORS))] * rng.randint(0, 1)
+        relation = spec.relation if yes else _OPPOSITE[spec.relation]
+        margin = MAX_SIZE / 2  # centres half an object apart along the asked axis
+
+        def check(scene: Scene, relation=relation) -> bool:
+            k = scene.resolution / RESOLUTION
+            return _holds(scene.objects[0], scene.objects[1], relation, margin * k)
+
+        return objects, "yes" if yes else "no", check
+    if spec.kind == "exists":
+        yes = rng.random() < 0.5
+        objects = [(spec.shape, spec.color)] if yes else [
+            (_other(rng, SHAPES, spec.shape), spec.color) if rng.random() < 0.5
+            else (spec.shape, _other(rng, COLORS, spec.color))]
+        for _ in range(rng.randint(0, 2)):
+            shape, color = rng.choice(SHAPES), rng.choice(COLORS)
+            if (shape, color) != (spec.shape, spec.color):
+                objects.append((shape, color))
+        return objects, "yes" if yes else "no", None
+    raise ValueError(f"unknown question kind {spec.kind!r}; valid: {', '.join(QUESTION_KINDS)}")
+
+
+def _rng(seed: int) -> random.Random:
+    return random.Random(hashlib.sha256(f"shapes-vqa:{seed}".encode()).digest())
+
+
+def make_example(spec: QuestionSpec, seed: int, resolution: int = RESOLUTION) -> VQAExample:
+    """The scene and answer of question ``spec`` drawn from ``seed`` (a pure function of both)."""
+    rng = _rng(seed)
+    for _ in range(100):
+        objects, answer, check = _objects_for(spec, rng)
+        if spec.kind != "position":  # a position question's check reads its pair as objects 0 and 1
+            rng.shuffle(objects)
+        scene = _scene(rng, objects, resolution, check)
+        if scene is not None:
+            return VQAExample(spec.text(), answer, spec.kind, scene, seed, spec)
+    raise RuntimeError(f"could not draw a scene for {spec.text()!r}")  # not reachable at 32 px and up
+
+
+def _example_seed(seed: int, index: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
+
+
+def sample_vqa(split: str, n: int, seed: int = 0, start: int = 0, kinds: tuple[str, ...] = QUESTION_KINDS,
+               resolution: int = RESOLUTION) -> list[VQAExample]:
+    """``n`` examples of ``split``; example ``i`` depends only on ``(seed, start + i)``.
+
+    Kinds cycle uniformly; the question is drawn from the split's questions of that kind, and the scene
+    from the example's own seed, so any range of the stream can be regenerated on its own (exact resume).
+    """
+    questions = split_questions(split)
+    for kind in kinds:
+        if kind not in QUESTION_KINDS:
+            raise ValueError(f"unknown question kind {kind!r}; valid: {', '.join(QUESTION_KINDS)}")
+    out = []
+    for index in range(start, start + n):
+        example_seed = _example_seed(seed, index)
+        kind = kinds[index % len(kinds)]
+        spec = random.Random(example_seed).choice(questions[kind])
+        out.append(make_example(spec, example_seed, resolution))
+    return out
+
+
+def vqa_eval_set(n: int = 500, seed: int = 4321, kinds: tuple[str, ...] = QUESTION_KINDS,
+                 resolution: int = RESOLUTION) -> list[VQAExample]:
+    """The fixed held-out evaluation set: the first ``n`` examples of the eval split's stream (kinds
+    balanced: ``n / len(kinds)`` each)."""
+    return sample_vqa("eval", n, seed=seed, kinds=kinds, resolution=resolution)
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+_PUNCT = re.compile(r"[\s.,!?;:'\"]+")
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, trimmed, punctuation-free form of an answer; number words become digits
+    (``"Two."`` -> ``"2"``), ``colour``/``color`` spellings agree. Used by exact-match rewards."""
+    words = [w for w in _PUNCT.split(text.strip().lower()) if w]
+    words = [_NUMBER_WORDS.get(w, w) if len(words) == 1 else w for w in words]
+    return " ".join(words)
+
+
+def answer_vocabulary() -> list[str]:
+    """Every canonical answer."""
+    return [str(n) for n in COUNT_ANSWERS] + list(COLORS) + list(SHAPES) + ["yes", "no"]
+
+
+def question_words() -> list[str]:
+    """Every word of every question (for word-level tokenizers), in a fixed order."""
+    words: list[str] = []
+    for specs in all_questions().values():
+        for spec in specs:
+            words += re.findall(r"[a-z]+|\?", spec.text())
+    return list(dict.fromkeys(words))

@@ -1,0 +1,377 @@
+"""``flowrl train CONFIG [a.b=c ...] --dry-run``: check a config end to end without its weights.
+
+1. The config loads and validates (every key, value and reward name), with the overrides.
+2. A tiny model of the config's own architecture is built offline (``flowrl.testing``: a tiny SD3 or FLUX
+   pipeline, a tiny shapes model; the pretraining recipe's own shapes architecture is small enough to keep),
+   with the config's LoRA targets, dtype, gradient checkpointing and guidance.
+3. One epoch of the config's recipe runs on it, with the config's algorithm settings (sampler, window,
+   advantage estimator, loss, KL, minibatches, EMA) and a few samples (2 groups of 2, 2 evaluation prompts).
+   A reward whose weights are missing (or whose server does not answer) and a prompt file that does not exist
+   are replaced by stand-ins, and the report says which.
+4. It prints what the real run needs: the weights and where they are, rewards and prompt files, a rough memory
+   estimate at the configured resolution and batch (``flowrl.models.footprint``), and the work of one epoch.
+
+A recipe whose config needs more than the generic shrinking below defines
+``dry_run_overrides(data: dict, workdir: Path) -> list[str]`` in its module: it edits the config mapping in place
+and returns notes for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+__all__ = ["dry_run", "STAND_IN_REWARD", "STAND_IN_PROMPTS", "DryRunResult"]
+
+#: Scores any image without weights (JPEG size), so advantages are non-zero on random tiny models.
+STAND_IN_REWARD = "jpeg_incompressibility"
+STAND_IN_PROMPTS = ["a red apple on a wooden table", "a blue car parked in the rain", "a cat sleeping on a mat",
+                    "a bowl of soup next to a spoon"]
+
+
+class DryRunResult(dict):
+    """The report as data (tests read it): ``exit_code``, ``notes``, ``needs``, ``seconds``."""
+
+
+def _set(data: dict, dotted: str, value: Any) -> bool:
+    """Set ``a.b.c`` if the section ``a.b`` exists and has key ``c`` (the recipe's config has it)."""
+    *path, last = dotted.split(".")
+    node = data
+    for key in path:
+        if not isinstance(node, dict) or not isinstance(node.get(key), dict):
+            return False
+        node = node[key]
+    if last not in node:
+        return False
+    node[last] = value(node[last]) if callable(value) else value
+    return True
+
+
+# Shrink rules: (key, value or function of the configured value). Applied only where the config has the key.
+_SHRINK: list[tuple[str, Any]] = [
+    ("run.max_epochs", 1), ("run.max_minutes", None), ("run.resume", False), ("run.overwrite", False),
+    ("sampling.group_size", 2), ("sampling.groups_per_epoch", 2), ("sampling.batch_size", 4),
+    ("sampling.eval_num_steps", lambda v: min(v, 2)),
+    ("train.micro_batch_size", lambda v: min(v, 4)), ("train.minibatches", lambda v: min(v, 2)),
+    ("data.num_eval_prompts", 2), ("data.batch_size", lambda v: min(v, 4)), ("data.steps_per_epoch", 1),
+    ("eval.at_start", False), ("eval.every_epochs", 1), ("eval.every_minutes", None),
+    ("eval.batch_size", lambda v: min(v, 2)), ("eval.grid_size", lambda v: min(v, 2)),
+    ("eval.num_prompts", lambda v: min(v, 2)), ("eval.steps", lambda v: min(v, 2)),
+    ("checkpoint.every_epochs", 1), ("optim.warmup_steps", lambda v: min(v, 1)),
+]
+
+
+def _tiny_model(data: dict, workdir: Path, notes: list[str]) -> None:
+    """Point the ``model`` section at a tiny model of the same architecture, built offline."""
+    from flowrl.models.base import check_attention_backend
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny_flux, build_tiny_sd3
+
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return
+    name = model.get("name")
+    if name in ("sd3", "flux"):
+        model["path"] = str(build_tiny_sd3() if name == "sd3" else build_tiny_flux())
+        model["resolution"] = TINY_RESOLUTION
+        model["max_sequence_length"] = TINY_MAX_SEQUENCE_LENGTH
+        notes.append(f"model: a tiny {name.upper()} pipeline of the same structure (random weights, "
+                     f"{TINY_RESOLUTION} px), with the config's LoRA, dtype and gradient checkpointing")
+    elif name == "shapes":
+        from flowrl.models.shapes import ShapesModel, ShapesModelConfig
+
+        path = workdir / "tiny_shapes"
+        config = ShapesModelConfig(block_out_channels=[8, 16], head_dim=8, text_hidden_size=16, text_layers=1,
+                                   text_heads=2)
+        ShapesModel.build(config, seed=0).save_pretrained(path)
+        model["path"] = str(path)
+        notes.append("model: a tiny shapes model (random weights) with the config's LoRA and dtype")
+    elif name is None and isinstance(model.get("path"), str) and not Path(model["path"]).exists():
+        _tiny_policy(model, workdir, notes)  # a VLM policy named by a hub id
+        return
+    else:
+        return  # the pretraining recipe's own architecture (the shapes model config) is already small
+    backend = model.get("attention_backend", "native")
+    try:
+        check_attention_backend(backend, "cuda" if _cuda() else "cpu")
+    except Exception as err:  # noqa: BLE001 - a ConfigError naming the fix
+        model["attention_backend"] = "native"
+        notes.append(f"model.attention_backend: {backend} cannot run here ({str(err).split(': ', 1)[-1]}); the dry "
+                     "run uses native")
+
+
+def _tiny_policy(model: dict, workdir: Path, notes: list[str]) -> None:
+    """Point a VLM policy's ``model.path`` (a hub id without local weights) at a tiny model of its family."""
+    from flowrl.policies import testing
+
+    hub_id = model["path"]
+    key = hub_id.lower().replace("_", "").replace("-", "").replace(".", "")
+    builders = [("qwen25vl", testing.tiny_qwen2_5_vl), ("qwen2vl", testing.tiny_qwen2_vl),
+                ("smolvlm", testing.tiny_smolvlm), ("idefics3", testing.tiny_idefics3)]
+    build = next((b for tag, b in builders if tag in key), testing.tiny_causal_lm)
+    model["path"] = build(workdir / "tiny_policy")
+    model["gradient_checkpointing"] = False
+    if model.get("dtype") == "bfloat16" and not _cuda():
+        model["dtype"] = "float32"
+    notes.append(f"model: a tiny random model of the same family as {hub_id} (no weights here; the real run "
+                 f"needs `huggingface-cli download {hub_id}`)")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _prompts(data: dict, workdir: Path, notes: list[str], needs: list[str]) -> list[tuple[str, dict]]:
+    """Stand-in prompt files for the ones that do not exist; returns a few (prompt, metadata) to probe rewards."""
+    from flowrl.data.prompts import PromptSetError, load_prompts
+
+    section = data.get("data")
+    probe: list[tuple[str, dict]] = []
+    if not isinstance(section, dict):
+        return probe
+    for key in ("train_prompts", "eval_prompts"):
+        source = section.get(key)
+        if not isinstance(source, str):
+            continue
+        try:
+            prompts = load_prompts(source, 4)
+            needs.append(f"{key}: {source} (found)")
+            probe = probe or list(zip(prompts.prompts[:2], prompts.metadata[:2]))
+        except PromptSetError as err:
+            stand_in = workdir / f"stand_in_{key}.txt"
+            stand_in.write_text("\n".join(STAND_IN_PROMPTS) + "\n")
+            section[key] = str(stand_in)
+            needs.append(f"{key}: {source} is MISSING ({err}); the dry run used {len(STAND_IN_PROMPTS)} stand-in "
+                         "prompts")
+            notes.append(f"data.{key}: stand-in prompts ({source} does not exist)")
+    return probe or [(p, {}) for p in STAND_IN_PROMPTS[:2]]
+
+
+def _probe_reward(name: str, value: Any, probe: list[tuple[str, dict]]) -> str | None:
+    """None when the reward builds and scores two images here, else why not (one line)."""
+    import torch
+
+    from rewards.compose import build_reward
+
+    try:
+        reward = build_reward({name: value}, device="cpu")
+        images = torch.rand(len(probe), 3, 64, 64, generator=torch.Generator().manual_seed(0))
+        out = reward(images, [p for p, _ in probe], [m for _, m in probe])
+        if out.scores.numel() != len(probe):
+            return f"returned {out.scores.numel()} scores for {len(probe)} images"
+    except Exception as err:  # noqa: BLE001 - missing weights, unreachable server, ...: all reported
+        return " ".join(str(err).split())[:300] or type(err).__name__
+    return None
+
+
+def _rewards(data: dict, probe: list[tuple[str, dict]], notes: list[str], needs: list[str]) -> None:
+    """Replace the rewards that cannot score here by the stand-in, keeping their names and weights."""
+    section = data.get("reward")
+    if not isinstance(section, dict) or not isinstance(section.get("train"), dict):
+        return
+    train = section["train"]
+    for name, value in list(train.items()):
+        problem = _probe_reward(name, value, probe)
+        if problem is None:
+            needs.append(f"reward {name}: loads and scores here")
+            continue
+        weight = value.get("weight", 1.0) if isinstance(value, dict) else value
+        train[name] = {"reward": STAND_IN_REWARD, "weight": weight}
+        needs.append(f"reward {name}: NOT AVAILABLE here ({problem})")
+        notes.append(f"reward.train.{name}: replaced by the stand-in {STAND_IN_REWARD} (weight {weight})")
+    evals = section.get("eval")
+    if isinstance(evals, list):
+        kept = []
+        for name in evals:
+            if name in train:
+                kept.append(name)
+                continue
+            problem = _probe_reward(name, 1.0, probe)
+            if problem is None:
+                kept.append(name)
+                needs.append(f"reward {name} (eval): loads and scores here")
+            else:
+                kept.append(STAND_IN_REWARD)
+                needs.append(f"reward {name} (eval): NOT AVAILABLE here ({problem})")
+                notes.append(f"reward.eval: {name} replaced by the stand-in {STAND_IN_REWARD}")
+        section["eval"] = list(dict.fromkeys(kept))
+
+
+def _epoch_work(cfg) -> list[str]:
+    """What one epoch of the real run does (model evaluations, passes, optimizer steps)."""
+    lines = []
+    s = getattr(cfg, "sampling", None)
+    t = getattr(cfg, "train", None)
+    if s is None:
+        data = getattr(cfg, "data", None)
+        if data is not None and hasattr(data, "steps_per_epoch"):
+            lines.append(f"{data.steps_per_epoch} optimizer steps per epoch of {data.batch_size} images")
+        return lines
+    if not hasattr(s, "num_steps"):  # a text policy (VLM recipes): episodes of generated tokens
+        samples = s.samples_per_epoch if hasattr(s, "samples_per_epoch") else s.group_size * s.groups_per_epoch
+        lines.append(f"{samples} episodes per epoch ({s.groups_per_epoch} prompts x {s.group_size}), up to "
+                     f"{s.max_new_tokens} new tokens per turn, in generate calls of {s.batch_size}")
+        return lines
+    model = getattr(cfg, "model", None)
+    cfg_rows = 2 if (s.guidance != 1.0 and getattr(model, "name", "") != "flux") else 1
+    samples = s.samples_per_epoch
+    lines.append(f"{samples} samples per epoch ({s.groups_per_epoch} prompts x {s.group_size}), {s.num_steps} "
+                 f"denoising steps: {samples * s.num_steps * cfg_rows:,} transformer rows in the rollout "
+                 f"({'with' if cfg_rows == 2 else 'no'} classifier-free guidance), in calls of {s.batch_size}")
+    window = s.window
+    trained = window.size if window.size is not None else s.num_steps - 1 - window.start
+    if t is not None and hasattr(t, "minibatches"):
+        inner = getattr(t, "inner_epochs", 1)
+        passes = samples * trained * inner
+        lines.append(f"training: {trained} trained steps x {samples} samples x {inner} inner epoch(s) = {passes:,} "
+                     f"forward-backward rows ({cfg_rows} each with guidance) in micro-batches of "
+                     f"{t.micro_batch_size}; {t.minibatches * inner} optimizer step(s) per epoch")
+    ev = getattr(cfg, "eval", None)
+    data = getattr(cfg, "data", None)
+    if ev is not None and data is not None and getattr(data, "num_eval_prompts", None):
+        lines.append(f"evaluation every {ev.every_epochs} epochs: {data.num_eval_prompts} prompts x "
+                     f"{s.eval_num_steps} ODE steps")
+    return lines
+
+
+def _memory(cfg) -> list[str]:
+    from flowrl.models.footprint import footprint, format_gib, memory_estimate
+
+    model = getattr(cfg, "model", None)
+    if model is None or not hasattr(model, "lora"):
+        return []
+    try:
+        fp = footprint(model)
+    except Exception as err:  # noqa: BLE001 - an unreadable local config: say so, do not fail the dry run
+        return [f"memory: cannot read the architecture ({' '.join(str(err).split())[:200]})"]
+    if fp is None:
+        return [f"memory: unknown architecture for {model.path} (not cached, not a published flowrl model); "
+                "point model.path at a local copy for an estimate"]
+    s, t = getattr(cfg, "sampling", None), getattr(cfg, "train", None)
+    guidance = s is not None and s.guidance != 1.0 and model.name != "flux"
+    est = memory_estimate(model, fp, micro_batch=getattr(t, "micro_batch_size", 1),
+                          guidance=guidance, ema=getattr(t, "ema_decay", None) is not None)
+    params = ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in fp.params.items())
+    lines = [f"architecture ({fp.source}): {params}; trained {fp.trainable / 1e6:,.2f}M "
+             f"({'LoRA r%d' % model.lora.rank if model.lora else 'full fine-tuning'})"]
+    res = model.resolution or "default"
+    lines.append(f"memory per GPU, rough (DDP or 1 GPU, {model.dtype}, {res} px, micro-batch "
+                 f"{getattr(t, 'micro_batch_size', '?')}, gradient checkpointing "
+                 f"{'on' if model.gradient_checkpointing else 'off'}): "
+                 + ", ".join(f"{k} {format_gib(v)}" for k, v in est.items()))
+    return lines
+
+
+def dry_run(config: str, overrides: list[str], *, out: Callable[[str], None] = print,
+            workdir: str | Path | None = None) -> DryRunResult:
+    """Run the dry run (see the module docstring) and print its report with ``out``.
+
+    Returns:
+        A :class:`DryRunResult` (``exit_code`` 0 when the tiny epoch ran).
+
+    Raises:
+        ConfigError: the config (with the overrides) does not load.
+    """
+    from flowrl.train import load_recipe_config
+
+    start = time.perf_counter()
+    recipe, cfg = load_recipe_config(config, overrides)
+    with _offline():
+        return _dry_run(recipe, cfg, config, out, workdir, start)
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Nothing is downloaded during a dry run: the hub libraries see offline mode (they read it at import, so
+    their constant is set too), and a missing weight fails at once instead of after minutes of retries."""
+    import os
+
+    import huggingface_hub.constants as hub_constants
+
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    saved_constant = hub_constants.HF_HUB_OFFLINE
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_OFFLINE = saved_constant
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResult:
+    from flowrl.config import from_dict, to_dict
+    from flowrl.errors import user_errors
+
+    notes: list[str] = []
+    needs: list[str] = []
+    own_dir = None
+    if workdir is None:
+        own_dir = tempfile.TemporaryDirectory(prefix="flowrl-dry-run-")
+        workdir = own_dir.name
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        model = getattr(cfg, "model", None)
+        if model is not None and hasattr(model, "name") and hasattr(model, "path"):
+            from flowrl.models.footprint import weights_status
+
+            present, where = weights_status(model)
+            needs.append(f"model weights: {'found: ' if present else 'MISSING: '}{where}")
+        data = copy.deepcopy(to_dict(cfg))
+        if isinstance(data.get("run"), dict):
+            data["run"]["output_dir"] = str(workdir / "run")
+        for key, value in _SHRINK:
+            _set(data, key, value)
+        if isinstance(data.get("log"), dict) and data["log"].get("backends"):
+            notes.append(f"log.backends {data['log']['backends']} off (metrics.jsonl and plots only)")
+            data["log"]["backends"] = []
+        _tiny_model(data, workdir, notes)
+        probe = _prompts(data, workdir, notes, needs)
+        _rewards(data, probe, notes, needs)
+        hook = getattr(importlib.import_module(recipe.main.__module__), "dry_run_overrides", None)
+        if hook is not None:
+            notes.extend(hook(data, workdir) or [])
+        tiny = from_dict(recipe.config_class, data)
+        needs.extend(_memory(cfg))
+        work = _epoch_work(cfg)
+        out(f"flowrl train --dry-run: {config}: one epoch of the {recipe.main.__module__.rsplit('.', 1)[-1]} recipe "
+            f"on a tiny model")
+        for note in notes:
+            out(f"  dry run: {note}")
+        try:
+            code = int(recipe.main(tiny) or 0)
+        except user_errors() as err:
+            out(f"flowrl train --dry-run: FAILED: {' '.join(str(err).split())}")
+            code = getattr(err, "exit_code", 2)
+        seconds = time.perf_counter() - start
+        out(f"flowrl train --dry-run: {'the tiny epoch ran' if code == 0 else 'the tiny epoch failed'} "
+            f"({seconds:.0f} s). The real run needs:")
+        for line in needs + [f"one epoch: {w}" for w in work]:
+            out(f"  - {line}")
+        return DryRunResult(exit_code=code, notes=notes, needs=needs, work=work, seconds=seconds,
+                            output_dir=str(workdir / "run"))
+    finally:
+        if own_dir is not None:
+            own_dir.cleanup()
+
+
+def main(config: str, overrides: list[str]) -> int:
+    """``flowrl train CONFIG --dry-run`` (called by ``flowrl.train.main``)."""
+    result = dry_run(config, overrides, out=lambda line: print(line, flush=True))
+    return result["exit_code"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1], sys.argv[2:]))

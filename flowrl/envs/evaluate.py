@@ -1,0 +1,143 @@
+"""Held-out evaluation of a policy on an environment: greedy decoding, exact-match accuracy per task kind,
+tool use per kind."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+__all__ = ["evaluate_policy", "format_kind_table"]
+
+
+def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
+                    max_new_tokens: int = 16, prefix: str | None = None, progress=None,
+                    system_prompt: str | None = None) -> dict[str, float]:
+    """Accuracy of greedy episodes on the first ``n`` held-out tasks of ``env_name``.
+
+    Returns:
+        ``{prefix + "accuracy": overall, prefix + kind: accuracy of that kind, ...}`` and, for multi-turn
+        environments, ``prefix + "tool_calls/" + kind`` (mean tool calls per episode) and the fraction of
+        episodes that ended in an error or the turn limit. ``prefix`` defaults to ``eval/<env short name>/``
+        (``eval/vqa/`` for ``shapes_vqa``).
+    """
+    from flowrl.envs.registry import get_env
+    from flowrl.envs.rewards import exact_match
+    from flowrl.envs.rollout import SamplingSettings, play_episodes
+
+    spec = get_env(env_name)
+    prefix = prefix if prefix is not None else f"eval/{env_name.removeprefix('shapes_')}/"
+    tasks = spec.eval_tasks(n)
+    turns = max_turns or spec.max_turns
+    was_training = policy.model.training
+    policy.eval()
+    episodes = []
+    try:
+        for start in range(0, len(tasks), batch_size):
+            chunk = tasks[start:start + batch_size]
+            episodes += play_episodes(policy, spec.make, chunk, list(range(start, start + len(chunk))), seed=0,
+                                      sampling=SamplingSettings(greedy=True, max_new_tokens=max_new_tokens,
+                                                                batch_size=batch_size), max_turns=turns,
+                                      system_prompt=system_prompt)
+            if progress is not None:
+                progress(len(chunk))
+    finally:
+        policy.train(was_training)
+    correct = exact_match([e.answer for e in episodes], [e.task for e in episodes])
+    correct = correct * (1 - (~torch_bool([e.answered for e in episodes])).float())
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    tools: dict[str, list[float]] = defaultdict(list)
+    for e, c in zip(episodes, correct.tolist()):
+        by_kind[e.task.kind].append(c)
+        tools[e.task.kind].append(e.counts["tool_call"])
+    metrics = {f"{prefix}accuracy": float(correct.mean())}
+    for kind in spec.kinds:
+        if by_kind.get(kind):
+            metrics[f"{prefix}{kind}"] = sum(by_kind[kind]) / len(by_kind[kind])
+    if turns > 1:
+        for kind in spec.kinds:
+            if tools.get(kind):
+                metrics[f"{prefix}tool_calls/{kind}"] = sum(tools[kind]) / len(tools[kind])
+        metrics[f"{prefix}malformed_frac"] = sum(e.counts["malformed"] > 0 for e in episodes) / len(episodes)
+        metrics[f"{prefix}turn_limit_frac"] = sum(e.counts["turn_limit"] > 0 for e in episodes) / len(episodes)
+    return metrics
+
+
+def torch_bool(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.bool)
+
+
+def format_kind_table(metrics: dict[str, float], prefix: str, kinds) -> str:
+    """A two-column table of accuracy per kind, then overall."""
+    width = max([len("overall")] + [len(k) for k in kinds])
+    lines = [f"{'kind'.ljust(width)}  accuracy", f"{'-' * width}  --------"]
+    lines += [f"{k.ljust(width)}  {metrics[prefix + k]:8.3f}" for k in kinds if prefix + k in metrics]
+    lines += [f"{'-' * width}  --------", f"{'overall'.ljust(width)}  {metrics[prefix + 'accuracy']:8.3f}"]
+    return "\n".join(lines)
+
+
+def _model_arg(text: str) -> str:
+    """``shapes_vlm`` (the shipped model), a model folder, or a run directory holding ``model/``."""
+    from pathlib import Path
+
+    from flowrl.policies.shapes_vlm import resolve_model_path
+
+    path = Path(text)
+    if text != "shapes_vlm" and (path / "model" / "config.json").is_file():
+        return str(path / "model")
+    return resolve_model_path(text)
+
+
+def vqa_eval_main(argv: list[str]) -> int:
+    """``flowrl eval --task vqa|zoom [--model shapes_vlm|DIR] [--n N] [--out FILE.json]``: held-out accuracy of
+    a VLM policy (greedy) with a table per question kind."""
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
+
+    parser = OneLineParser(prog="flowrl eval --task", description="Held-out accuracy of a VLM policy on Shapes-VQA "
+                                                                  "(or the zoom environment), per question kind.")
+    parser.add_argument("--task", choices=("vqa", "zoom"), required=True)
+    parser.add_argument("--model", default="shapes_vlm", help="shapes_vlm (the shipped model, default), a model "
+                                                              "folder, or a run directory with model/")
+    parser.add_argument("--n", type=positive_int, default=None, help="examples (default 500 for vqa, 200 for zoom)")
+    parser.add_argument("--batch-size", type=positive_int, default=100)
+    parser.add_argument("--max-turns", type=positive_int, default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=None, help="write the metrics as JSON here")
+    try:
+        args = parser.parse_args(argv)
+        if args.out and not args.out.endswith(".json"):
+            raise UsageError(f"--out {args.out!r}: the results must end in .json")
+        from flowrl.policies import PolicyLoadError, TokenPolicy
+
+        device = device_arg(args.device)
+        try:
+            policy = TokenPolicy.from_pretrained(_model_arg(args.model), device=device)
+        except PolicyLoadError as err:
+            raise UsageError(str(err)) from None
+    except UsageError as err:
+        print(f"flowrl eval: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    env = f"shapes_{args.task}"
+    n = args.n or (500 if args.task == "vqa" else 200)
+    start = time.perf_counter()
+    metrics = evaluate_policy(policy, env, n, batch_size=args.batch_size, max_turns=args.max_turns)
+    from flowrl.envs.registry import get_env
+
+    prefix = f"eval/{args.task}/"
+    print(format_kind_table(metrics, prefix, get_env(env).kinds))
+    for key, value in metrics.items():
+        if "tool_calls" in key or key.endswith("_frac"):
+            print(f"{key.removeprefix(prefix)}: {value:.3f}")
+    print(f"({n} held-out examples, greedy, {time.perf_counter() - start:.1f} s)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"model": args.model, "task": args.task, "n": n, **metrics}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,125 @@
+"""Rewards of an agent's final answer: rule-based checks and the ``vlm_judge`` reward model.
+
+Each reward is called as ``reward(answers, tasks, images) -> [B] float tensor`` with the policy's final turn
+texts, the :class:`~flowrl.envs.base.Task` of each episode and the task's image (for judges). They compose
+by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
+
+- ``exact``: 1 when the normalised answer (``flowrl.data.vqa.normalize_answer``: case, punctuation, number
+  words) equals the task's answer, else 0.
+- ``numeric``: 1 when both parse as numbers within ``tolerance`` (absolute), else 0.
+- ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
+  e.g. ``<think>.*</think>\\s*<answer>.*</answer>`` for R1-style outputs), else 0.
+- ``vlm_judge``: ``rewards/vlm_judge.py`` asked ``question`` (default: is this answer to this question
+  correct?) about the task's image; the score is P(yes).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from flowrl.data.vqa import normalize_answer
+from flowrl.registry import Registry
+
+from .tools import extract_answer
+
+__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "numeric_match", "format_match", "JudgeReward"]
+
+ANSWER_REWARDS: Registry = Registry("answer reward")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@ANSWER_REWARDS.register("exact")
+def exact_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
+    return torch.tensor([float(normalize_answer(extract_answer(a)) == normalize_answer(t.answer))
+                         for a, t in zip(answers, tasks)])
+
+
+def _number(text: str) -> float | None:
+    match = _NUMBER.search(normalize_answer(text))
+    return float(match.group(0)) if match else None
+
+
+def numeric_match(answers: list[str], tasks: list, images=None, *, tolerance: float = 0.0) -> torch.Tensor:
+    out = []
+    for a, t in zip(answers, tasks):
+        x, y = _number(extract_answer(a)), _number(t.answer)
+        out.append(float(x is not None and y is not None and abs(x - y) <= tolerance + 1e-12))
+    return torch.tensor(out)
+
+
+ANSWER_REWARDS.register("numeric", numeric_match)
+
+
+def format_match(answers: list[str], tasks: list, images=None, *, pattern: str = r".+") -> torch.Tensor:
+    regex = re.compile(pattern, re.S)
+    return torch.tensor([float(regex.fullmatch(a.strip()) is not None) for a in answers])
+
+
+ANSWER_REWARDS.register("format", format_match)
+
+
+class JudgeReward:
+    """``rewards/vlm_judge.py`` as an answer reward: the judge sees the task's image and is asked whether
+    the policy's answer to the question is right (P(yes) is the score).
+
+    Args:
+        question: template with ``{question}`` and ``{answer}``.
+        **judge_kwargs: passed to ``rewards.load("vlm_judge", ...)`` (``model=`` a local VLM folder, or
+            ``endpoint=`` an OpenAI-compatible server).
+    """
+
+    DEFAULT_QUESTION = 'Question: "{question}" Answer: "{answer}". Is the answer correct? Answer yes or no.'
+
+    def __init__(self, question: str | None = None, **judge_kwargs: Any):
+        import rewards
+
+        self.template = question or self.DEFAULT_QUESTION
+        # The judge fills {prompt}; each prompt here is the whole question about one answer.
+        self.judge = rewards.load("vlm_judge", question="{prompt}", **judge_kwargs)
+
+    def __call__(self, answers: list[str], tasks: list, images=None) -> torch.Tensor:
+        if images is None:
+            raise ValueError("the vlm_judge answer reward needs the task images")
+        prompts = [self.template.replace("{question}", t.question).replace("{answer}", extract_answer(a))
+                   for a, t in zip(answers, tasks)]
+        pixels = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2).float() / 255.0
+        return self.judge(pixels, prompts).scores.float().cpu()
+
+
+ANSWER_REWARDS.register("vlm_judge", JudgeReward)
+
+
+class AnswerRewards:
+    """A weighted sum of answer rewards.
+
+    Args:
+        spec: ``{name: weight}`` or ``{name: {"weight": w, "kwargs": {...}}}`` (names from :data:`ANSWER_REWARDS`).
+    """
+
+    def __init__(self, spec: dict[str, Any]):
+        if not spec:
+            raise ValueError("name at least one answer reward, e.g. {exact: 1.0}")
+        self.parts: list[tuple[str, float, Callable]] = []
+        for name, entry in spec.items():
+            weight, kwargs = (float(entry), {}) if not isinstance(entry, dict) else (
+                float(entry.get("weight", 1.0)), dict(entry.get("kwargs", {})))
+            target = ANSWER_REWARDS.get(name)
+            if isinstance(target, type):
+                fn = target(**kwargs)
+            elif kwargs:
+                fn = (lambda f, kw: (lambda a, t, i=None: f(a, t, i, **kw)))(target, kwargs)
+            else:
+                fn = target
+            self.parts.append((name, weight, fn))
+
+    def __call__(self, answers: list[str], tasks: list, images=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(scores [B], {name: [B]})``."""
+        details = {name: fn(answers, tasks, images).float() for name, _, fn in self.parts}
+        total = torch.zeros(len(answers))
+        for name, weight, _ in self.parts:
+            total = total + weight * details[name]
+        return total, details

@@ -1,0 +1,135 @@
+"""The zoom environment: a low-resolution view and a ``zoom(quadrant)`` tool.
+
+The scene is drawn on a 64 x 64 canvas and the agent first sees it downsampled to 32 x 32, where objects are
+5-6 px wide: colours still show, shapes barely. It may call ``zoom(quadrant)`` (``top_left``, ``top_right``,
+``bottom_left``, ``bottom_right``) to receive that quadrant at full resolution (32 x 32, objects 9-12 px, as
+in single-turn Shapes-VQA) before answering. Reward = correct - 0.05 per tool call (malformed calls
+included, so spamming errors does not pay); answering ends the episode.
+
+Task kinds (objects are drawn inside one quadrant, so one zoom shows everything that matters):
+
+- ``count``: a Shapes-VQA count question ("how many red circles are there?") with distractors of the same
+  colour and another shape: at low resolution the shapes blur together, so the tool pays.
+- ``color``: "what colour is the square?" with the square alone in the scene: the low-resolution view
+  suffices, so a call only costs 0.05.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from PIL import Image
+
+from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, SHAPES, Scene, SceneObject, render
+from flowrl.data.vqa import QuestionSpec, _example_seed, make_example, split_questions
+
+from .base import Observation, StepResult, Task
+from .tools import ToolCallError, ToolSpec, extract_answer, has_tool_call, parse_tool_calls
+
+__all__ = ["ZoomEnv", "zoom_tasks", "zoom_eval_tasks", "QUADRANTS", "ZOOM_KINDS", "ZOOM_TOOL", "zoom_prompt",
+           "demonstration", "TOOL_PENALTY"]
+
+QUADRANTS = ("top_left", "top_right", "bottom_left", "bottom_right")
+ZOOM_KINDS = ("count", "color")
+ZOOM_TOOL = ToolSpec("zoom", ("quadrant",), {"quadrant": QUADRANTS})
+TOOL_PENALTY = 0.05
+FULL, VIEW = 64, 32
+
+
+def zoom_prompt(question: str) -> str:
+    """The first user turn's text (the low-resolution image goes before it)."""
+    return f"{question} tool : {ZOOM_TOOL.usage()}"
+
+
+def _offset(scene: Scene, quadrant: str) -> Scene:
+    qx, qy = QUADRANTS.index(quadrant) % 2, QUADRANTS.index(quadrant) // 2
+    return Scene(tuple(SceneObject(o.shape, o.color, o.cx + 32 * qx, o.cy + 32 * qy, o.size) for o in scene.objects), FULL)
+
+
+def _task(kind: str, split: str, seed: int) -> Task:
+    rng = random.Random(seed)
+    quadrant = rng.choice(QUADRANTS)
+    if kind == "count":
+        spec = rng.choice(split_questions(split)["count"])
+        example = make_example(spec, seed)
+        local, answer, question = example.scene, example.answer, example.question
+    elif kind == "color":
+        shape, color = rng.choice(SHAPES), rng.choice(COLORS)
+        size = rng.uniform(MIN_SIZE, MAX_SIZE)
+        local = Scene((SceneObject(shape, color, rng.uniform(size / 2 + 1, 31 - size / 2),
+                                   rng.uniform(size / 2 + 1, 31 - size / 2), size),), 32)
+        answer, question = color, QuestionSpec("color", shape=shape).text()
+    else:
+        raise ValueError(f"unknown zoom task kind {kind!r}; valid: {', '.join(ZOOM_KINDS)}")
+    scene = _offset(local, quadrant)
+    return Task(question, answer, kind, data={"scene": scene, "quadrant": quadrant, "seed": seed},
+                group=(question, seed))
+
+
+def zoom_tasks(split: str, n: int, seed: int, start: int = 0, kinds: tuple[str, ...] = ZOOM_KINDS) -> list[Task]:
+    """``n`` tasks; task ``i`` depends only on ``(seed, start + i)``; kinds cycle."""
+    return [_task(kinds[i % len(kinds)], split, _example_seed(seed + 7919, i)) for i in range(start, start + n)]
+
+
+def zoom_eval_tasks(n: int = 200, kinds: tuple[str, ...] = ZOOM_KINDS) -> list[Task]:
+    """The fixed held-out set (count questions from the eval split)."""
+    return zoom_tasks("eval", n, seed=4321, kinds=kinds)
+
+
+def full_image(task: Task) -> np.ndarray:
+    return render(task.data["scene"])
+
+
+def overview(task: Task) -> np.ndarray:
+    """The 64 px scene box-filtered down to 32 px."""
+    return np.asarray(Image.fromarray(full_image(task)).resize((VIEW, VIEW), Image.Resampling.BOX))
+
+
+def crop(task: Task, quadrant: str) -> np.ndarray:
+    qx, qy = QUADRANTS.index(quadrant) % 2, QUADRANTS.index(quadrant) // 2
+    return full_image(task)[32 * qy: 32 * qy + 32, 32 * qx: 32 * qx + 32].copy()
+
+
+class ZoomEnv:
+    """See the module docstring. One instance plays one episode at a time."""
+
+    tools = {ZOOM_TOOL.name: ZOOM_TOOL}
+
+    def reset(self, task: Task) -> Observation:
+        self.task = task
+        self.zooms: list[str] = []
+        return Observation(text=zoom_prompt(task.question), images=[overview(task)], anchor=("start",))
+
+    def image(self, task: Task):
+        return full_image(task)
+
+    def step(self, action_text: str) -> StepResult:
+        if not has_tool_call(action_text):
+            return StepResult(None, 0.0, True, {"answer": extract_answer(action_text)})
+        try:
+            calls = parse_tool_calls(action_text, self.tools)
+        except ToolCallError as err:
+            return StepResult(Observation(text=str(err), role="tool", anchor=("error", tuple(self.zooms), str(err))),
+                              -TOOL_PENALTY, False, {"malformed": 1.0, "tool_call": 1.0})
+        images = []
+        for call in calls:
+            quadrant = call.arguments["quadrant"]
+            self.zooms.append(quadrant)
+            images.append(crop(self.task, quadrant))
+        text = "{image}" * len(images)
+        return StepResult(Observation(text=text, images=images, role="tool", anchor=("zoom", tuple(self.zooms))),
+                          -TOOL_PENALTY * len(calls), False, {"tool_call": float(len(calls))})
+
+
+def demonstration(task: Task, use_tool: bool) -> list:
+    """A supervised conversation for ``task``: answer from the overview, or zoom into the quadrant that holds
+    the objects first. Used to teach the tool's format before RL decides when it pays."""
+    from flowrl.policies.inputs import Turn
+
+    turns = [Turn("user", zoom_prompt(task.question), [overview(task)])]
+    if use_tool:
+        q = task.data["quadrant"]
+        turns += [Turn("assistant", f"<tool_call> zoom ( {q} ) </tool_call>"), Turn("tool", "", [crop(task, q)])]
+    turns.append(Turn("assistant", task.answer))
+    return turns

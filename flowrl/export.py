@@ -1,0 +1,351 @@
+"""``flowrl export``: a run's trained weights in the formats other tools read::
+
+    flowrl export RUN_DIR [--checkpoint N] --format diffusers|peft|merged --out DIR [--no-ema] [--device D]
+
+- ``diffusers``: a LoRA folder (``pytorch_lora_weights.safetensors``, diffusers' key names) that
+  ``StableDiffusion3Pipeline`` / ``FluxPipeline``'s ``pipe.load_lora_weights(DIR)`` reads. flowrl's LoRA
+  computes ``W x + (alpha / r) B A x``; the folder stores ``B`` already multiplied by ``alpha / r`` and says
+  ``lora_alpha = r`` in its metadata, so every loader (diffusers with or without the metadata, other tools
+  that assume ``alpha = r``) applies the update at full strength. A plain key rename would lose the factor
+  ``alpha / r`` (half the effect at flowrl's default r 32, alpha 64).
+- ``peft``: a PEFT adapter (``adapter_config.json`` with the run's own ``r`` and ``lora_alpha``,
+  ``adapter_model.safetensors`` unscaled), for ``peft.PeftModel.from_pretrained(transformer, DIR)``.
+- ``merged``: the whole pipeline with the update merged into the base weights (``save_pretrained``), which
+  loads with ``StableDiffusion3Pipeline.from_pretrained(DIR)`` / ``FluxPipeline.from_pretrained(DIR)`` (the
+  shapes model: ``ShapesModel.from_pretrained``). Full fine-tuning runs export only this way.
+
+The weights are those ``flowrl.demo.models.load_finetuned`` uses: the EMA when the run kept one (``--no-ema``:
+the raw trained weights). Every LoRA checkpoint of an SD3 / FLUX run also holds the diffusers folder
+(``checkpoints/step_<N>/lora``), written by the run itself with the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ExportError", "LoraSpec", "lora_spec", "lora_supported", "trained_tensors", "lora_layers",
+           "write_diffusers_lora", "write_peft_adapter", "export", "main", "FORMATS"]
+
+FORMATS = ("diffusers", "peft", "merged")
+#: The adapter name diffusers' ``add_adapter`` gives flowrl's LoRA; peft keeps it in parameter names.
+_ADAPTER = "default"
+
+
+class ExportError(ValueError):
+    """The run cannot be exported as asked; the message says why and what works instead."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What an exported LoRA needs to know of its model: the kind (``sd3``, ``flux``, ``shapes``), the rank,
+    alpha and the adapted module names."""
+
+    kind: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / float(self.rank)
+
+
+def _kind(model: Any) -> str:
+    from flowrl.models.flux import FluxModel
+    from flowrl.models.sd3 import SD3Model
+
+    if isinstance(model, SD3Model):
+        return "sd3"
+    if isinstance(model, FluxModel):
+        return "flux"
+    return "shapes"
+
+
+def _default_targets(kind: str) -> list[str]:
+    if kind == "sd3":
+        from flowrl.models.sd3 import SD3_LORA_TARGETS
+
+        return list(SD3_LORA_TARGETS)
+    if kind == "flux":
+        from flowrl.models.flux import FLUX_LORA_TARGETS
+
+        return list(FLUX_LORA_TARGETS)
+    from flowrl.models.shapes import SHAPES_LORA_TARGETS
+
+    return list(SHAPES_LORA_TARGETS)
+
+
+def _spec(kind: str, lora: Any) -> LoraSpec:
+    targets = list(lora.target_modules) or _default_targets(kind)
+    return LoraSpec(kind, int(lora.rank), float(lora.alpha), tuple(sorted(targets)))
+
+
+def lora_spec(model: Any) -> LoraSpec | None:
+    """The :class:`LoraSpec` of a model adapter (None when it fine-tunes the whole network)."""
+    return None if model.lora is None else _spec(_kind(model), model.lora)
+
+
+def lora_supported(model: Any) -> bool:
+    """True for the adapters whose base is a diffusers pipeline with ``load_lora_weights`` (SD3, FLUX)."""
+    return _kind(model) in ("sd3", "flux")
+
+
+def _pipeline_class(kind: str):
+    if kind == "sd3":
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+    if kind == "flux":
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+    raise ExportError(f"the {kind} model has no diffusers pipeline to load a LoRA folder into; export it with "
+                      "--format peft or --format merged")
+
+
+def trained_tensors(state: dict[str, Any], *, weights_key: str = "model", use_ema: bool = True,
+                    ) -> tuple[dict[str, torch.Tensor], bool]:
+    """The trained tensors of a checkpoint ``state`` (``state.pt``), by parameter name.
+
+    The EMA (``state["ema"]["shadow_params"]``, in the order of the trainable parameters, which is the order
+    of ``state["model"]``) replaces the raw weights when the run kept one and ``use_ema`` is set, as the
+    recipes' evaluation and ``load_finetuned`` do.
+
+    Returns:
+        ``(tensors, ema_used)``.
+
+    Raises:
+        ExportError: the EMA does not match the weights.
+    """
+    weights = dict(state[weights_key])
+    shadow = (state.get("ema") or {}).get("shadow_params") if use_ema else None
+    if not shadow:
+        return weights, False
+    if len(shadow) != len(weights) or any(s.shape != w.shape for s, w in zip(shadow, weights.values())):
+        raise ExportError("the checkpoint's EMA weights do not match its trained weights; export with --no-ema")
+    return {name: value.detach().clone() for name, value in zip(weights, shadow)}, True
+
+
+def lora_layers(tensors: dict[str, torch.Tensor], *, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """peft's adapter state dict (``...lora_A.weight``, ``...lora_B.weight``: the adapter name removed, as
+    ``peft.get_peft_model_state_dict`` writes it) from flowrl's trained LoRA tensors, ``lora_B`` times
+    ``scale``.
+
+    Raises:
+        ExportError: the tensors are not LoRA weights (a full fine-tuning run).
+    """
+    out = {}
+    for name, value in tensors.items():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            raise ExportError(f"{name} is not a LoRA weight: this run fine-tunes the whole model; export it with "
+                              "--format merged")
+        key = name.replace(f".{_ADAPTER}.", ".")
+        value = value.detach().to(torch.float32).contiguous()
+        out[key] = value * scale if ".lora_B." in name else value
+    return out
+
+
+def write_diffusers_lora(spec: LoraSpec, state: dict[str, Any], directory: str | Path, *,
+                         weights_key: str = "model", use_ema: bool = True) -> Path:
+    """Write the run's LoRA as a diffusers LoRA folder (``pipe.load_lora_weights(directory)``).
+
+    Args:
+        spec: the LoRA's kind (``sd3`` / ``flux``), rank, alpha and targets.
+        state: a checkpoint state (``{"model": tensors, "ema": ...}``).
+        directory: created if needed.
+
+    Returns:
+        ``directory``.
+    """
+    pipeline_class = _pipeline_class(spec.kind)
+    tensors, ema_used = trained_tensors(state, weights_key=weights_key, use_ema=use_ema)
+    layers = lora_layers(tensors, scale=spec.scale)  # alpha / r baked into B: loaders that assume alpha = r agree
+    metadata = {"r": spec.rank, "lora_alpha": float(spec.rank), "target_modules": list(spec.targets),
+                "lora_dropout": 0.0}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    pipeline_class.save_lora_weights(directory, transformer_lora_layers=layers,
+                                     transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    _write_info(directory, {"format": "diffusers", "model": spec.kind, "rank": spec.rank, "alpha": spec.alpha,
+                            "alpha_over_rank_baked_into_lora_B": spec.scale, "ema": ema_used})
+    return directory
+
+
+def write_peft_adapter(spec: LoraSpec, state: dict[str, Any], directory: str | Path, *, weights_key: str = "model",
+                       use_ema: bool = True, base_model: str | None = None) -> Path:
+    """Write the run's LoRA as a PEFT adapter (``PeftModel.from_pretrained(denoiser, directory)``), with the
+    run's own rank and alpha (weights unscaled)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    tensors, ema_used = trained_tensors(state, weights_key=weights_key, use_ema=use_ema)
+    layers = {f"base_model.model.{k}": v for k, v in lora_layers(tensors).items()}  # PeftModel's key prefix
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
+                        base_model_name_or_path=base_model)
+    config.save_pretrained(str(directory))
+    save_file(layers, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _write_info(directory, {"format": "peft", "model": spec.kind, "rank": spec.rank, "alpha": spec.alpha,
+                            "ema": ema_used})
+    return directory
+
+
+def _write_info(directory: Path, info: dict) -> None:
+    (directory / "flowrl_export.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+
+def _checkpoint_dir(run: Path, checkpoint: int | None) -> Path:
+    from flowrl.checkpoint import checkpoints
+
+    if (run / "state.pt").is_file():  # a checkpoint directory itself
+        return run
+    found = checkpoints(run)
+    if not found:
+        raise ExportError(f"{str(run)!r} has no checkpoint (expected {run}/checkpoints/step_<N>/state.pt); give "
+                          "a run directory of `flowrl train`")
+    if checkpoint is None:
+        return found[0]
+    wanted = run / "checkpoints" / f"step_{checkpoint:07d}"
+    if wanted not in found:
+        have = ", ".join(str(int(p.name.removeprefix("step_"))) for p in sorted(found))
+        raise ExportError(f"run {str(run)!r} has no checkpoint {checkpoint}; it has {have}")
+    return wanted
+
+
+def _run_model_config(run_dir: Path):
+    """The run's ``model`` section, read from its ``config.yaml`` (diffusers / peft exports never load the
+    base weights)."""
+    from flowrl.config import ConfigError, from_dict
+    from flowrl.demo.models import _read_yaml
+    from flowrl.models.base import ModelLoadError
+    from flowrl.models.config import ModelConfig
+
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ExportError(f"{str(run_dir)!r} has no config.yaml; give a run directory of `flowrl train`")
+    try:
+        data = _read_yaml(config)
+        return from_dict(ModelConfig, data.get("model") or {})
+    except ModelLoadError as err:
+        raise ExportError(str(err)) from None
+    except ConfigError as err:
+        raise ExportError(f"{config}: model.{err}") from None
+
+
+def export(run: str | Path, *, fmt: str, out: str | Path, checkpoint: int | None = None, use_ema: bool = True,
+           device: str | torch.device = "cpu") -> Path:
+    """Export a run's checkpoint (see the module docstring). Returns ``out``.
+
+    Raises:
+        ExportError: no such run or checkpoint, or a format the run's model or training cannot give.
+        ModelLoadError: ``merged`` and the base model does not load.
+    """
+    from flowrl.checkpoint import CheckpointError, load_state
+
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    run = Path(run).expanduser()
+    if not run.exists():
+        raise ExportError(f"no run at {str(run)!r}; give a run directory of `flowrl train` (run.output_dir)")
+    ckpt = _checkpoint_dir(run, checkpoint)
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else run
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {str(out)!r} exists and is not an empty directory; choose a new one")
+    if fmt == "merged":
+        return _export_merged(ckpt, out, use_ema=use_ema, device=device)
+    cfg = _run_model_config(run_dir)
+    if cfg.lora is None:
+        raise ExportError(f"run {str(run_dir)!r} fine-tunes the whole model (no model.lora); export it with "
+                          "--format merged")
+    spec = _spec(cfg.name, cfg.lora)
+    try:
+        state = load_state(ckpt, required=("model",))
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    if fmt == "diffusers":
+        write_diffusers_lora(spec, state, out, use_ema=use_ema)
+    else:
+        write_peft_adapter(spec, state, out, use_ema=use_ema, base_model=cfg.path)
+    info = json.loads((out / "flowrl_export.json").read_text())
+    info.update({"run": str(run_dir), "checkpoint": str(ckpt), "epoch": state.get("epoch")})
+    _write_info(out, info)
+    return out
+
+
+def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
+    from flowrl.demo.models import load_finetuned
+    from flowrl.models.base import unwrap
+
+    model = load_finetuned(ckpt, device=device, use_ema=use_ema)
+    denoiser = unwrap(model.denoiser)
+    if model.lora is not None:
+        denoiser.fuse_lora(lora_scale=1.0)  # W <- W + (alpha / r) B A, in the base weights' dtype
+        denoiser.unload_lora()
+    out.mkdir(parents=True, exist_ok=True)
+    if lora_supported(model):
+        model.pipeline.save_pretrained(str(out), safe_serialization=True)
+    else:
+        model.save_pretrained(out)
+    info = dict(model.finetune_info)
+    # The run's sampling settings: flowrl loads them with the pipeline (plain diffusers takes them as arguments).
+    sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance")
+                if isinstance(getattr(model, k, None), (int, float, list, tuple))}
+    _write_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
+                      "sampling": sampling})
+    return out
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _parser():
+    from flowrl.cli_args import OneLineParser
+
+    parser = OneLineParser(prog="flowrl export", description="Export a run's trained weights: a diffusers LoRA "
+                                                             "folder, a PEFT adapter or a merged pipeline.")
+    parser.add_argument("run", help="a run directory (run.output_dir of `flowrl train`) or one of its "
+                                    "checkpoints/step_<N> directories")
+    parser.add_argument("--checkpoint", type=int, default=None,
+                        help="the epoch of the checkpoint (default: the newest)")
+    parser.add_argument("--format", dest="fmt", choices=FORMATS, required=True,
+                        help="diffusers: pipe.load_lora_weights(DIR); peft: PeftModel.from_pretrained(transformer, "
+                             "DIR); merged: the whole pipeline with the update merged in")
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run kept an EMA")
+    parser.add_argument("--device", default="cpu", help="device for --format merged (default cpu)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flowrl.cli_args import UsageError
+    from flowrl.models.base import ModelLoadError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+        out = export(args.run, fmt=args.fmt, out=args.out, checkpoint=args.checkpoint, use_ema=not args.no_ema,
+                     device=args.device)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except (UsageError, ExportError, ModelLoadError) as err:
+        print(f"flowrl export: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    info = json.loads((out / "flowrl_export.json").read_text())
+    print(f"flowrl export: wrote {args.fmt} to {out} (epoch {info.get('epoch')}, "
+          f"{'EMA' if info.get('ema') else 'raw'} weights)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,265 @@
+"""What a model costs before any weight is downloaded: parameter counts of the real architecture (built on the
+``meta`` device from its configs), the LoRA's trainable parameters, and a rough memory estimate of a training
+process. ``flowrl train CONFIG --dry-run`` prints it (docs/distributed.md, "Dry runs").
+
+The architecture comes from, in order: ``model.path`` when it is a local pipeline directory, the Hugging Face
+cache (the configs only), or the published configs of the models flowrl's recipes name (:data:`KNOWN_MODELS`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+from torch import nn
+
+__all__ = ["KNOWN_MODELS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate",
+           "weights_status", "format_gib"]
+
+SD35_MEDIUM_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+                "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
+                "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm"}
+_SD35_LARGE = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 38,
+               "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+               "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+               "qk_norm": "rms_norm"}
+_SD3_MEDIUM = {**SD35_MEDIUM_TRANSFORMER, "pos_embed_max_size": 192, "dual_attention_layers": [], "qk_norm": None}
+_FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+             "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+             "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
+
+#: Published transformer configs of the models flowrl's configs name (diffusers ``config.json`` fields).
+KNOWN_MODELS: dict[str, tuple[str, dict]] = {
+    "stabilityai/stable-diffusion-3.5-medium": ("sd3", SD35_MEDIUM_TRANSFORMER),
+    "stabilityai/stable-diffusion-3.5-large": ("sd3", _SD35_LARGE),
+    "stabilityai/stable-diffusion-3-medium-diffusers": ("sd3", _SD3_MEDIUM),
+    "black-forest-labs/FLUX.1-dev": ("flux", _FLUX_DEV),
+    "black-forest-labs/FLUX.1-schnell": ("flux", {**_FLUX_DEV, "guidance_embeds": False}),
+}
+
+# The text encoders and VAE every SD3 / FLUX.1 checkpoint ships (CLIP ViT-L/14, OpenCLIP bigG/14, T5 v1.1 XXL
+# encoder, the 16-channel VAE).
+_CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+           "projection_dim": 768, "vocab_size": 49408, "max_position_embeddings": 77}
+_CLIP_G = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
+           "projection_dim": 1280, "vocab_size": 49408, "max_position_embeddings": 77}
+_T5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "d_kv": 64, "vocab_size": 32128,
+           "feed_forward_proj": "gated-gelu"}
+SD3_VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+        "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
+        "layers_per_block": 2, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False}
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Footprint:
+    """Parameter counts of a model's parts and the shapes that size its activations.
+
+    Attributes:
+        source: where the architecture came from (a directory, the HF cache, or "published config").
+        params: ``{component: parameters}`` (transformer / unet, text encoders, vae).
+        trainable: parameters the run trains (LoRA or the whole denoiser).
+        hidden / layers / tokens: the denoiser's width, blocks and tokens per image at the run's resolution
+            (image patches + text tokens); None for the shapes UNet.
+    """
+
+    source: str
+    params: dict[str, int]
+    trainable: int
+    hidden: int | None = None
+    layers: int | None = None
+    tokens: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _lora_params(denoiser: nn.Module, targets: list[str], rank: int) -> int:
+    """``r (in + out)`` for every Linear whose name ends with a target (peft's suffix matching)."""
+    total = 0
+    for name, module in denoiser.named_modules():
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += rank * (module.in_features + module.out_features)
+    return total
+
+
+def _read_config(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _configs(cfg) -> tuple[str, dict | None, dict[str, dict], str]:
+    """``(kind, transformer config, {component: config}, source)`` of an sd3 / flux model section."""
+    path = Path(str(cfg.path)).expanduser()
+    names = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+    if path.is_dir():
+        found = {n: _read_config(path / n / "config.json") for n in names}
+        return cfg.name, found.pop("transformer"), {k: v for k, v in found.items() if v}, str(path)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = {}
+        for n in names:
+            hit = try_to_load_from_cache(str(cfg.path), f"{n}/config.json")
+            found[n] = _read_config(Path(hit)) if isinstance(hit, str) else None
+        if found["transformer"]:
+            return cfg.name, found.pop("transformer"), {k: v for k, v in found.items() if v}, "Hugging Face cache"
+    except Exception:  # noqa: BLE001 - no hub library state: fall back to the published configs
+        pass
+    if str(cfg.path) in KNOWN_MODELS:
+        kind, transformer = KNOWN_MODELS[str(cfg.path)]
+        return kind, dict(transformer), {}, "published config"
+    return cfg.name, None, {}, ""
+
+
+def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    def clip(config, projection):
+        cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+        return cls(CLIPTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")}))
+
+    def t5(config):
+        return T5EncoderModel(T5Config(**{k: v for k, v in config.items() if not k.startswith("_")}))
+
+    vae_config = {k: v for k, v in (found.get("vae") or SD3_VAE).items() if not k.startswith("_")}
+    parts = {"vae": AutoencoderKL.from_config(vae_config)}
+    if kind == "sd3":
+        parts["text_encoder (CLIP-L)"] = clip(found.get("text_encoder") or _CLIP_L, True)
+        parts["text_encoder_2 (CLIP-G)"] = clip(found.get("text_encoder_2") or _CLIP_G, True)
+        parts["text_encoder_3 (T5)"] = t5(found.get("text_encoder_3") or _T5_XXL)
+    else:
+        parts["text_encoder (CLIP-L)"] = clip(found.get("text_encoder") or _CLIP_L, False)
+        parts["text_encoder_2 (T5)"] = t5(found.get("text_encoder_2") or _T5_XXL)
+    return parts
+
+
+def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
+    """The :class:`Footprint` of a ``model`` section (``ModelConfig``), or None when its architecture is
+    unknown here (a hub id that is neither cached nor in :data:`KNOWN_MODELS`)."""
+    if cfg.name == "shapes":
+        return _shapes_footprint(cfg)
+    kind, transformer_cfg, found, source = _configs(cfg)
+    if transformer_cfg is None:
+        return None
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    transformer_cfg = {k: v for k, v in transformer_cfg.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        cls = SD3Transformer2DModel if kind == "sd3" else FluxTransformer2DModel
+        denoiser = cls.from_config(transformer_cfg)
+        parts = _text_and_vae(kind, found)
+    params = {"transformer": _count(denoiser), **{k: _count(m) for k, m in parts.items()}}
+    if cfg.lora is not None:
+        from flowrl.export import _default_targets
+
+        targets = list(cfg.lora.target_modules) or _default_targets(kind)
+        trainable = _lora_params(denoiser, targets, cfg.lora.rank)
+    else:
+        trainable = params["transformer"]
+    config = denoiser.config
+    hidden = config.num_attention_heads * config.attention_head_dim
+    res = resolution or cfg.resolution or 1024
+    text = cfg.max_sequence_length or (256 if kind == "sd3" else 512)
+    if kind == "sd3":
+        image_tokens = (res // 8 // config.patch_size) ** 2
+        tokens, layers = image_tokens + 77 + text, config.num_layers
+    else:
+        image_tokens = (res // 16) ** 2
+        tokens, layers = image_tokens + text, config.num_layers + config.num_single_layers
+    return Footprint(source, params, trainable, hidden=hidden, layers=layers, tokens=tokens)
+
+
+def _shapes_footprint(cfg) -> Footprint:
+    from flowrl.models.shapes import SHAPES_LORA_TARGETS, SHIPPED_CHECKPOINT, ShapesModel, ShapesModelConfig
+
+    from flowrl.config import from_dict
+
+    directory = Path(cfg.path) if cfg.path else SHIPPED_CHECKPOINT
+    if (directory / "model" / "model.json").is_file():
+        directory = directory / "model"
+    meta = _read_config(directory / "model.json") or {}
+    config = from_dict(ShapesModelConfig, meta.get("config") or {})
+    with torch.device("meta"):
+        model = ShapesModel.build(config)
+    params = {"unet": _count(model.denoiser), "text_encoder": _count(model.text_encoder)}
+    if cfg.lora is not None:
+        targets = list(cfg.lora.target_modules) or SHAPES_LORA_TARGETS
+        trainable = _lora_params(model.denoiser, targets, cfg.lora.rank)
+    else:
+        trainable = params["unet"]
+    return Footprint(str(directory), params, trainable)
+
+
+def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool) -> dict[str, float]:
+    """A rough GiB budget of one training process (one GPU under DDP; FSDP2 divides the weights and
+    training state by the number of processes, ZeRO-2 the optimizer state and gradients).
+
+    - weights: the denoiser and text encoders in ``model.dtype``, the VAE in float32 (flowrl's default);
+    - training state: trained tensors (LoRA weights are kept in float32), their gradients, AdamW's two moments,
+      the EMA, and for full fine-tuning the frozen reference copy;
+    - activations of one training micro-batch (two rows per sample with classifier-free guidance): about
+      ``34 tokens x hidden`` bytes per 16-bit block (Korthikanti et al. 2022, with memory-efficient attention),
+      every block's with full activations, one block's plus every block's input with gradient checkpointing.
+    """
+    gib = 2 ** 30
+    b = _BYTES[cfg.dtype]
+    denoiser = next(iter(fp.params.values()))
+    frozen_rest = sum(v for k, v in fp.params.items() if k not in ("transformer", "unet", "vae"))
+    out = {"weights": (denoiser * b + frozen_rest * b + fp.params.get("vae", 0) * 4) / gib}
+    lora = cfg.lora is not None
+    tb = 4 if lora else b
+    if lora:
+        state = fp.trainable * tb * 4  # the float32 LoRA weights, their gradients, AdamW's two moments
+    else:
+        state = fp.trainable * b * 3 + denoiser * b  # gradients, two moments, the frozen reference copy
+    if ema:
+        state += fp.trainable * tb
+    out["training state"] = state / gib
+    if fp.hidden and fp.layers and fp.tokens:
+        rows = micro_batch * (2 if guidance else 1)
+        per_block = 34 * fp.tokens * fp.hidden * (b / 2) * rows
+        if cfg.gradient_checkpointing:
+            acts = per_block + fp.layers * fp.tokens * fp.hidden * b * rows
+        else:
+            acts = per_block * fp.layers
+        out["activations"] = acts / gib
+    out["total"] = sum(out.values())
+    return out
+
+
+def weights_status(cfg) -> tuple[bool, str]:
+    """``(present, where)`` of the weights a ``model`` section names (without downloading anything)."""
+    if cfg.name == "shapes":
+        return True, str(cfg.path or "the shipped shapes model")
+    path = Path(str(cfg.path)).expanduser()
+    if path.is_dir():
+        ok = (path / "model_index.json").is_file()
+        return ok, str(path) + ("" if ok else " (no model_index.json)")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(str(cfg.path), "model_index.json")
+    except Exception:  # noqa: BLE001
+        hit = None
+    if isinstance(hit, str):
+        return True, f"{cfg.path} (Hugging Face cache)"
+    return False, (f"{cfg.path}: not downloaded; `huggingface-cli download {cfg.path} --local-dir DIR` on a machine "
+                   "with internet (accept the license first for gated models), then model.path=DIR")
+
+
+def _ceil(x: float) -> float:
+    return math.ceil(x * 10) / 10
+
+
+def format_gib(x: float) -> str:
+    return f"{_ceil(x):.1f} GiB"

@@ -1,0 +1,162 @@
+"""Tool-call parsing, the zoom environment and the multi-turn rollout loop: malformed calls, empty answers,
+cut-off actions and the turn limit are handled and counted, never raised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl.data.shapes import render
+from flowrl.data.vqa import make_example
+from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, numeric_match
+from flowrl.envs.rollout import SamplingSettings, play_episodes
+from flowrl.envs.tools import ToolCallError, ToolSpec, extract_answer, parse_tool_calls
+from flowrl.envs.zoom import QUADRANTS, TOOL_PENALTY, ZoomEnv, crop, demonstration, overview, zoom_tasks
+from flowrl.policies.policy import Generation
+
+ZOOM = ToolSpec("zoom", ("quadrant",), {"quadrant": QUADRANTS})
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>zoom(top_left)</tool_call>",
+    "<tool_call> zoom ( top_left ) </tool_call>",
+    "<tool_call>zoom(quadrant=top_left)</tool_call>",
+    '<tool_call>{"name": "zoom", "arguments": {"quadrant": "top_left"}}</tool_call>',
+    '<tool_call>{"name": "zoom", "arguments": "{\\"quadrant\\": \\"top_left\\"}"}</tool_call>',
+])
+def test_tool_call_forms(text):
+    (call,) = parse_tool_calls(text, [ZOOM])
+    assert call.name == "zoom" and call.arguments == {"quadrant": "top_left"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("<tool_call>zoom(top_left)", "close the tool call"),
+    ("<tool_call></tool_call>", "empty tool call"),
+    ("<tool_call>{bad json}</tool_call>", "not valid json"),
+    ("<tool_call>pan(left)</tool_call>", "unknown tool pan"),
+    ("<tool_call>zoom(middle)</tool_call>", "bad quadrant"),
+    ("<tool_call>zoom()</tool_call>", "missing argument quadrant"),
+    ("<tool_call>zoom(top_left, top_right)</tool_call>", "too many arguments"),
+    ("<tool_call>zoom(size=2)</tool_call>", "unknown argument size"),
+    ("<tool_call>zoom top_left</tool_call>", "name ( arguments )"),
+])
+def test_malformed_tool_calls_say_what_is_wrong(text, message):
+    with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_tool_calls(text, [ZOOM])
+
+
+def test_answers_and_rule_rewards():
+    assert extract_answer("<think>it is red</think> <answer> Blue </answer>") == "Blue"
+    assert extract_answer("<think>x</think> red") == "red"
+
+    class T:
+        def __init__(self, answer):
+            self.answer = answer
+    tasks = [T("2"), T("red"), T("3")]
+    answers = ["two", "<answer>Red</answer>", "3.4"]
+    assert exact_match(answers, tasks).tolist() == [1.0, 1.0, 0.0]
+    assert numeric_match(answers, tasks, tolerance=0.5).tolist() == [1.0, 0.0, 1.0]
+    assert format_match(answers, tasks, pattern=r"<answer>.*</answer>").tolist() == [0.0, 1.0, 0.0]
+    total, details = AnswerRewards({"exact": 1.0, "format": {"weight": 0.5, "kwargs": {"pattern": "<answer>.*"}}})(
+        answers, tasks)
+    assert total.tolist() == [1.0, 1.5, 0.0] and set(details) == {"exact", "format"}
+
+
+# ----------------------------------------------------------------------------- zoom environment
+
+
+def test_zoom_crop_is_the_full_resolution_quadrant():
+    task = zoom_tasks("train", 4, seed=1, kinds=("count",))[0]
+    q = task.data["quadrant"]
+    example = make_example(_count_spec(task), task.data["seed"])
+    # The quadrant holding the objects is exactly the 32 px Shapes-VQA scene, pixel for pixel.
+    assert np.array_equal(crop(task, q), render(example.scene))
+    for other in QUADRANTS:
+        if other != q:
+            assert (crop(task, other) == 255).all()
+    assert overview(task).shape == (32, 32, 3)
+
+
+def _count_spec(task):
+    from flowrl.data.vqa import split_questions
+
+    return next(s for s in split_questions("train")["count"] if s.text() == task.question)
+
+
+def test_zoom_environment_steps():
+    task = zoom_tasks("train", 2, seed=0, kinds=("count",))[0]
+    env = ZoomEnv()
+    obs = env.reset(task)
+    assert obs.images[0].shape == (32, 32, 3) and "zoom" in obs.text
+    step = env.step(f"<tool_call> zoom ( {task.data['quadrant']} ) </tool_call>")
+    assert not step.done and step.reward == -TOOL_PENALTY and step.info["tool_call"] == 1
+    assert np.array_equal(step.observation.images[0], crop(task, task.data["quadrant"]))
+    bad = env.step("<tool_call> zoom ( middle ) </tool_call>")
+    assert not bad.done and bad.reward == -TOOL_PENALTY and bad.info["malformed"] == 1
+    assert bad.observation.text.startswith("error") and bad.observation.role == "tool"
+    done = env.step(task.answer)
+    assert done.done and done.info["answer"] == task.answer
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+class ScriptedPolicy:
+    """Answers with scripted texts per (episode, turn); ``None`` means an action cut at max tokens."""
+
+    def __init__(self, script):
+        self.script = script
+        self.calls = 0
+
+    def generate(self, conversations, *, seeds, max_new_tokens, **kwargs):
+        out = []
+        for conv in conversations:
+            episode = int(conv[0].text.split("#")[1].split()[0])
+            turn = sum(t.role == "assistant" for t in conv)
+            text = self.script[episode][turn]
+            finish = "length" if text.endswith("...") else "stop"
+            ids = list(range(len(text.split()))) or []
+            out.append(Generation(ids, torch.zeros(len(ids)), text.removesuffix("..."), finish))
+        self.calls += 1
+        return out
+
+
+def test_rollout_counts_what_goes_wrong_and_never_raises():
+    tasks = zoom_tasks("train", 5, seed=2, kinds=("count",))
+    for i, t in enumerate(tasks):
+        t.question = f"{t.question} #{i}"
+    q = [t.data["quadrant"] for t in tasks]
+    script = {
+        0: [f"<tool_call> zoom ( {q[0]} ) </tool_call>", tasks[0].answer],  # zoom, then right
+        1: ["<tool_call> zoom ( middle ) </tool_call>", "<tool_call> zoom ( top_left", "7"],  # 2 malformed, wrong
+        2: [""],  # empty answer
+        3: ["<tool_call> zoom ( top_left ) </tool_call>"] * 3,  # turn limit
+        4: ["a long rambling answer ..."],  # cut off at max tokens
+    }
+    episodes = play_episodes(ScriptedPolicy(script), ZoomEnv, tasks, list(range(5)), seed=0,
+                             sampling=SamplingSettings(), max_turns=3)
+    e0, e1, e2, e3, e4 = episodes
+    assert e0.answered and e0.turn_rewards == [-TOOL_PENALTY, 0.0] and e0.counts["tool_call"] == 1
+    assert e1.counts["malformed"] == 2 and e1.answer == "7" and e1.num_turns == 3
+    assert e2.answered and e2.answer == "" and e2.counts["empty"] == 1
+    assert not e3.answered and e3.counts["turn_limit"] == 1 and e3.num_turns == 3 and e3.counts["tool_call"] == 3
+    assert e4.counts["truncated"] == 1 and e4.answered
+    # Conversations alternate roles and keep one anchor per action.
+    assert [t.role for t in e0.conversation] == ["user", "assistant", "tool", "assistant"]
+    assert all(len(e.anchors) == e.num_turns for e in episodes)
+    assert e0.anchors == [("start",), ("zoom", (q[0],))]
+    correct = exact_match([e.answer for e in episodes], [e.task for e in episodes])
+    assert correct.tolist()[0] == 1.0 and correct.tolist()[1] == 0.0
+
+
+def test_demonstrations_use_the_tool_format_the_parser_reads():
+    task = zoom_tasks("train", 1, seed=3)[0]
+    turns = demonstration(task, use_tool=True)
+    (call,) = parse_tool_calls(turns[1].text, ZoomEnv.tools)
+    assert call.arguments["quadrant"] == task.data["quadrant"]
+    assert [t.role for t in turns] == ["user", "assistant", "tool", "assistant"]
+    assert [t.role for t in demonstration(task, use_tool=False)] == ["user", "assistant"]

@@ -1,0 +1,78 @@
+"""Shapes-VQA: every answer is right (checked against the shapes world's own detector on the rendered image),
+kinds and answers are balanced, the held-out split names questions no training question names."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from flowrl.data.vqa import (QUESTION_KINDS, normalize_answer, sample_vqa, split_questions, vqa_eval_set)
+from rewards.shapes import detect_objects
+
+
+def _answer_from_detections(example) -> str:
+    objs = detect_objects(example.image().astype(np.float32) / 255.0)
+    spec = example.spec
+    if spec.kind == "count":
+        return str(sum(o.shape == spec.shape and o.color == spec.color for o in objs))
+    if spec.kind == "color":
+        (obj,) = [o for o in objs if o.shape == spec.shape]
+        return obj.color
+    if spec.kind == "shape":
+        (obj,) = [o for o in objs if o.color == spec.color]
+        return obj.shape
+    if spec.kind == "exists":
+        return "yes" if any(o.shape == spec.shape and o.color == spec.color for o in objs) else "no"
+    (a,) = [o for o in objs if o.shape == spec.shape]
+    (b,) = [o for o in objs if o.shape == spec.other]
+    dx, dy = b.cx - a.cx, b.cy - a.cy
+    holds = {"left of": dx > 0, "right of": dx < 0, "above": dy > 0, "below": dy < 0}[spec.relation]
+    return "yes" if holds else "no"
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_every_answer_matches_the_rendered_scene(split):
+    examples = sample_vqa(split, 150, seed=3)
+    for example in examples:
+        assert _answer_from_detections(example) == example.answer, (example.question, example.scene)
+
+
+def test_kinds_and_answers_are_balanced():
+    examples = sample_vqa("train", 1000, seed=0)
+    kinds = collections.Counter(e.kind for e in examples)
+    assert set(kinds) == set(QUESTION_KINDS) and min(kinds.values()) == 200
+    yes = [e.answer == "yes" for e in examples if e.kind in ("position", "exists")]
+    assert 0.4 < sum(yes) / len(yes) < 0.6
+    counts = collections.Counter(e.answer for e in examples if e.kind == "count")
+    assert set(counts) == {"0", "1", "2", "3"} and min(counts.values()) >= 30
+
+
+def test_split_holds_out_combinations():
+    train, held = split_questions("train"), split_questions("eval")
+    for kind in ("count", "position", "exists"):
+        a, b = {s.text() for s in train[kind]}, {s.text() for s in held[kind]}
+        assert a and b and not a & b, kind
+    for kind in ("color", "shape"):  # nothing to hold out: in both splits, on fresh scenes
+        assert train[kind] == held[kind]
+    # Every word of a held-out question is known from training questions (it is the combination that is new).
+    train_words = {w for specs in train.values() for s in specs for w in s.text().split()}
+    assert all(w in train_words for specs in held.values() for s in specs for w in s.text().split())
+
+
+def test_stream_is_a_pure_function_of_seed_and_index():
+    a = sample_vqa("train", 6, seed=5)
+    b = sample_vqa("train", 3, seed=5, start=3)
+    assert [(e.question, e.scene) for e in a[3:]] == [(e.question, e.scene) for e in b]
+    assert np.array_equal(a[4].image(), b[1].image())
+    evals = vqa_eval_set(10)
+    assert [e.question for e in evals] == [e.question for e in vqa_eval_set(10)]
+    assert all(e.question in {s.text() for specs in split_questions("eval").values() for s in specs} for e in evals)
+
+
+def test_normalize_answer():
+    assert normalize_answer(" Two. ") == "2"
+    assert normalize_answer("Red!") == "red"
+    assert normalize_answer("no") == "no"
+    assert normalize_answer("zero") == "0"
