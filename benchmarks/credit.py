@@ -33,16 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.runs import clean, curve_mean, interp, mean_std, read_curve, save_figure, train_run  # noqa: E402
+from benchmarks.runs import fmt as _fmt  # noqa: E402
+from benchmarks.runs import median as _median  # noqa: E402
 
 CONFIGS = {"outcome": "flow_grpo", "tp_grpo": "tp_grpo", "cosine": "cosine_grpo", "shuffled": "flow_grpo"}
 # The control: outcome credit with the epoch's advantages randomly permuted across samples, so the update
@@ -82,65 +82,22 @@ def run_dir(out: Path, method: str, seed: int) -> Path:
 def train(method: str, seed: int, args: argparse.Namespace) -> dict:
     """One training run as a subprocess; its log goes to ``<run dir>/train.log``."""
     out = run_dir(Path(args.out), method, seed)
-    if args.reuse and (out / "metrics.jsonl").is_file():
-        print(f"credit: reusing {out}", flush=True)
-        return {"method": method, "seed": seed, "status": "reused", "returncode": 0}
-    if out.exists():
-        shutil.rmtree(out)  # a fresh run: old metrics would be appended to
-    out.mkdir(parents=True)
     every = args.eval_every_minutes or args.minutes / 8
     overrides = {
-        "run.output_dir": str(out), "run.seed": seed, "run.max_minutes": args.minutes,
-        "run.max_epochs": args.max_epochs, "eval.every_minutes": every, "eval.every_epochs": "null",
+        "run.seed": seed, "run.max_minutes": args.minutes, "run.max_epochs": args.max_epochs,
+        "eval.every_minutes": every, "eval.every_epochs": "null",
     }
     if args.num_eval_prompts is not None:
         overrides["data.num_eval_prompts"] = args.num_eval_prompts
     if args.model_path is not None:
         overrides["model.path"] = args.model_path
-    command = [sys.executable, "-m", "flowrl", "train", str(ROOT / "configs" / "shapes" / f"{CONFIGS[method]}.yaml"),
-               *[f"{k}={v}" for k, v in overrides.items()], *METHOD_OVERRIDES.get(method, []), *args.overrides]
-    print(f"credit: {method} seed {seed}: {' '.join(command[1:])}", flush=True)
-    start = time.time()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    with open(out / "train.log", "w") as log:
-        proc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    status = "ok" if proc.returncode == 0 else "failed"
-    if status == "failed":
-        tail = (out / "train.log").read_text().splitlines()[-15:]
-        print(f"credit: {method} seed {seed} FAILED (exit {proc.returncode}); last lines:\n  " + "\n  ".join(tail),
-              flush=True)
-    return {"method": method, "seed": seed, "status": status, "returncode": proc.returncode,
-            "seconds": round(time.time() - start, 1)}
+    result = train_run(ROOT / "configs" / "shapes" / f"{CONFIGS[method]}.yaml", out, overrides,
+                       [*METHOD_OVERRIDES.get(method, []), *args.overrides], reuse=args.reuse,
+                       label=f"credit: {method} seed {seed}")
+    return {"method": method, "seed": seed, **result}
 
 
 # ============================================================================ analysis
-
-
-def _interp(x: float, xs: list[float], ys: list[float]) -> float:
-    """Linear interpolation of (xs, ys) (xs increasing) at x; NaN outside the range."""
-    if not xs or x < xs[0] - 1e-9 or x > xs[-1] + 1e-9:
-        return math.nan
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return ys[-1]
-
-
-def _median(values: list[float]) -> float:
-    v = sorted(x for x in values if isinstance(x, (int, float)) and math.isfinite(x))
-    if not v:
-        return math.nan
-    mid = len(v) // 2
-    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    v = [x for x in values if math.isfinite(x)]
-    if not v:
-        return math.nan, math.nan
-    mean = sum(v) / len(v)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in v) / len(v))
 
 
 def _analytic_extra_nfe(directory: Path) -> float:
@@ -159,18 +116,11 @@ def _analytic_extra_nfe(directory: Path) -> float:
 
 
 def load_run(directory: Path) -> dict | None:
-    from flowrl.logging import read_metrics
-
-    path = directory / "metrics.jsonl"
-    if not path.is_file():
+    curve = read_curve(directory, METRIC)
+    if curve is None:
         return None
-    rows = read_metrics(path)
-    evals = [r for r in rows if METRIC in r and math.isfinite(r[METRIC])]
-    train_rows = [r for r in rows if "train/reward_mean" in r]
-    if not evals:
-        return None
-    # Steady-state cost: skip the first training epoch (warm-up) when there are others.
-    steady = train_rows[1:] or train_rows
+    rows = curve.pop("rows")
+    steady = rows[1:] or rows
     logged_nfe = [r["credit/extra_nfe"] for r in steady if "credit/extra_nfe" in r]
     samples_per_epoch = None
     num_steps = None
@@ -182,17 +132,9 @@ def load_run(directory: Path) -> dict | None:
         num_steps = cfg["sampling"]["num_steps"]
     extra_nfe = _median(logged_nfe) if logged_nfe else (
         _analytic_extra_nfe(directory) if (directory / "config.yaml").is_file() else math.nan)
+    curve.pop("evals")
     return {
-        "images": [float(r.get("images_sampled", 0)) for r in evals],
-        "minutes": [float(r.get("time/train_min", 0.0)) for r in evals],
-        "accuracy": [float(r[METRIC]) for r in evals],
-        "epochs": int(max((r.get("epoch", 0) for r in rows), default=0)),
-        "final_images": float(max((r.get("images_sampled", 0) for r in rows), default=0)),
-        "final_minutes": float(max((r.get("time/train_min", 0.0) for r in rows), default=0.0)),
-        "epoch_s": _median([r.get("time/epoch_s", math.nan) for r in steady]),
-        "advantages_s": _median([r.get("time/advantages_s", math.nan) for r in steady]),
-        "sampling_s": _median([r.get("time/sampling_s", math.nan) for r in steady]),
-        "training_s": _median([r.get("time/training_s", math.nan) for r in steady]),
+        **curve,
         "extra_nfe_per_epoch": extra_nfe,
         "extra_nfe_source": "logged" if logged_nfe else "config",
         "rollout_nfe_per_epoch": float(samples_per_epoch * num_steps) if samples_per_epoch else math.nan,
@@ -209,17 +151,17 @@ def summarise(runs: dict[tuple[str, int], dict], methods: list[str]) -> dict:
         mine = [r for (m, _), r in sorted(runs.items()) if m == method]
         if not mine:
             continue
-        at_images = [_interp(equal_images, r["images"], r["accuracy"]) for r in mine]
-        at_minutes = [_interp(equal_minutes, r["minutes"], r["accuracy"]) for r in mine]
+        at_images = [interp(equal_images, r["images"], r["accuracy"]) for r in mine]
+        at_minutes = [interp(equal_minutes, r["minutes"], r["accuracy"]) for r in mine]
         final = [r["accuracy"][-1] for r in mine]
         initial = [r["accuracy"][0] for r in mine]
         entry = {"seeds": len(mine)}
         for key, values in (("acc_at_equal_images", at_images), ("acc_at_equal_minutes", at_minutes),
                             ("acc_final", final), ("acc_initial", initial)):
-            entry[key], entry[key + "_std"] = _mean_std(values)
+            entry[key], entry[key + "_std"] = mean_std(values)
         for key in ("final_images", "final_minutes", "epochs", "epoch_s", "advantages_s", "sampling_s",
                     "training_s", "extra_nfe_per_epoch", "rollout_nfe_per_epoch", "tp_rate"):
-            entry[key] = _mean_std([float(r[key]) for r in mine])[0]
+            entry[key] = mean_std([float(r[key]) for r in mine])[0]
         out["methods"][method] = entry
     base = out["methods"].get("outcome")
     for method, entry in out["methods"].items():
@@ -273,9 +215,7 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path) -> None:
             color = COLORS.get(method)
             for r in mine:
                 ax.plot(r[key], r["accuracy"], color=color, alpha=0.3, linewidth=0.8)
-            top = min(r[key][-1] for r in mine)
-            grid = [top * i / 50 for i in range(51)]
-            means = [_mean_std([_interp(x, r[key], r["accuracy"]) for r in mine])[0] for x in grid]
+            grid, means = curve_mean(mine, key)
             seeds = f"{len(mine)} seed{'s' if len(mine) > 1 else ''}"
             ax.plot(grid, means, color=color, linewidth=2.2, label=f"{method} ({seeds})")
         ax.axvline(budget, color="gray", linestyle="--", linewidth=0.8)
@@ -287,23 +227,10 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path) -> None:
     axes[1].set_title("(b) accuracy vs training time")
     control = " (grey: random-advantage control)" if any(m == "shuffled" for m, _ in runs) else ""
     fig.suptitle(f"Credit assignment on the shapes model: outcome vs TP-GRPO vs cosine{control}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ============================================================================ main
-
-
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    return x
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -342,10 +269,10 @@ def main(argv: list[str] | None = None) -> dict:
         "table_md": table,
         "figure": str(figure),
     }
-    (results / "credit.json").write_text(json.dumps(_clean(result), indent=2) + "\n")
+    (results / "credit.json").write_text(json.dumps(clean(result), indent=2) + "\n")
     (results / "credit.md").write_text("# Credit assignment benchmark (shapes)\n\n" + table + "\n")
     print(table, flush=True)
-    return _clean(result)
+    return clean(result)
 
 
 if __name__ == "__main__":

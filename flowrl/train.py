@@ -21,6 +21,12 @@ from flowrl.registry import Registry, UnknownNameError
 RECIPES: Registry = Registry("recipe")
 RECIPES.register("pretrain", "flowrl.recipes.pretrain:RECIPE")
 RECIPES.register("flow_grpo", "flowrl.recipes.flow_grpo:RECIPE")
+RECIPES.register("crd", "flowrl.recipes.crd:RECIPE")
+RECIPES.register("nft", "flowrl.recipes.nft:RECIPE")
+RECIPES.register("awm", "flowrl.recipes.awm:RECIPE")
+RECIPES.register("dgpo", "flowrl.recipes.dgpo:RECIPE")
+RECIPES.register("dpo", "flowrl.recipes.dpo:RECIPE")
+RECIPES.register("d3po", "flowrl.recipes.d3po:RECIPE")
 RECIPES.register("vlm_sft", "flowrl.recipes.vlm_sft:RECIPE")
 RECIPES.register("vlm_grpo", "flowrl.recipes.vlm_grpo:RECIPE")
 

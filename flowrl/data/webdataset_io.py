@@ -7,6 +7,9 @@ A sample of a shard is three files sharing a key::
     <key>.json    metadata; for the shapes world the scene json (``resolution``, ``objects``) plus
                   ``kind``, ``split``, ``seed`` and ``index``, so ``Scene.from_json`` reads it as it is
 
+Preference pairs (Diffusion-DPO) are ``<key>.chosen.png``, ``<key>.rejected.png`` and ``<key>.txt``
+(:func:`write_pair_shards`, :func:`read_pairs`).
+
 Writing goes through ``webdataset.ShardWriter`` (tar entries get ``mtime=0``, so the same arguments
 write byte-identical shards). Reading is :func:`iter_shards`, which the rewards CLI reuses to score a
 directory of shards.
@@ -18,12 +21,14 @@ import glob
 import io
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from PIL import Image
 
-__all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_raw_samples", "iter_shards", "write_shapes_shards"]
+__all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_raw_samples", "iter_shards", "write_shapes_shards",
+           "PAIR_PATTERN", "PreferencePair", "write_pair_shards", "read_pairs", "decode_image"]
 
 # File names of the shapes shards: shapes-<split>-000000.tar, shapes-<split>-000001.tar, ...
 SHARD_PATTERN = "shapes-{split}-%06d.tar"
@@ -171,3 +176,91 @@ def write_shapes_shards(split: str, n: int, out: str | Path, *, seed: int = 0, s
         if match and int(match.group(1)) >= n_shards:
             stale.unlink()
     return written
+
+
+# ---------------------------------------------------------------------------------------- preference pairs
+# A preference pair is one sample of three (or four) files sharing a key:
+#     <key>.chosen.png   the preferred image     <key>.rejected.png   the other image
+#     <key>.txt          the prompt              <key>.json           optional metadata
+
+PAIR_PATTERN = "pairs-%06d.tar"
+
+
+@dataclass
+class PreferencePair:
+    """One pair, undecoded (PNG bytes), so a large set stays small in memory."""
+
+    key: str
+    chosen: bytes
+    rejected: bytes
+    prompt: str
+    metadata: dict
+
+
+def write_pair_shards(pairs, out: str | Path, *, shard_size: int = 1000) -> list[Path]:
+    """Write preference pairs as shards ``pairs-000000.tar, ...`` in ``out``.
+
+    Args:
+        pairs: iterable of ``(chosen, rejected, prompt, metadata)``; images as ``uint8 [H, W, 3]`` arrays or
+            PIL images, ``metadata`` a JSON-able dict (or None).
+        out: the directory (created if missing).
+        shard_size: pairs per shard.
+
+    Returns:
+        The shard paths written, in order.
+    """
+    import numpy as np
+    import webdataset as wds
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pattern = str(out / PAIR_PATTERN)
+    count = 0
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0) as sink:
+        for chosen, rejected, prompt, metadata in pairs:
+            sample = {"__key__": f"pair_{count:08d}", "chosen.png": _png_bytes(np.asarray(chosen, dtype=np.uint8)),
+                      "rejected.png": _png_bytes(np.asarray(rejected, dtype=np.uint8)), "txt": prompt}
+            if metadata:
+                sample["json"] = json.dumps(metadata)
+            sink.write(sample)
+            count += 1
+    return [Path(pattern % i) for i in range((count + shard_size - 1) // shard_size)]
+
+
+def read_pairs(pattern_or_dir: str | Path) -> list[PreferencePair]:
+    """Every preference pair of the shards, in order (images left as PNG / JPEG bytes).
+
+    Raises:
+        ShardError: no shards match, or a sample lacks its chosen or rejected image or its prompt.
+    """
+    pairs = []
+    for key, path, sample in iter_raw_samples(shard_paths(pattern_or_dir)):
+        images = {}
+        for role in ("chosen", "rejected"):
+            images[role] = next((sample[f"{role}.{ext}"] for ext in IMAGE_KEYS if f"{role}.{ext}" in sample), None)
+            if images[role] is None:
+                raise ShardError(f"sample {key!r} of {path!r} has no {role} image (expected {role}.png); a preference "
+                                 "pair holds <key>.chosen.png, <key>.rejected.png and <key>.txt")
+        prompt = next((sample[k].decode("utf-8").strip() for k in PROMPT_KEYS if k in sample), None)
+        if not prompt:
+            raise ShardError(f"sample {key!r} of {path!r} has no prompt (expected <key>.txt)")
+        try:
+            metadata = json.loads(sample["json"]) if "json" in sample else {}
+        except ValueError as err:
+            raise ShardError(f"sample {key!r} of {path!r} has unreadable metadata: {err}") from None
+        pairs.append(PreferencePair(key, images["chosen"], images["rejected"], prompt, metadata))
+    if not pairs:
+        raise ShardError(f"no preference pairs in {str(pattern_or_dir)!r}")
+    return pairs
+
+
+def decode_image(data: bytes, where: str = "image") -> Image.Image:
+    """An RGB PIL image from PNG / JPEG / WebP bytes.
+
+    Raises:
+        ShardError: the bytes are not a readable image (``where`` names it).
+    """
+    try:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except OSError as err:
+        raise ShardError(f"{where} is unreadable: {err}") from None

@@ -29,7 +29,7 @@ from torch import nn
 
 from .base import Cond, FlowModel, LoraSettings, VelocityFn, unwrap
 from .loading import (as_lora_settings, cast_module_, freeze_, latent_hw, load_pipeline, resolve_dtype,
-                      scheduler_sigmas, upcast_trainable_, vae_decode)
+                      scheduler_sigmas, upcast_trainable_, vae_decode, vae_encode)
 
 __all__ = ["FluxModel", "FLUX_LORA_TARGETS", "FLUX_DEFAULT_MODEL"]
 
@@ -191,6 +191,12 @@ class FluxModel(FlowModel):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return vae_decode(self.pipeline.vae, latents)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` in [0, 1] at the model's resolution -> latents ``[B, *latent_shape]``
+        (the VAE posterior's mean; Diffusion-DPO's offline pairs)."""
+        return vae_encode(self.pipeline.vae, images)
 
     def default_lora_targets(self) -> list[str]:
         return list(FLUX_LORA_TARGETS)

@@ -209,6 +209,17 @@ def vae_decode(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
+def vae_encode(vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """Images ``[B, 3, H, W]`` in [0, 1] -> latents ``[B, C, h, w]`` in the transformer's space: the mean of the
+    VAE's posterior (deterministic), normalised as the SD3 and FLUX pipelines do
+    (``(z - shift_factor) * scaling_factor``); the inverse of :func:`vae_decode` up to the VAE's own error."""
+    config = vae.config
+    shift = getattr(config, "shift_factor", None) or 0.0
+    param = next(vae.parameters())
+    z = vae.encode(images.to(device=param.device, dtype=param.dtype) * 2 - 1).latent_dist.mode()
+    return ((z - shift) * config.scaling_factor).float()
+
+
 def latent_hw(resolution: int | tuple[int, int] | list[int], vae_scale_factor: int, multiple: int) -> tuple[int, int]:
     """Latent height and width for an image ``resolution`` (int or ``(H, W)``), checked for divisibility."""
     height, width = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)

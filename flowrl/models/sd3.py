@@ -28,7 +28,7 @@ from torch import nn
 
 from .base import Cond, FlowModel, LoraSettings, unwrap
 from .loading import (as_lora_settings, cast_module_, freeze_, latent_hw, load_pipeline, resolve_dtype,
-                      scheduler_sigmas, upcast_trainable_, vae_decode)
+                      scheduler_sigmas, upcast_trainable_, vae_decode, vae_encode)
 
 __all__ = ["SD3Model", "SD3_LORA_TARGETS", "SD3_DEFAULT_MODEL"]
 
@@ -157,6 +157,12 @@ class SD3Model(FlowModel):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return vae_decode(self.pipeline.vae, latents)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` in [0, 1] at the model's resolution -> latents ``[B, *latent_shape]``
+        (the VAE posterior's mean; Diffusion-DPO's offline pairs)."""
+        return vae_encode(self.pipeline.vae, images)
 
     def default_lora_targets(self) -> list[str]:
         return list(SD3_LORA_TARGETS)

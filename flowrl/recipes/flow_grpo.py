@@ -32,22 +32,14 @@ Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
-from flowrl.models.config import ModelConfig
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
-from flowrl.rl.evaluate import EvalConfig
-from flowrl.rl.optim import OptimConfig
-from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
-from flowrl.rl.sampling import SamplingConfig
-from rewards.config import RewardConfig
+from flowrl.rl.online import OnlineConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -72,18 +64,9 @@ class TrainConfig:
 
 
 @dataclass
-class Config:
+class Config(OnlineConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/flow_grpo"))
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def check(self) -> None:
         if self.sampling.step == "ode":
@@ -171,72 +154,22 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Flow-GRPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from tqdm.auto import tqdm
+    from flowrl.rl.online import OnlineLoop
 
-    from flowrl.core.advantages import PerPromptStatTracker
-    from flowrl.data.group_sampler import GroupSampler
-    from flowrl.data.prompts import load_prompts
-    from flowrl.rl.advantages import compute_advantages
-    from flowrl.rl.collect import collect_epoch
-    from flowrl.rl.evaluate import Evaluator
-    from flowrl.rl.optim import build_ema, build_optimizer
-    from flowrl.rl.run import OnlineRun, TrainableWeights
-    from flowrl.rl.sampling import rollout_step, rollout_window
-
-    run = OnlineRun(cfg, "flow_grpo", dist=dist)
-    dist, s = run.dist, cfg.sampling
-    model = run.prepare_model(model)
-    train_reward = cfg.reward.build_train(dist.device)
-    train_set = load_prompts(cfg.data.train_prompts)
-    sampler = GroupSampler(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch, group_size=s.group_size,
-                           seed=cfg.run.seed, num_processes=dist.world_size, rank=dist.rank)
-    evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(dist.device),
-                          load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts), steps=s.eval_num_steps,
-                          guidance=s.guidance if s.eval_guidance is None else s.eval_guidance, dist=dist,
-                          output_dir=run.output_dir, logger=run.logger)
-    optimizer, scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
-    # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
-    model.denoiser, optimizer = dist.prepare_training(model.denoiser, optimizer,
-                                                      micro_batch_size=cfg.train.micro_batch_size,
-                                                      grad_clip=cfg.optim.grad_clip)
-    ema = build_ema(model.trainable_parameters(), cfg.train.ema_decay)  # the prepared (possibly sharded) ones
-    a = cfg.advantage
-    tracker = PerPromptStatTracker(a.per_prompt_buffer, a.per_prompt_min_count, eps=a.eps, clip=a.clip)
-    run.track(model=TrainableWeights(model), optimizer=optimizer, scheduler=scheduler, ema=ema, tracker=tracker)
-    run.evaluation(lambda epoch, should_stop: evaluator(model, epoch, ema, should_stop))
-    step, window = rollout_step(s, model.sigmas(s.num_steps)), rollout_window(s)
+    online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
+    run, model, s = online.run, online.model, cfg.sampling
 
     with run:
         while run.next_epoch():
             epoch = run.epoch
-            bar = tqdm(total=s.samples_per_epoch // dist.world_size, desc=f"epoch {epoch + 1} sampling",
-                       leave=False, disable=not dist.is_main, dynamic_ncols=True)
-            with bar:
-                rollouts = collect_epoch(model, sampler.epoch(epoch), step=step, window=window, epoch=epoch,
-                                         seed=cfg.run.seed, reward=train_reward, guidance=s.guidance,
-                                         batch_size=s.batch_size, store_x0="step_weights" in a.needs, progress=bar)
-            t0 = time.perf_counter()
-            advantages, valid, metrics = compute_advantages(rollouts, a, dist, seed=cfg.run.seed, epoch=epoch,
-                                                            tracker=tracker, model=model, reward=train_reward,
-                                                            guidance=s.guidance, batch_size=s.batch_size)
-            t1 = time.perf_counter()
+            rollouts, advantages, valid, metrics = online.collect(epoch, store_x0="step_weights" in cfg.advantage.needs)
             if run.check_rewards(metrics, s.samples_per_epoch):  # False: every reward NaN, nothing to learn
                 # One tick per (sample, trained step) forward-backward pass.
                 passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs
-                with run.updating(), tqdm(total=passes, desc=f"epoch {epoch + 1} training", leave=False,
-                                          disable=not dist.is_main, dynamic_ncols=True) as bar:
-                    metrics.update(train_epoch(model, optimizer, rollouts, advantages, valid, cfg, dist, epoch,
-                                               ema=ema, health=run.health, progress=bar))
-            scheduler.step()
-            for key, value in rollouts.details.items():
-                gathered = dist.gather(value)
-                finite = gathered[torch.isfinite(gathered)]
-                metrics[f"train/reward/{key}"] = float(finite.mean()) if finite.numel() else math.nan
-            metrics.update({"time/sampling_s": rollouts.timings["sampling"],
-                            "time/scoring_s": rollouts.timings["scoring"],
-                            "time/scoring_wait_s": rollouts.timings["scoring_wait"], "time/advantages_s": t1 - t0,
-                            "time/training_s": time.perf_counter() - t1})
-            run.end_epoch(metrics, images=s.samples_per_epoch)
+                with online.training(passes) as bar:
+                    metrics.update(train_epoch(model, online.optimizer, rollouts, advantages, valid, cfg, online.dist,
+                                               epoch, ema=online.ema, health=run.health, progress=bar))
+            online.end_epoch(metrics, rollouts)
     return run.finish()
 
 

@@ -75,8 +75,8 @@ def _shuffle_rows(x: torch.Tensor, valid: torch.Tensor, seed: int, epoch: int) -
 
 
 def compute_advantages(rollouts, cfg: AdvantageConfig, dist, *, seed: int, epoch: int, tracker=None,
-                       model=None, reward=None, guidance: float = 1.0,
-                       batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                       model=None, reward=None, guidance: float = 1.0, batch_size: int = 32,
+                       per_sample: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Gather the epoch's rewards, run the configured estimator on whole groups, keep this process's slice.
 
     Args:
@@ -86,9 +86,13 @@ def compute_advantages(rollouts, cfg: AdvantageConfig, dist, *, seed: int, epoch
         seed / epoch: drive the ``shuffle`` control's permutation.
         tracker: the per-prompt history (``normalizer=per_prompt``), owned by the recipe.
         model / reward / guidance / batch_size: for estimators that complete trajectories (``tp_grpo``).
+        per_sample: one advantage per sample, ``[n]``, for trainers that use no denoising steps (forward-process
+            and preference trainers, whose rollouts may be deterministic); only estimators that need no step
+            inputs (``outcome``) apply.
 
     Returns:
-        ``(advantages [n, T] for the local samples, valid [n] bool (finite reward), metrics)``; metrics hold
+        ``(advantages [n, T] (``[n]`` with ``per_sample``) for the local samples, valid [n] bool (finite
+        reward), metrics)``; metrics hold
         ``train/reward_mean``, ``train/reward_std``, ``train/zero_std_frac``, ``train/nan_rewards``,
         ``train/advantage_abs_mean`` (over valid samples and trained steps) and the estimator's
         ``credit/...`` metrics (``credit/extra_nfe`` and ``credit/completion_s`` for completions).
@@ -99,6 +103,11 @@ def compute_advantages(rollouts, cfg: AdvantageConfig, dist, *, seed: int, epoch
     estimator = ADVANTAGE_ESTIMATORS.get(cfg.estimator)
     traj = rollouts.trajectory
     steps, T, n_local = traj.trained_steps, traj.num_steps, len(rollouts)
+    if per_sample:
+        if estimator.needs:
+            raise ValueError(f"advantage.estimator {cfg.estimator!r} assigns credit to denoising steps; a "
+                             "per-sample advantage needs one that reads only rewards (outcome)")
+        steps, T = [0], 1  # one column: the sample's own advantage
     rewards = dist.gather(rollouts.rewards)
     group_ids = dist.gather(rollouts.group_ids)
     valid = torch.isfinite(rewards)
@@ -137,4 +146,6 @@ def compute_advantages(rollouts, cfg: AdvantageConfig, dist, *, seed: int, epoch
         "train/advantage_abs_mean": float(trained.abs().mean()) if trained.numel() else 0.0,
     })
     local = slice(dist.rank * n_local, (dist.rank + 1) * n_local)
+    if per_sample:
+        return advantages[local, 0], valid[local], metrics
     return advantages[local], valid[local], metrics

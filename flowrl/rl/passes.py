@@ -29,12 +29,13 @@ def minibatch_rows(sample_ids: torch.Tensor, minibatches: int, *, seed: int, epo
     """Local row indices of each of ``minibatches`` minibatches.
 
     Args:
-        sample_ids: ``[n]`` global sample ids of this process's rows.
+        sample_ids: ``[n]`` global sample ids of this process's rows (or global group ids: each group then
+            falls into one minibatch whole).
         minibatches: optimizer steps per inner epoch.
         seed / epoch / inner: the partition is a pure function of these and the global ids.
-        total: the number of samples over every process (global ids are ``0 .. total - 1``). Give it under
-            several processes: the default, this process's largest id + 1, is the total only on the process
-            holding the last ids, and the others would draw a different partition.
+        total: the number of global ids (samples or groups in the epoch). Default: the largest local id + 1,
+            which is the global number only on the last process; pass it when several processes train with
+            more than one minibatch, or their partitions disagree.
 
     Returns:
         ``minibatches`` long tensors of local row indices (a partition of ``range(n)``).
@@ -74,13 +75,42 @@ class TrainingPass:
     sync: bool
 
 
-def training_passes(rows: torch.Tensor, units: Sequence[Any], micro_batch_size: int, dist) -> list[TrainingPass]:
+def _group_micro_batches(rows: torch.Tensor, groups: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    """Consecutive whole groups of ``rows`` (ordered by group), as many as fit in ``micro_batch_size`` rows
+    (at least one group per micro-batch)."""
+    order = torch.argsort(groups[rows], stable=True)
+    rows = rows[order]
+    _, counts = torch.unique_consecutive(groups[rows], return_counts=True)
+    micro, current, size = [], [], 0
+    for chunk in rows.split(counts.tolist()):
+        if current and size + chunk.numel() > micro_batch_size:
+            micro.append(torch.cat(current))
+            current, size = [], 0
+        current.append(chunk)
+        size += chunk.numel()
+    if current:
+        micro.append(torch.cat(current))
+    return micro
+
+
+def training_passes(rows: torch.Tensor, units: Sequence[Any], micro_batch_size: int, dist, *,
+                    groups: torch.Tensor | None = None) -> list[TrainingPass]:
     """The passes of one optimizer step: every micro-batch of ``rows`` times every unit, padded so that
-    every process makes the same number of backward calls."""
-    micro = [m for m in rows.split(micro_batch_size) if m.numel()]  # an empty tensor splits into one empty part
+    every process makes the same number of backward calls.
+
+    ``groups`` (``[n]`` group id of every local row): micro-batches hold whole groups, for objectives that
+    compare the samples of a group (a group larger than ``micro_batch_size`` is one micro-batch)."""
+    if groups is None:
+        micro = [m for m in rows.split(micro_batch_size) if m.numel()]  # (an empty tensor splits into one empty chunk)
+    else:
+        micro = _group_micro_batches(rows, groups, micro_batch_size)
     real = [(m, u) for m in micro for u in units]
     count = int(dist.gather(torch.tensor([len(real)])).max())
-    filler = (rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long), units[0] if units else None)
+    if groups is None:
+        filler_rows = rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long)
+    else:  # a whole group, so that the objective sees the shape it expects
+        filler_rows = micro[0] if micro else torch.nonzero(groups == groups[0]).flatten()
+    filler = (filler_rows, units[0] if units else None)
     return [TrainingPass(*(real[i] if i < len(real) else filler), weight=1.0 if i < len(real) else 0.0,
                          sync=i == count - 1) for i in range(count)]
 

@@ -14,7 +14,7 @@ import torch
 
 from flowrl.config import bounds, fail
 
-__all__ = ["WindowConfig", "SamplingConfig", "rollout_step", "rollout_window"]
+__all__ = ["WindowConfig", "SamplingConfig", "rollout_step", "rollout_window", "autocast"]
 
 
 @dataclass
@@ -40,6 +40,10 @@ class SamplingConfig:
     group_size: int = field(default=8, metadata=bounds(ge=2, le=4096))
     groups_per_epoch: int = field(default=8, metadata=bounds(ge=1, le=100_000))
     batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # samples per rollout call, per process
+    # Compute dtype of the model in rollouts and in training (torch.autocast: matmuls and convolutions in
+    # bfloat16, step math and losses in float32). Rollout and re-scoring use the same one, so the on-policy
+    # ratio stays 1; evaluation always runs in the model's own dtype.
+    precision: Literal["float32", "bfloat16"] = "float32"
 
     def check(self) -> None:
         w = self.window
@@ -72,3 +76,11 @@ def rollout_window(cfg: SamplingConfig):
 
     w = cfg.window
     return Window(mode=w.mode, start=w.start, size=w.size, every=w.every, max_start=w.max_start)
+
+
+def autocast(cfg: SamplingConfig, device: torch.device | str):
+    """The ``torch.autocast`` context of ``sampling.precision`` on ``device`` (a no-op for float32).
+
+    Autocast is thread-local: a reward scored in a background thread keeps float32."""
+    device_type = torch.device(device).type
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16")

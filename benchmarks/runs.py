@@ -1,0 +1,152 @@
+"""Shared machinery of the training benchmarks (``benchmarks/credit.py``, ``benchmarks/trainers.py``): launch a
+training run as a subprocess on a training-time budget, read its evaluations back, and summarise curves over
+seeds (interpolation at equal images / equal minutes, mean and spread).
+
+A run is ``python -m flowrl train CONFIG run.output_dir=DIR run.seed=S run.max_minutes=M eval.every_minutes=E
+eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flowrl.runtime.Deadline`` excludes
+it from the budget), so every method gets held-out points at the same minutes whatever its epoch length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["ROOT", "train_run", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
+           "save_figure"]
+
+
+def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, reuse: bool = False,
+              label: str = "run") -> dict:
+    """One training run as a subprocess (fresh unless ``reuse`` finds metrics); its log goes to
+    ``<out>/train.log``. Returns ``{"status": ok | failed | reused, "returncode", "seconds"}``."""
+    if reuse and (out / "metrics.jsonl").is_file():
+        print(f"{label}: reusing {out}", flush=True)
+        return {"status": "reused", "returncode": 0}
+    if out.exists():
+        shutil.rmtree(out)  # a fresh run: old metrics would be appended to
+    out.mkdir(parents=True)
+    command = [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}",
+               *[f"{k}={v}" for k, v in overrides.items()], *extra]
+    print(f"{label}: {' '.join(command[1:])}", flush=True)
+    start = time.time()
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path}
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    status = "ok" if proc.returncode == 0 else "failed"
+    if status == "failed":
+        tail = (out / "train.log").read_text().splitlines()[-15:]
+        print(f"{label} FAILED (exit {proc.returncode}); last lines:\n  " + "\n  ".join(tail), flush=True)
+    return {"status": status, "returncode": proc.returncode, "seconds": round(time.time() - start, 1)}
+
+
+def interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Linear interpolation of (xs, ys) (xs increasing) at x; NaN outside the range."""
+    if not xs or x < xs[0] - 1e-9 or x > xs[-1] + 1e-9:
+        return math.nan
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+def median(values: list[float]) -> float:
+    v = sorted(x for x in values if isinstance(x, (int, float)) and math.isfinite(x))
+    if not v:
+        return math.nan
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std of the finite values (NaN, NaN when there are none)."""
+    v = [x for x in values if isinstance(x, (int, float)) and math.isfinite(x)]
+    if not v:
+        return math.nan, math.nan
+    mean = sum(v) / len(v)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in v) / len(v))
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return "n/a" if not isinstance(x, (int, float)) or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def clean(x):
+    """``x`` with non-finite floats as None (strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    return x
+
+
+def read_curve(directory: Path, metric: str, *, initial: dict | None = None) -> dict | None:
+    """A run's evaluations and costs from ``<directory>/metrics.jsonl`` (None without any evaluation).
+
+    Args:
+        directory: the run directory.
+        metric: the held-out metric (e.g. ``eval/shapes/accuracy``); rows where it is finite are evaluations.
+        initial: an evaluation row to put first (epoch 0, 0 images, 0 minutes) when the run did not evaluate
+            at its start, e.g. the base model's, measured once for every run of a benchmark.
+
+    Returns:
+        ``images``, ``minutes``, ``accuracy`` (one entry per evaluation), ``evals`` (the evaluation rows),
+        ``epochs``, ``final_images``, ``final_minutes``, the medians over training epochs after the first of
+        ``epoch_s``, ``sampling_s``, ``training_s``, ``advantages_s``, and ``rows`` (the training rows).
+    """
+    from flowrl.logging import read_metrics
+
+    path = directory / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = read_metrics(path)
+    evals = [r for r in rows if metric in r and math.isfinite(r[metric])]
+    if initial is not None and not any(r.get("epoch") == 0 for r in evals):
+        evals = [{"epoch": 0, "images_sampled": 0, "time/train_min": 0.0, **initial}] + evals
+    if not evals:
+        return None
+    train_rows = [r for r in rows if "train/loss" in r or "train/reward_mean" in r]
+    steady = train_rows[1:] or train_rows  # skip the first epoch (warm-up) when there are others
+    return {
+        "images": [float(r.get("images_sampled", 0)) for r in evals],
+        "minutes": [float(r.get("time/train_min", 0.0)) for r in evals],
+        "accuracy": [float(r[metric]) for r in evals],
+        "evals": evals,
+        "epochs": int(max((r.get("epoch", 0) for r in rows), default=0)),
+        "final_images": float(max((r.get("images_sampled", 0) for r in rows), default=0)),
+        "final_minutes": float(max((r.get("time/train_min", 0.0) for r in rows), default=0.0)),
+        "epoch_s": median([r.get("time/epoch_s", math.nan) for r in steady]),
+        "sampling_s": median([r.get("time/sampling_s", math.nan) for r in steady]),
+        "training_s": median([r.get("time/training_s", math.nan) for r in steady]),
+        "advantages_s": median([r.get("time/advantages_s", math.nan) for r in steady]),
+        "rows": train_rows,
+    }
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def curve_mean(curves: list[dict], key: str, top: float | None = None, points: int = 51) -> tuple[list, list]:
+    """The mean over runs of accuracy against ``key`` (``images`` or ``minutes``) on a common grid up to ``top``
+    (default: the shortest run's last point)."""
+    top = min(c[key][-1] for c in curves) if top is None else top
+    grid = [top * i / (points - 1) for i in range(points)]
+    return grid, [mean_std([interp(x, c[key], c["accuracy"]) for c in curves])[0] for x in grid]

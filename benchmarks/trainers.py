@@ -1,0 +1,352 @@
+"""Which trainer learns fastest here: Flow-GRPO (the main job) against CRD, DiffusionNFT, AWM, DGPO,
+Diffusion-DPO and D3PO on the shapes model, under the same training-time budget, seeds and eval set.
+
+Each trainer runs its shipped config (``configs/shapes/<trainer>.yaml``) with the benchmark's common overrides
+(``--set``, e.g. ``sampling.precision=bfloat16``), Flow-GRPO with the strict-count training reward the others
+use. Runs are launched one after another (``--parallel 2`` runs two at a time, each with one thread) by
+
+    python -m flowrl train configs/shapes/<trainer>.yaml run.output_dir=benchmarks/out/trainers/<trainer>_s<seed>
+        run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null eval.at_start=false
+
+(the base model is evaluated once, ``base/``, and is every curve's first point). Evaluation time is excluded from
+the budget. Outputs (``--results``, default ``benchmarks/results``):
+
+- ``trainers.png``: held-out accuracy against (a) training minutes and (b) images sampled (thin lines: seeds,
+  thick: their mean);
+- ``trainers.json`` / ``trainers.md``: accuracy at 10 and 30 training minutes (mean ± std over seeds, linearly
+  interpolated between evaluations), accuracy at equal images, per-task accuracy at the end, seconds per epoch,
+  images per training minute, epochs and images in the budget;
+- ``--sweep``: each trainer's shipped config and a short sweep of its learning rate and its main coefficient
+  (``SWEEP``, one at a time), one seed each, reported in ``trainers_sweep.{json,md}``.
+
+Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 128
+training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
+4 pairs (a correct image preferred to an incorrect one); the images it sampled are reported beside its row.
+
+    python benchmarks/trainers.py --make-pairs
+    python benchmarks/trainers.py --sweep --minutes 10 --parallel 2 --set sampling.precision=bfloat16
+    python benchmarks/trainers.py --minutes 10 --seeds 0 1 --parallel 2 --set sampling.precision=bfloat16
+    python benchmarks/trainers.py --minutes 30 --seeds 0 1 --trainers nft awm flow_grpo --tag 30min ...
+    python benchmarks/trainers.py --analyse-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.runs import (clean, curve_mean, fmt, interp, mean_std, read_curve, save_figure,  # noqa: E402
+                             train_run)
+
+TRAINERS = ("flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
+METRIC = "eval/shapes/accuracy"
+KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+STRICT = "reward.train={shapes: {weight: 1.0, kwargs: {count_mode: strict}}}"
+# What every trainer's run gets on top of its config (the main job's config trains on the partial-count reward).
+TRAINER_OVERRIDES = {"flow_grpo": [STRICT]}
+COLORS = {"flow_grpo": "tab:blue", "crd": "tab:orange", "nft": "tab:green", "awm": "tab:red", "dgpo": "tab:purple",
+          "dpo": "tab:brown", "d3po": "tab:pink"}
+# The sweep: each trainer's learning rate, then its main coefficient, one at a time around the shipped config.
+SWEEP = {
+    "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4, 1e-2]},
+    "crd": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.3, 3.0]},
+    "nft": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.1, 0.3]},
+    "awm": {"optim.lr": [1e-5, 1e-4], "train.ema_kl_coef": [0.1, 3.0]},
+    "dgpo": {"optim.lr": [3e-5, 3e-4], "train.beta": [10.0, 1000.0]},
+    "dpo": {"optim.lr": [3e-5, 3e-4], "train.beta": [100.0, 5000.0]},
+    "d3po": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.03, 0.3]},
+}
+PAIRS = ROOT / "benchmarks" / "out" / "trainers" / "dpo_pairs"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/trainers.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0, help="training minutes per run (run.max_minutes)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    p.add_argument("--eval-every-minutes", type=float, default=None, help="default: minutes / 2")
+    p.add_argument("--max-epochs", type=int, default=100_000, help="run.max_epochs (default: time-bound)")
+    p.add_argument("--num-eval-prompts", type=int, default=300, help="data.num_eval_prompts")
+    p.add_argument("--eval-steps", type=int, default=20, help="sampling.eval_num_steps")
+    p.add_argument("--model-path", default=None, help="model.path (default: the shipped shapes model)")
+    p.add_argument("--pairs", default=str(PAIRS), help="Diffusion-DPO's pair shards (pairs.path)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra override for every run (repeatable), e.g. --set sampling.precision=bfloat16")
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time (each with OMP_NUM_THREADS=1)")
+    p.add_argument("--tag", default="", help="suffix of the run directories and result files (e.g. 30min)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "trainers"), help="run directories")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where trainers*.* go")
+    p.add_argument("--reuse", action="store_true", help="skip runs whose directory already has metrics")
+    p.add_argument("--sweep", action="store_true", help="the learning-rate / coefficient sweep (first seed only)")
+    p.add_argument("--make-pairs", action="store_true", help="write Diffusion-DPO's pairs (--pairs) and stop")
+    p.add_argument("--pair-prompts", type=int, default=128, help="--make-pairs: training prompts sampled")
+    p.add_argument("--analyse-only", action="store_true", help="train nothing; analyse the runs in --out")
+    return p.parse_args(argv)
+
+
+# ============================================================================ Diffusion-DPO's pairs
+
+
+def make_pairs(out: Path, *, prompts: int, per_prompt: int = 16, pairs_per_prompt: int = 4, steps: int = 10,
+               seed: int = 0, model_path: str | None = None, bf16: bool = False) -> dict:
+    """Sample the base model on training prompts (``bf16``: under bfloat16 autocast), score strictly, write
+    (correct, incorrect) pairs of each prompt."""
+    import numpy as np
+    import torch
+
+    import rewards
+    from flowrl.data.prompts import load_prompts
+    from flowrl.data.webdataset_io import write_pair_shards
+    from flowrl.models.shapes import ShapesModel
+    from flowrl.sample import generate
+
+    train = load_prompts("shapes:train")
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(train), generator=generator)[:prompts].tolist()
+    model = ShapesModel.from_pretrained(model_path)
+    reward = rewards.load("shapes", count_mode="strict")
+    pairs, start = [], time.perf_counter()
+    for n, i in enumerate(chosen):
+        prompt = train.prompts[i]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            images = generate(model, [prompt] * per_prompt,
+                              [seed * 1_000_003 + i * per_prompt + k for k in range(per_prompt)], steps=steps,
+                              batch_size=per_prompt)
+        correct = reward(images, [prompt] * per_prompt, [train.metadata[i]] * per_prompt).details["correct"].bool()
+        good, bad = torch.nonzero(correct).flatten().tolist(), torch.nonzero(~correct).flatten().tolist()
+        for k in range(min(len(good), len(bad), pairs_per_prompt)):
+            to_uint8 = lambda x: (x.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)  # noqa: E731
+            pairs.append((to_uint8(images[good[k]]), to_uint8(images[bad[k]]), prompt,
+                          {"kind": train.metadata[i].get("kind"), "prompt_index": i}))
+        if (n + 1) % 32 == 0:
+            print(f"pairs: {n + 1}/{len(chosen)} prompts, {len(pairs)} pairs", flush=True)
+    write_pair_shards(pairs, out)
+    info = {"prompts": len(chosen), "images_sampled": len(chosen) * per_prompt, "pairs": len(pairs),
+            "steps": steps, "bf16": bf16, "seconds": round(time.perf_counter() - start, 1)}
+    (out / "info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+# ============================================================================ training
+
+
+def run_dir(out: Path, trainer: str, seed: int, variant: str = "", tag: str = "") -> Path:
+    return out / f"{trainer}{'_' + variant if variant else ''}_s{seed}{'_' + tag if tag else ''}"
+
+
+def common_overrides(args: argparse.Namespace, trainer: str) -> dict:
+    every = args.eval_every_minutes or args.minutes / 2
+    overrides = {"run.max_minutes": args.minutes, "run.max_epochs": args.max_epochs, "eval.every_minutes": every,
+                 "eval.every_epochs": "null", "eval.at_start": "false", "data.num_eval_prompts": args.num_eval_prompts,
+                 "sampling.eval_num_steps": args.eval_steps}
+    if args.model_path is not None:
+        overrides["model.path"] = args.model_path
+    if trainer == "dpo":
+        overrides["pairs.path"] = args.pairs
+    return overrides
+
+
+def launch(jobs: list[dict], parallel: int) -> list[dict]:
+    """Run ``jobs`` (``config``, ``out``, ``overrides``, ``extra``, ``label``, ``reuse``), ``parallel`` at a time."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # each run one thread: runs side by side do not fight over cores
+
+    def one(job: dict) -> dict:
+        result = train_run(job["config"], job["out"], job["overrides"], job["extra"], reuse=job["reuse"],
+                           label=job["label"])
+        return {**{k: job[k] for k in ("trainer", "seed", "variant")}, **result}
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def base_evaluation(args: argparse.Namespace) -> dict | None:
+    """The shipped model's evaluation, once (a run of 0 epochs evaluates at its start)."""
+    out = Path(args.out) / f"base_{args.num_eval_prompts}x{args.eval_steps}"
+    if not (out / "metrics.jsonl").is_file() and not args.analyse_only:
+        overrides = {**common_overrides(args, "flow_grpo"), "run.max_epochs": 0, "eval.at_start": "true"}
+        launch([{"config": ROOT / "configs" / "shapes" / "flow_grpo.yaml", "out": out, "overrides": overrides,
+                 "extra": [o for o in args.overrides if not o.startswith("sampling.precision")], "label": "base",
+                 "reuse": False, "trainer": "base", "seed": 0, "variant": ""}], 1)
+    curve = read_curve(out, METRIC)
+    return curve["evals"][0] if curve else None
+
+
+def jobs_for(args: argparse.Namespace) -> list[dict]:
+    out, jobs = Path(args.out), []
+
+    def add(trainer: str, seed: int, variant: str = "", extra: list[str] = ()) -> None:
+        jobs.append({"config": ROOT / "configs" / "shapes" / f"{trainer}.yaml",
+                     "out": run_dir(out, trainer, seed, variant, args.tag),
+                     "overrides": {**common_overrides(args, trainer), "run.seed": seed},
+                     "extra": [*TRAINER_OVERRIDES.get(trainer, []), *args.overrides, *extra],
+                     "label": f"trainers: {trainer} {variant} seed {seed}".replace("  ", " "), "reuse": args.reuse,
+                     "trainer": trainer, "seed": seed, "variant": variant})
+
+    if args.sweep:
+        for trainer in args.trainers:
+            add(trainer, args.seeds[0])  # the shipped config
+            for key, values in SWEEP[trainer].items():
+                for value in values:
+                    add(trainer, args.seeds[0], f"{key.split('.')[-1]}={value:g}", [f"{key}={value}"])
+    else:
+        for seed in args.seeds:  # seed-major: an interrupted benchmark still has every trainer for early seeds
+            for trainer in args.trainers:
+                add(trainer, seed)
+    return jobs
+
+
+# ============================================================================ analysis
+
+
+def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_images: float | None) -> dict:
+    equal_images = min(r["images"][-1] for (t, _), r in runs.items() if t != "dpo") if any(
+        t != "dpo" for t, _ in runs) else math.nan
+    out: dict = {"equal_images": equal_images, "trainers": {}}
+    for trainer in trainers:
+        mine = [r for (t, _), r in sorted(runs.items()) if t == trainer]
+        if not mine:
+            continue
+        entry: dict = {"seeds": len(mine)}
+        for minutes in (10, 30):
+            entry[f"acc_at_{minutes}min"], entry[f"acc_at_{minutes}min_std"] = mean_std(
+                [interp(minutes, r["minutes"], r["accuracy"]) for r in mine])
+        entry["acc_at_equal_images"], entry["acc_at_equal_images_std"] = mean_std(
+            [interp(equal_images, r["images"], r["accuracy"]) for r in mine])
+        entry["acc_final"], entry["acc_final_std"] = mean_std([r["accuracy"][-1] for r in mine])
+        for kind in KINDS:
+            entry[kind] = mean_std([float(r["evals"][-1].get(f"eval/shapes/{kind}", math.nan)) for r in mine])[0]
+        for key in ("final_images", "final_minutes", "epochs", "epoch_s", "sampling_s", "training_s"):
+            entry[key] = mean_std([float(r[key]) for r in mine])[0]
+        entry["images_per_min"] = entry["final_images"] / entry["final_minutes"] if entry["final_minutes"] else math.nan
+        if trainer == "dpo" and pair_images:
+            entry["offline_images"] = pair_images
+        out["trainers"][trainer] = entry
+    return out
+
+
+def markdown(summary: dict, base: dict | None) -> str:
+    kinds = " | ".join(KINDS)
+    lines = [f"| trainer | seeds | accuracy @ 10 min | accuracy @ 30 min "
+             f"| accuracy @ {summary['equal_images']:.0f} images | final | {kinds} | s / epoch | images / min | epochs | images |",
+             "|---|---|---|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|"]
+    if base is not None:
+        per_kind = " | ".join(fmt(base.get(f"eval/shapes/{k}", math.nan), 2) for k in KINDS)
+        lines.append(f"| base model | | {fmt(base[METRIC])} | | | | {per_kind} | | | 0 | 0 |")
+    for trainer, e in summary["trainers"].items():
+        def pm(key: str) -> str:
+            return f"{fmt(e[key])} ± {fmt(e[key + '_std'])}" if math.isfinite(e[key]) else "n/a"
+
+        images = fmt(e["final_images"], 0) + (f" (+{e['offline_images']:.0f} offline)" if "offline_images" in e else "")
+        lines.append(f"| {trainer} | {e['seeds']} | {pm('acc_at_10min')} | {pm('acc_at_30min')} | "
+                     f"{pm('acc_at_equal_images')} | {pm('acc_final')} | "
+                     + " | ".join(fmt(e[k], 2) for k in KINDS)
+                     + f" | {fmt(e['epoch_s'], 1)} | {fmt(e['images_per_min'], 0)} | {fmt(e['epochs'], 1)} "
+                     f"| {images} |")
+    lines.append("")
+    lines.append("Held-out `eval/shapes/accuracy`, mean ± std over seeds, linearly interpolated between evaluations; "
+                 "per-task accuracies at each run's last evaluation (mean over seeds); seconds per epoch are medians "
+                 "over epochs after the first; images per minute are images sampled per training minute "
+                 "(evaluation excluded).")
+    return "\n".join(lines)
+
+
+def sweep_markdown(runs: dict[tuple[str, str], dict]) -> str:
+    lines = ["| trainer | setting | accuracy at the end | training minutes | epochs | images |",
+             "|---|---|---|---|---|---|"]
+    for (trainer, variant), r in sorted(runs.items()):
+        lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} "
+                     f"| {fmt(r['final_minutes'], 1)} "
+                     f"| {r['epochs']} | {r['final_images']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for ax, key, label in ((axes[0], "minutes", "training minutes (evaluation excluded)"),
+                           (axes[1], "images", "images sampled")):
+        for trainer in summary["trainers"]:
+            mine = [r for (t, _), r in sorted(runs.items()) if t == trainer]
+            if key == "images" and trainer == "dpo":
+                continue  # offline: it samples nothing while it trains
+            color = COLORS.get(trainer)
+            for r in mine:
+                ax.plot(r[key], r["accuracy"], color=color, alpha=0.35, linewidth=0.8, marker=".", markersize=3)
+            grid, means = curve_mean(mine, key)
+            seeds = f"{len(mine)} seed{'s' * (len(mine) > 1)}"
+            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{trainer} ({seeds})")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("(a) accuracy vs training time")
+    axes[1].set_title("(b) accuracy vs images sampled (Diffusion-DPO: offline)")
+    fig.suptitle(title)
+    save_figure(fig, path)
+
+
+# ============================================================================ main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train (unless ``--analyse-only``), analyse, plot; returns the result dict (also written as JSON)."""
+    args = parse_args(argv)
+    out, results = Path(args.out), Path(args.results)
+    if args.make_pairs:
+        info = make_pairs(Path(args.pairs), prompts=args.pair_prompts, model_path=args.model_path,
+                          bf16=any(o == "sampling.precision=bfloat16" for o in args.overrides))
+        print(json.dumps(info), flush=True)
+        return info
+    base = base_evaluation(args)
+    jobs = jobs_for(args)
+    launched = [] if args.analyse_only else launch(jobs, args.parallel)
+    runs = {}
+    for job in jobs:
+        curve = read_curve(job["out"], METRIC, initial=base)
+        if curve is None:
+            print(f"trainers: no evaluated metrics in {job['out']}; left out", flush=True)
+            continue
+        curve.pop("rows")
+        runs[(job["trainer"], job["variant"] if args.sweep else job["seed"])] = curve
+    if not runs:
+        raise SystemExit(f"trainers: no runs with metrics under {out}")
+    results.mkdir(parents=True, exist_ok=True)
+    name = "trainers_sweep" if args.sweep else "trainers" + (f"_{args.tag}" if args.tag else "")
+    settings = {k: v for k, v in vars(args).items() if k not in ("analyse_only", "reuse")}
+    if args.sweep:
+        table = sweep_markdown(runs)
+        result = {"settings": settings, "launched": launched, "runs": {f"{t} {v}": r for (t, v), r in runs.items()},
+                  "table_md": table}
+    else:
+        pair_info = Path(args.pairs) / "info.json"
+        pair_images = json.loads(pair_info.read_text())["images_sampled"] if pair_info.is_file() else None
+        summary = summarise(runs, args.trainers, pair_images)
+        table = markdown(summary, base)
+        plot(runs, summary, results / f"{name}.png",
+             f"Trainers on the shapes model: {args.minutes:g} training minutes, {len(args.seeds)} seed(s)")
+        result = {"settings": settings, "launched": launched, "base": base, "summary": summary,
+                  "runs": {f"{t}_s{s}": r for (t, s), r in runs.items()}, "table_md": table,
+                  "figure": str(results / f"{name}.png")}
+    (results / f"{name}.json").write_text(json.dumps(clean(result), indent=2, default=str) + "\n")
+    (results / f"{name}.md").write_text(f"# {name}\n\n" + table + "\n")
+    print(table, flush=True)
+    return clean(result)
+
+
+if __name__ == "__main__":
+    main()

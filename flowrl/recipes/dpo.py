@@ -1,0 +1,219 @@
+"""Diffusion-DPO: direct preference optimization of a flow model on offline preference pairs.
+
+Paper: Wallace et al., "Diffusion Model Alignment Using Direct Preference Optimization" (arXiv 2311.12908);
+objective in docs/trainers.md, "Diffusion-DPO". The data are webdataset shards of pairs
+(``<key>.chosen.png``, ``<key>.rejected.png``, ``<key>.txt``: ``flowrl.data.webdataset_io.read_pairs``), e.g.
+human choices (Pick-a-Pic) or a reward's choices between a model's own samples. One epoch:
+
+1. ``pairs.pairs_per_epoch`` pairs are taken from the set in a seeded order (every pair once per pass over
+   the data), their images encoded into the model's latent space (``encode_images``);
+2. :func:`train_epoch`: both images of a pair are noised with the *same* ``(t, eps)`` (``train.times``:
+   ``share: group``, ``noise: group``, ``t ~ U(0, 1)`` by default); with the flow-matching errors of the policy
+   and of the frozen reference, ``Delta = -(err - err_ref)``, the loss is
+   ``-log sigmoid(beta (Delta_chosen - Delta_rejected))``.
+
+Nothing is sampled during training: the run's ``images_sampled`` stays 0 (the images that made an offline
+set count where it was made). Where flowrl departs: the model is a flow model, so the errors are velocity
+errors (``u = eps - x0``), not epsilon errors; ``beta`` is the code's ``beta_dpo / 2`` and absorbs the
+``(1 - t)^2`` between the two (docs/trainers.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flowrl.config import RunConfig, bounds, fail
+from flowrl.models.config import ModelConfig
+from flowrl.recipes import Recipe
+from flowrl.rl.evaluate import EvalConfig
+from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
+from flowrl.rl.optim import OptimConfig
+from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
+from flowrl.rl.sampling import SamplingConfig
+from rewards.config import RewardConfig
+
+__all__ = ["PairsConfig", "TrainConfig", "Config", "PairSet", "train_epoch", "main", "RECIPE"]
+
+
+@dataclass
+class PairsConfig:
+    path: str = ""  # shards: a directory of .tar files, a glob or a brace pattern
+    pairs_per_epoch: int = field(default=64, metadata=bounds(ge=1, le=1_000_000))
+
+
+@dataclass
+class TrainConfig(ForwardTrainConfig):
+    times: TimesConfig = field(default_factory=lambda: TimesConfig(count=1, mode="uniform", share="group",
+                                                                   noise="group"))
+    beta: float = field(default=2500.0, metadata=bounds(gt=0))  # flowrl beta = the code's beta_dpo / 2
+    label_smoothing: float = field(default=0.0, metadata=bounds(ge=0, le=0.5))  # conservative DPO
+
+    def check(self) -> None:
+        if self.times.noise != "group" or self.times.share == "sample":
+            fail("times", "the two images of a pair are noised with the same (t, eps): set share to group or batch "
+                 "and noise to group")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/dpo"))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # eval prompts (training prompts come with the pairs)
+    pairs: PairsConfig = field(default_factory=PairsConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # eval steps / guidance, precision
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # eval rewards
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def check(self) -> None:
+        if not self.pairs.path:
+            fail("pairs.path", "name the preference-pair shards (a directory, glob or brace pattern of .tar files "
+                 "holding <key>.chosen.png, <key>.rejected.png and <key>.txt)")
+        self.train.times.check_schedule(self.sampling.num_steps)
+
+
+class PairSet:
+    """The preference pairs of a run and the pairs of each epoch.
+
+    Epoch ``e`` takes the pairs at positions ``e P .. (e + 1) P - 1`` of an endless sequence made of seeded
+    permutations of the set (one per pass over the data), so every pair is used once per pass; process
+    ``r`` of ``W`` holds the ``r``-th contiguous ``P / W`` of them.
+
+    Args:
+        path: the shards.
+        pairs_per_epoch: ``P``.
+        seed: the run seed.
+    """
+
+    def __init__(self, path: str, pairs_per_epoch: int, seed: int):
+        from flowrl.data.webdataset_io import read_pairs
+
+        self.pairs = read_pairs(path)
+        self.pairs_per_epoch, self.seed = pairs_per_epoch, seed
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def indices(self, epoch: int) -> list[int]:
+        """The set's indices of the epoch's ``P`` pairs, in epoch order."""
+        from samplers import derive_seed
+
+        n, out, orders = len(self.pairs), [], {}
+        for position in range(epoch * self.pairs_per_epoch, (epoch + 1) * self.pairs_per_epoch):
+            data_pass = position // n
+            if data_pass not in orders:
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, data_pass, 0xD90))
+                orders[data_pass] = torch.randperm(n, generator=generator).tolist()
+            out.append(orders[data_pass][position % n])
+        return out
+
+    def epoch(self, model, epoch: int, dist):
+        """This process's share of the epoch as :class:`flowrl.rl.forward.ForwardData`: rows ``2j`` (chosen,
+        advantage +1) and ``2j + 1`` (rejected, -1) of pair ``j``, whose group id is ``j``.
+
+        Raises:
+            ModelLoadError: the model adapter cannot encode images.
+            ShardError: an image is unreadable or its size does not match the model's.
+        """
+        import numpy as np
+
+        from flowrl.data.webdataset_io import ShardError, decode_image
+        from flowrl.models.base import ModelLoadError
+        from flowrl.rl.forward import ForwardData
+
+        encode = getattr(model, "encode_images", None)
+        if encode is None:
+            raise ModelLoadError(f"Diffusion-DPO encodes the pairs' images into the model's latent space, and the "
+                                 f"{type(model).__name__} adapter has no encode_images")
+        per_process = self.pairs_per_epoch // dist.world_size
+        first = dist.rank * per_process
+        chosen = self.indices(epoch)[first: first + per_process]
+        images, prompts = [], []
+        for j in chosen:
+            pair = self.pairs[j]
+            for role in ("chosen", "rejected"):
+                image = decode_image(getattr(pair, role), f"the {role} image of pair {pair.key!r}")
+                images.append(torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1))
+            prompts += [pair.prompt, pair.prompt]
+        pixels = torch.stack(images)
+        with torch.no_grad():
+            x0 = encode(pixels.to(model.device)).float().cpu()
+        if tuple(x0.shape[1:]) != tuple(model.latent_shape):
+            raise ShardError(f"the pairs' images ({pixels.shape[2]}x{pixels.shape[3]}) encode to latents of shape "
+                             f"{tuple(x0.shape[1:])}, but the model samples {tuple(model.latent_shape)}; resize the "
+                             "pairs "
+                             "to the model's resolution")
+        pair_ids = torch.arange(first, first + per_process).repeat_interleave(2)
+        return ForwardData(x0=x0, cond={k: v.cpu() for k, v in model.encode_prompts(prompts).items()},
+                           advantages=torch.tensor([1.0, -1.0]).repeat(per_process), group_ids=pair_ids,
+                           sample_ids=torch.arange(2 * first, 2 * (first + per_process)),
+                           valid=torch.ones(2 * per_process, dtype=torch.bool))
+
+
+def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *, ema=None, health=None,
+                progress=None) -> dict[str, float]:
+    """Diffusion-DPO over the epoch's pairs; one optimizer step per minibatch of pairs.
+
+    Args:
+        data: the epoch's pairs as :class:`flowrl.rl.forward.ForwardData` (:meth:`PairSet.epoch`).
+        sigmas: the sampling schedule (for ``train.times.mode`` ``schedule`` / ``stratified``).
+
+    Returns:
+        ``train/...`` means: ``loss``, ``implicit_acc`` (pairs with ``Delta_chosen > Delta_rejected``),
+        ``reward_margin`` (``beta (Delta_chosen - Delta_rejected)``), ``kl_ref`` (mean ``|err - err_ref|``),
+        ``grad_norm``, ``optimizer_steps``, ``lr``.
+    """
+    from flowrl.core.diffusion_preference import diffusion_dpo_loss
+    from flowrl.core.forward_losses import velocity_error
+    from flowrl.rl.forward import train_forward_epoch
+
+    t = cfg.train
+
+    def objective(batch):
+        # Whole pairs, ordered by pair: each pair's chosen row comes before its rejected row.
+        chosen = batch.advantages > 0
+        err, err_ref = velocity_error(batch.v, batch.target), velocity_error(batch.v_ref, batch.target)
+        loss = diffusion_dpo_loss(err[chosen], err[~chosen], err_ref[chosen], err_ref[~chosen], beta=t.beta,
+                                  label_smoothing=t.label_smoothing).mean()
+        with torch.no_grad():
+            delta = -(err - err_ref)
+            margin = t.beta * (delta[chosen] - delta[~chosen])
+        return loss, {"implicit_acc": (margin > 0).float().mean(), "reward_margin": margin.mean(),
+                      "kl_ref": (err - err_ref).abs().mean()}
+
+    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective, reference=True,
+                               whole_groups=True, ema=ema, health=health, progress=progress)
+
+
+def main(cfg: Config, *, model=None, dist=None) -> int:
+    """Run Diffusion-DPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
+    from flowrl.config import ConfigError
+    from flowrl.rl.online import OnlineLoop
+
+    online = OnlineLoop(cfg, "dpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, rollouts=False,
+                        plot_groups={"dpo": ["train/loss", "train/implicit_acc", "train/reward_margin"]})
+    run, model = online.run, online.model
+    if cfg.pairs.pairs_per_epoch % online.dist.world_size:
+        raise ConfigError("pairs.pairs_per_epoch", f"{cfg.pairs.pairs_per_epoch} pairs do not split over "
+                          f"{online.dist.world_size} processes; make it a multiple of {online.dist.world_size}")
+    pairs = PairSet(cfg.pairs.path, cfg.pairs.pairs_per_epoch, cfg.run.seed)
+    sigmas = model.sigmas(cfg.sampling.num_steps)
+
+    with run:
+        while run.next_epoch():
+            with online.precision():
+                data = pairs.epoch(model, run.epoch, online.dist)
+            metrics = {"train/pairs_seen": (run.epoch + 1) * cfg.pairs.pairs_per_epoch, "train/pair_set": len(pairs)}
+            with online.training(len(data.x0) * cfg.train.times.count * cfg.train.inner_epochs) as bar:
+                metrics.update(train_epoch(model, online.optimizer, data, sigmas, cfg, online.dist, run.epoch,
+                                           ema=online.ema, health=run.health, progress=bar))
+            online.end_epoch(metrics, images=0)
+    return run.finish()
+
+
+RECIPE = Recipe(Config, main)

@@ -1,0 +1,114 @@
+"""DiffusionNFT: online reinforcement of a flow model on the forward process.
+
+Paper: Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process" (arXiv 2509.16117);
+the objective follows the authors' ``scripts/train_nft_sd3.py`` (docs/trainers.md, "DiffusionNFT"). One epoch:
+
+1. ``collect``: the *old* snapshot samples the prompts' groups with any sampler (deterministic Euler ODE
+   by default, ``sampling.step``; the authors use a 2nd-order DPM solver), the images are scored and the
+   rewards turned into group advantages (group mean, batch std: ``advantage.std_scope: batch``);
+2. :func:`train_epoch`: every clean sample is noised afresh at ``train.times.count`` positions of the
+   rollout schedule; the loss contrasts an implicit positive policy ``v+ = b v + (1 - b) v_old`` (pulled
+   toward the target velocity by rewarded samples) with an implicit negative one
+   ``v- = (1 + b) v_old - b v`` (pulled there by unrewarded ones), each error divided by its adaptive
+   normaliser, plus ``kl_coef`` times the squared velocity distance to the frozen reference;
+3. the old snapshot is pulled toward the current weights, ``old <- d old + (1 - d) theta``, with
+   ``d(s) = min(0.001 s, 0.5)`` over optimizer steps (``train.old``).
+
+Training is CFG-free (the policy is trained without guidance; rollouts may use ``sampling.guidance``).
+
+Where flowrl departs from the authors' code:
+
+- the training times are drawn per epoch from the rollout schedule exactly as the code does (a random
+  permutation of the positions per sample, its first ``count``), but each is its own pass with its own
+  noise, and the loss is averaged over the epoch's (sample, time) pairs with flowrl's global normalisation
+  (one process with accumulation ``2a`` = two with ``a``);
+- the old snapshot is a copy of the trained tensors evaluated with ``torch.func.functional_call``
+  (``flowrl.rl.snapshots``) rather than a second LoRA adapter;
+- samples whose reward is NaN are left out of the update and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flowrl.config import RunConfig, bounds
+from flowrl.recipes import Recipe
+from flowrl.rl.advantages import AdvantageConfig
+from flowrl.rl.forward import ForwardTrainConfig, check_forward_config
+from flowrl.rl.online import OnlineConfig
+from flowrl.rl.sampling import SamplingConfig
+from flowrl.rl.snapshots import SnapshotConfig
+
+__all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
+
+
+@dataclass
+class TrainConfig(ForwardTrainConfig):
+    beta: float = field(default=1.0, metadata=bounds(gt=0))  # b, the implicit policies' step (paper's beta)
+    kl_coef: float = field(default=1e-4, metadata=bounds(ge=0))  # weight of mean_d (v - v_ref)^2
+    adv_clip: float = field(default=5.0, metadata=bounds(gt=0))  # advantage clip in r, and the loss scale
+    # The old snapshot (sampler and v_old): DiffusionNFT's default decay min(0.001 s, 0.5).
+    old: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
+                                                                       maximum=0.5))
+
+
+@dataclass
+class Config(OnlineConfig):
+    run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/nft"))
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(std_scope="batch"))
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def check(self) -> None:
+        check_forward_config(self)
+
+
+def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *, old, ema=None, health=None,
+                progress=None) -> dict[str, float]:
+    """DiffusionNFT's loss over the epoch's (sample, training time) pairs; one optimizer step per minibatch.
+
+    Args:
+        data: the epoch's :class:`flowrl.rl.forward.ForwardData` (clean samples, advantages ``[n]``).
+        sigmas: the rollout schedule (training times are drawn from it).
+        old: the old :class:`flowrl.rl.snapshots.ParamSnapshot` (``v_old``).
+
+    Returns:
+        ``train/...`` means: ``loss``, ``policy_loss``, ``kl_loss``, ``kl_ref``, ``old_deviation``,
+        ``reward_weight``, ``grad_norm``, ``optimizer_steps``, ``lr``.
+    """
+    from flowrl.core.forward_losses import nft_loss
+    from flowrl.rl.forward import train_forward_epoch
+
+    t = cfg.train
+
+    def objective(batch):
+        out = nft_loss(batch.v, batch.snapshots["old"], batch.v_ref, batch.x_t, batch.x0, batch.t, batch.advantages,
+                       beta=t.beta, kl_coef=t.kl_coef, adv_clip=t.adv_clip)
+        return out.loss, {"policy_loss": out.policy_loss, "kl_loss": out.kl_loss, **out.stats}
+
+    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
+                               snapshots={"old": old}, reference=t.kl_coef > 0, ema=ema, health=health,
+                               progress=progress)
+
+
+def main(cfg: Config, *, model=None, dist=None) -> int:
+    """Run DiffusionNFT as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
+    from flowrl.rl.forward import forward_epoch
+    from flowrl.rl.online import OnlineLoop
+    from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+
+    online = OnlineLoop(cfg, "nft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        plot_groups={"nft": ["train/policy_loss", "train/old_deviation", "train/old_decay"]})
+    run, model = online.run, online.model
+    old = ParamSnapshot(model, cfg.train.old.schedule())  # the sampler, and v_old of the loss
+    run.track(old=old)
+
+    with run:
+        while run.next_epoch():
+            metrics, rollouts = forward_epoch(online, train_epoch, old=old,
+                                              velocity_fn=old.velocity_fn(model, cfg.sampling.guidance))
+            metrics["train/old_decay"] = old.update(model, optimizer_steps(online.optimizer))
+            online.end_epoch(metrics, rollouts)
+    return run.finish()
+
+RECIPE = Recipe(Config, main)

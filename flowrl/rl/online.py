@@ -1,0 +1,196 @@
+"""The parts every online image recipe builds the same way, and the epoch steps they share.
+
+A recipe's ``main`` stays a readable loop (docs/architecture.md, "Adding a trainer")::
+
+    online = OnlineLoop(cfg, "my_recipe", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
+    run, model = online.run, online.model
+    run.track(old=snapshot)                                   # the recipe's own extra state
+    with run:
+        while run.next_epoch():
+            rollouts, advantages, valid, metrics = online.collect(run.epoch)
+            if run.check_rewards(metrics, cfg.sampling.samples_per_epoch):
+                with online.training(passes) as bar:          # run.updating(), precision, progress
+                    metrics.update(train_epoch(...))
+            online.end_epoch(metrics, rollouts)               # scheduler, reward details, timings, log
+    return run.finish()
+
+:class:`OnlineLoop` builds the run (:class:`flowrl.rl.run.OnlineRun`), the model, the training reward, the
+group sampler, the evaluator, AdamW with its warm-up, the EMA and the per-prompt tracker, and checkpoints
+them under the names ``model``, ``optimizer``, ``scheduler``, ``ema``, ``tracker``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.config import RunConfig, bounds
+from flowrl.models.config import ModelConfig
+from flowrl.rl.advantages import AdvantageConfig
+from flowrl.rl.evaluate import EvalConfig
+from flowrl.rl.optim import OptimConfig
+from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
+from flowrl.rl.sampling import SamplingConfig
+from rewards.config import RewardConfig
+
+__all__ = ["OnlineConfig", "UpdateConfig", "OnlineLoop"]
+
+
+@dataclass
+class OnlineConfig:
+    """The sections every online recipe's ``Config`` composes (a recipe subclasses it, adds its ``train``
+    section and may redeclare a section to change its defaults)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass
+class UpdateConfig:
+    """The ``train`` fields that shape the update of every trainer but Flow-GRPO (which keeps its own)."""
+
+    inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
+    minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
+    micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # rows per backward, per process
+    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # evaluation EMA; None: none
+
+
+class OnlineLoop:
+    """The shared parts of an online recipe (see the module docstring).
+
+    Args:
+        cfg: the recipe's config (``run``, ``model``, ``data``, ``sampling``, ``advantage``, ``optim``,
+            ``reward``, ``eval``, ``log``, ``checkpoint`` sections).
+        recipe: the recipe's registry name.
+        model / dist: injected model adapter and :class:`flowrl.dist.Dist` (tests, notebooks).
+        ema_decay: decay of the evaluation EMA of the trained weights (None: no EMA).
+        plot_groups: extra plots, as for :class:`flowrl.rl.run.OnlineRun`.
+        per_sample: advantages are one per sample (``[n]``; trainers without denoising-step credit).
+        rollouts: False for offline trainers (no training reward, group sampler or advantage tracker; the
+            config then needs no ``advantage`` section and no training prompts).
+
+    Attributes:
+        run, dist, model, reward, sampler, evaluator, optimizer, scheduler, ema, tracker; and, for online
+        recipes, ``sigmas`` (the rollout schedule), ``step`` and ``window`` (the rollout's ``samplers.Step``
+        and ``samplers.Window``, from the ``sampling`` section).
+    """
+
+    def __init__(self, cfg, recipe: str, *, model=None, dist=None, ema_decay: float | None = None,
+                 plot_groups: dict[str, list[str]] | None = None, per_sample: bool = False, rollouts: bool = True):
+        from flowrl.core.advantages import PerPromptStatTracker
+        from flowrl.data.group_sampler import GroupSampler
+        from flowrl.data.prompts import load_prompts
+        from flowrl.rl.evaluate import Evaluator
+        from flowrl.rl.optim import build_ema, build_optimizer
+        from flowrl.rl.run import OnlineRun, TrainableWeights
+
+        self.cfg, self.recipe, self.per_sample = cfg, recipe, per_sample
+        self.run = run = OnlineRun(cfg, recipe, dist=dist, plot_groups=plot_groups)
+        self.dist, s = run.dist, cfg.sampling
+        self.model = model = run.prepare_model(model)
+        self.reward = self.sampler = self.tracker = None
+        if rollouts:
+            self.reward = cfg.reward.build_train(self.dist.device)
+            train_set = load_prompts(cfg.data.train_prompts)
+            self.sampler = GroupSampler(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch,
+                                        group_size=s.group_size, seed=cfg.run.seed,
+                                        num_processes=self.dist.world_size, rank=self.dist.rank)
+            a = cfg.advantage
+            self.tracker = PerPromptStatTracker(a.per_prompt_buffer, a.per_prompt_min_count, eps=a.eps, clip=a.clip)
+        self.evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(self.dist.device),
+                                   load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts),
+                                   steps=s.eval_num_steps, guidance=s.guidance if s.eval_guidance is None
+                                   else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
+                                   logger=run.logger)
+        self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
+        # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
+        model.denoiser, self.optimizer = self.dist.prepare_training(
+            model.denoiser, self.optimizer, micro_batch_size=cfg.train.micro_batch_size, grad_clip=cfg.optim.grad_clip)
+        self.ema = build_ema(model.trainable_parameters(), ema_decay)  # the prepared (possibly sharded) ones
+        run.track(model=TrainableWeights(model), optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
+                  tracker=self.tracker)
+        run.evaluation(lambda epoch, should_stop: self.evaluator(model, epoch, self.ema, should_stop))
+        if rollouts:
+            from flowrl.rl.sampling import rollout_step, rollout_window
+
+            self.sigmas = model.sigmas(s.num_steps)
+            self.step, self.window = rollout_step(s, self.sigmas), rollout_window(s)
+        self._train_start = time.perf_counter()
+
+    def precision(self):
+        """The ``sampling.precision`` autocast context (rollouts and training, never evaluation)."""
+        from flowrl.rl.sampling import autocast
+
+        return autocast(self.cfg.sampling, self.dist.device)
+
+    def collect(self, epoch: int, *, velocity_fn=None, store_x0: bool = False):
+        """Roll out, decode and score this process's shard of ``epoch``, then compute advantages.
+
+        Args:
+            epoch: the epoch (drives prompts, seeds and the window).
+            velocity_fn: sample with this velocity (e.g. a snapshot's) instead of the policy's.
+            store_x0: keep the predicted clean latents of every step (cosine credit).
+
+        Returns:
+            ``(rollouts, advantages, valid, metrics)`` as :func:`flowrl.rl.collect.collect_epoch` and
+            :func:`flowrl.rl.advantages.compute_advantages` return them (``metrics`` with
+            ``time/advantages_s``).
+        """
+        from flowrl.rl.advantages import compute_advantages
+        from flowrl.rl.collect import collect_epoch
+
+        cfg, dist, s = self.cfg, self.dist, self.cfg.sampling
+        bar = tqdm(total=s.samples_per_epoch // dist.world_size, desc=f"epoch {epoch + 1} sampling", leave=False,
+                   disable=not dist.is_main, dynamic_ncols=True)
+        with bar, self.precision():
+            rollouts = collect_epoch(self.model, self.sampler.epoch(epoch), step=self.step, window=self.window,
+                                     epoch=epoch, seed=cfg.run.seed, reward=self.reward, guidance=s.guidance,
+                                     batch_size=s.batch_size, store_x0=store_x0, velocity_fn=velocity_fn, progress=bar)
+        start = time.perf_counter()
+        with self.precision():
+            advantages, valid, metrics = compute_advantages(
+                rollouts, cfg.advantage, dist, seed=cfg.run.seed, epoch=epoch, tracker=self.tracker, model=self.model,
+                reward=self.reward, guidance=s.guidance, batch_size=s.batch_size, per_sample=self.per_sample)
+        self._train_start = time.perf_counter()
+        metrics["time/advantages_s"] = self._train_start - start
+        return rollouts, advantages, valid, metrics
+
+    @contextlib.contextmanager
+    def training(self, total: int, epoch: int | None = None) -> Iterator:
+        """The update block: ``run.updating()``, the precision context and a progress bar of ``total`` ticks."""
+        epoch = self.run.epoch if epoch is None else epoch
+        with self.run.updating(), self.precision(), tqdm(total=total, desc=f"epoch {epoch + 1} training",
+                                                         leave=False, disable=not self.dist.is_main,
+                                                         dynamic_ncols=True) as bar:
+            yield bar
+
+    def end_epoch(self, metrics: dict, rollouts=None, *, images: int | None = None) -> None:
+        """Step the learning-rate schedule, add the reward details and timings of ``rollouts``, and close
+        the epoch (:meth:`flowrl.rl.run.OnlineRun.end_epoch`: evaluate if due, log, checkpoint).
+
+        ``images``: images sampled this epoch (default ``sampling.samples_per_epoch``)."""
+        self.scheduler.step()
+        if rollouts is not None:
+            for key, value in rollouts.details.items():
+                gathered = self.dist.gather(value)
+                finite = gathered[torch.isfinite(gathered)]
+                metrics[f"train/reward/{key}"] = float(finite.mean()) if finite.numel() else math.nan
+            metrics.update({"time/sampling_s": rollouts.timings["sampling"],
+                            "time/scoring_s": rollouts.timings["scoring"],
+                            "time/scoring_wait_s": rollouts.timings["scoring_wait"]})
+        metrics["time/training_s"] = time.perf_counter() - self._train_start
+        self.run.end_epoch(metrics, images=self.cfg.sampling.samples_per_epoch if images is None else images)

@@ -1,0 +1,49 @@
+"""Smoke test of benchmarks/trainers.py on the tiny shapes model: pairs for Diffusion-DPO, a base evaluation
+shared by every curve, two trainers trained and read back, the figure and the table with a row per trainer;
+and the sweep's variants with their override in each run's config."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import trainers  # noqa: E402
+
+TINY = ["--set", "sampling.num_steps=4", "--set", "sampling.group_size=2", "--set", "sampling.groups_per_epoch=2",
+        "--set", "sampling.batch_size=4", "--set", "train.micro_batch_size=4", "--set", "eval.grid_size=0",
+        "--set", "sampling.window.max_start=null"]
+
+
+@pytest.mark.slow
+def test_trainers_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path):
+    pairs = tmp_path / "pairs"
+    info = trainers.main(["--make-pairs", "--model-path", str(tiny_shapes_dir), "--pairs", str(pairs),
+                          "--pair-prompts", "2"])
+    assert info["images_sampled"] == 2 * 16 and (pairs / "info.json").is_file()
+    common = ["--model-path", str(tiny_shapes_dir), "--minutes", "5", "--max-epochs", "2", "--eval-every-minutes",
+              "100", "--seeds", "0", "--num-eval-prompts", "2", "--eval-steps", "2", "--out", str(tmp_path / "runs"),
+              "--results", str(tmp_path / "results"), "--pairs", str(pairs), *TINY]
+    # The random tiny model draws nothing correct: no pairs, so Diffusion-DPO is not run here.
+    result = trainers.main([*common, "--trainers", "flow_grpo", "nft"])
+    assert [r["status"] for r in result["launched"]] == ["ok", "ok"]
+    assert "count_mode: strict" in (tmp_path / "runs" / "flow_grpo_s0" / "config.yaml").read_text()
+    summary = result["summary"]["trainers"]
+    assert set(summary) == {"flow_grpo", "nft"}
+    for entry in summary.values():
+        assert entry["epochs"] == 2 and entry["final_images"] == 2 * 2 * 2  # 2 epochs of 2 groups of 2
+    # Every curve starts at the one base evaluation.
+    assert all(run["images"][0] == 0 and run["accuracy"][0] == result["base"]["eval/shapes/accuracy"]
+               for run in result["runs"].values())
+    table = (tmp_path / "results" / "trainers.md").read_text()
+    assert "| flow_grpo |" in table and "| nft |" in table and "| base model |" in table
+    assert (tmp_path / "results" / "trainers.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "results" / "trainers.json").read_text())["settings"]["trainers"] == ["flow_grpo",
+                                                                                                         "nft"]
+    sweep = trainers.main([*common, "--trainers", "nft", "--sweep"])
+    assert sorted(sweep["runs"]) == sorted(["nft "] + [f"nft {k.split('.')[-1]}={v:g}"
+                                                       for k, vs in trainers.SWEEP["nft"].items() for v in vs])
+    assert "beta: 0.1" in (tmp_path / "runs" / "nft_beta=0.1_s0" / "config.yaml").read_text()
