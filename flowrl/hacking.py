@@ -43,7 +43,7 @@ import torch
 
 __all__ = ["hacking_panel", "pixel_drift", "feature_drift", "group_diversity", "background_stats",
            "extra_objects", "strict_correct", "shapes_metrics", "shapes_feature_fn", "diversity_rows",
-           "FOREGROUND_DISTANCE"]
+           "is_shapes_world", "FOREGROUND_DISTANCE"]
 
 FeatureFn = Callable[[torch.Tensor], torch.Tensor]  # images [B, 3, H, W] in [0, 1] -> features [B, D]
 
@@ -183,7 +183,7 @@ def diversity_rows(split: str = "eval", n_prompts: int = 16, seeds_per_prompt: i
     return [(prompt, kind, base * 1000 + k) for prompt, kind, base in rows for k in range(seeds_per_prompt)]
 
 
-def _is_shapes_world(prompts: Sequence[str]) -> bool:
+def is_shapes_world(prompts: Sequence[str]) -> bool:
     from flowrl.data.shapes import PromptParseError, parse_prompt
 
     try:
@@ -241,6 +241,6 @@ def hacking_panel(images: torch.Tensor, prompts: Sequence[str], *, base_images: 
             out["hack/drift_feature"] = feature_drift(tuned_features, embed(base_images))
     if tuned_features is not None:
         out["hack/diversity"] = group_diversity(tuned_features, list(groups) if groups is not None else prompts)
-    if shapes if shapes is not None else _is_shapes_world(prompts):
+    if shapes if shapes is not None else is_shapes_world(prompts):
         out.update(shapes_metrics(images, prompts))
     return out

@@ -9,6 +9,7 @@ from typing import Any
 
 from flowrl.config import fail
 
+from .adversarial import DiscriminatorSchedule
 from .base import Reward, RewardError
 
 __all__ = ["RewardConfig"]
@@ -21,6 +22,12 @@ class RewardConfig:
     train: dict[str, Any] = field(default_factory=lambda: {"shapes": 1.0})
     # Rewards scored at evaluation; one that is also in `train` reuses its kwargs (paths, URLs).
     eval: list[str] = field(default_factory=lambda: ["shapes"])
+    # Held-out rewards, never trained on, scored on the evaluation images in the hacking panel
+    # (hack/heldout/<name>): names, or {name: {kwargs: {...}}} entries.
+    heldout: list[Any] = field(default_factory=list)
+    # When `train` holds a trainable reward (adversarial): which epochs train the discriminator and which the
+    # policy (Adv-GRPO: 9 discriminator epochs of every 10).
+    discriminator: DiscriminatorSchedule = field(default_factory=DiscriminatorSchedule)
 
     def check(self) -> None:
         from flowrl.registry import UnknownNameError
@@ -39,6 +46,27 @@ class RewardConfig:
             registered = entry.get("reward", name) if isinstance(entry, dict) else name
             if registered not in REWARDS:
                 fail("eval", str(UnknownNameError("reward", registered, REWARDS.names())))
+        trained = {name for name, entry in self.train.items()} | {
+            entry["reward"] for entry in self.train.values() if isinstance(entry, dict) and "reward" in entry}
+        for name, entry in self._heldout_specs():
+            try:
+                check_reward_spec({name: entry})
+            except (RewardError, UnknownNameError) as err:
+                fail("heldout", str(err))
+            registered = entry.get("reward", name) if isinstance(entry, dict) else name
+            if name in trained or registered in trained:
+                fail("heldout", f"{name!r} is also in reward.train, so it is not held out; remove it from one of them")
+
+    def _heldout_specs(self) -> list[tuple[str, Any]]:
+        specs = []
+        for item in self.heldout:
+            if isinstance(item, str):
+                specs.append((item, 1.0))
+            elif isinstance(item, dict) and len(item) == 1:
+                specs.append(next(iter(item.items())))
+            else:
+                fail("heldout", f"each entry is a reward name or {{name: {{kwargs: ...}}}}, got {item!r}")
+        return specs
 
     def build_train(self, device=None) -> Reward:
         """The training reward (a weighted sum when several are named); rewards that take a ``device``
@@ -56,3 +84,11 @@ class RewardConfig:
 
         return {name: build_reward({name: unweighted(self.train.get(name, 1.0))},
                                    device=None if device is None else str(device)) for name in self.eval}
+
+    def build_heldout(self, device=None) -> dict[str, Reward]:
+        """``{name: reward}`` for every held-out reward, unweighted."""
+        from .compose import build_reward
+
+        return {name: build_reward({name: {**entry, "weight": 1.0} if isinstance(entry, dict) else 1.0},
+                                   device=None if device is None else str(device))
+                for name, entry in self._heldout_specs()}

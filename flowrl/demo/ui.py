@@ -184,7 +184,8 @@ def _noise(value, sampler: str) -> float | None:
 
 def handle_compare(state: DemoState, models, prompts, seeds, steps, guidance, sampler, noise_level, reward_names,
                    progress=None):
-    """Compare tab: ``(grid image, mean rewards DataFrame, per-image DataFrame, status markdown)``."""
+    """Compare tab: ``(grid image, mean rewards DataFrame, per-image DataFrame, status markdown, hacking panel
+    DataFrame)``."""
     import pandas as pd
 
     from flowrl.demo.engine import compare
@@ -226,7 +227,27 @@ def handle_compare(state: DemoState, models, prompts, seeds, steps, guidance, sa
               f"{steps} {sampler} steps, guidance {guidance:g}"
               + (f", noise level {noise:g}" if noise is not None else "")
               + (". Prompt: " + prompt_list[0] if len(prompt_list) == 1 else ""))
-    return grid, means, per_image, status
+    return grid, means, per_image, status, _hacking_table(result, prompt_list, seed_list)
+
+
+def _hacking_table(result, prompts: list[str], seeds: list[int]):
+    """The reward-hacking panel (flowrl/hacking.py) of each model's images: drift against the first model's
+    images of the same noise, diversity across the seeds of a prompt, and for the shapes world extra objects,
+    background shift from white and strict-count accuracy."""
+    import pandas as pd
+
+    from flowrl.hacking import hacking_panel, is_shapes_world, shapes_feature_fn
+
+    labels = [p for p in prompts for _ in seeds]
+    features = shapes_feature_fn() if is_shapes_world(prompts) else None
+    first = result.models[0]
+    rows = []
+    for name in result.models:
+        base = result.images[first] if name != first else None
+        panel = hacking_panel(result.images[name], labels, base_images=base, features=features)
+        rows.append({"model": name, **{k.removeprefix("hack/"): round(v, 4) for k, v in panel.items()
+                                       if k.count("/") == 1 and k not in ("hack/bg_r", "hack/bg_g", "hack/bg_b")}})
+    return pd.DataFrame(rows)
 
 
 def handle_trajectory(state: DemoState, model_name, prompt, seed, steps, guidance, sampler, noise_level, reward_name,
@@ -397,12 +418,16 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                         c_means = gr.Dataframe(label="Mean reward per model", interactive=False,
                                                elem_id="compare-means")
                         c_status = gr.Markdown(elem_id="compare-status")
+                        c_hack = gr.Dataframe(label="Reward hacking: what the reward cannot see (drift from the "
+                                              "first model's images of the same noise, diversity over seeds, "
+                                              "extra objects, background shift from white in 0-255 units, "
+                                              "strict-count accuracy)", interactive=False, elem_id="compare-hacking")
                         with gr.Accordion("Scores of every image", open=False):
                             c_table = gr.Dataframe(interactive=False, elem_id="compare-table")
                 c_sampler.change(lambda s: NOISE_DEFAULTS.get(s, 0.7), c_sampler, c_noise, api_visibility="private")
                 c_run.click(run_compare,
                             [c_models, c_prompts, c_seeds, c_steps, c_guidance, c_sampler, c_noise, c_rewards],
-                            [c_grid, c_means, c_table, c_status], api_name="compare", **concurrency)
+                            [c_grid, c_means, c_table, c_status, c_hack], api_name="compare", **concurrency)
 
             with gr.Tab("Trajectory", id="trajectory"):
                 with gr.Row():

@@ -163,7 +163,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     with run:
         while run.next_epoch():
             rollouts, _, valid, metrics = online.collect(run.epoch)
-            if run.check_rewards(metrics, s.samples_per_epoch):
+            if online.updates_policy(metrics):
                 pairs = group_pairs(torch.where(valid, rollouts.rewards, torch.nan), rollouts.group_ids)
                 passes = 2 * pairs[0].numel() * len(rollouts.trained_steps) * cfg.train.inner_epochs
                 with online.training(passes) as bar:

@@ -217,3 +217,26 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
 
 RECIPE = Recipe(Config, main)
+
+
+def dry_run_overrides(data: dict, workdir) -> list[str]:
+    """``flowrl train --dry-run``: stand-in preference pairs (random images) when ``pairs.path`` has none."""
+    import numpy as np
+
+    from flowrl.data.webdataset_io import ShardError, shard_paths, write_pair_shards
+
+    pairs = data.setdefault("pairs", {})
+    source = pairs.get("path")
+    try:
+        shard_paths(source)
+        return [f"pairs.path: {source} (found)"]
+    except (ShardError, TypeError):
+        pass
+    rng = np.random.default_rng(0)
+    side = int((data.get("model") or {}).get("resolution") or 64)  # the (tiny) model's resolution
+    image = lambda: rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # noqa: E731
+    stand_in = workdir / "stand_in_pairs"
+    write_pair_shards(((image(), image(), p, None) for p in ["a red circle", "two blue squares"] * 4), stand_in)
+    pairs["path"], pairs["pairs_per_epoch"] = str(stand_in), min(int(pairs.get("pairs_per_epoch", 8)), 8)
+    return [f"pairs.path: {source} is missing; 8 random stand-in pairs (the real run needs webdataset shards of "
+            f"<key>.chosen.png, <key>.rejected.png, <key>.txt there: flowrl.data.webdataset_io.write_pair_shards)"]

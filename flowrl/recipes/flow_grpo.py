@@ -163,7 +163,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         while run.next_epoch():
             epoch = run.epoch
             rollouts, advantages, valid, metrics = online.collect(epoch, store_x0="step_weights" in cfg.advantage.needs)
-            if run.check_rewards(metrics, s.samples_per_epoch):  # False: every reward NaN, nothing to learn
+            if online.updates_policy(metrics):  # False: every reward NaN, or a discriminator-only epoch
                 # One tick per (sample, trained step) forward-backward pass.
                 passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs
                 with online.training(passes) as bar:

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import bounds
+from flowrl.rl.panel import HackingConfig, HackingPanel, gather_images
 
 __all__ = ["EvalConfig", "Evaluator"]
 
@@ -23,6 +24,7 @@ class EvalConfig:
     at_start: bool = True
     batch_size: int = field(default=100, metadata=bounds(ge=1, le=4096))
     grid_size: int = field(default=32, metadata=bounds(ge=0, le=1024))
+    hacking: HackingConfig = field(default_factory=HackingConfig)  # the hack/* panel (flowrl/rl/panel.py)
 
 
 class Evaluator:
@@ -38,14 +40,21 @@ class Evaluator:
         dist: the run's :class:`flowrl.dist.Dist`.
         output_dir: the run directory (grids go to ``samples/epoch_<N>.png``: base vs current model).
         logger: the run's :class:`flowrl.logging.MetricsLogger` (grids also go to TensorBoard / wandb).
+        heldout: ``{name: reward}`` of ``reward.heldout``, scored in the hacking panel.
+        kl_step / kl_guidance: the training rollout's ``samplers.Step`` and guidance (``hack/kl_to_base``).
     """
 
     def __init__(self, cfg: EvalConfig, rewards: dict, prompt_set, *, steps: int, guidance: float, dist,
-                 output_dir: Path, logger=None):
+                 output_dir: Path, logger=None, heldout: dict | None = None, kl_step=None,
+                 kl_guidance: float | None = None):
         self.cfg, self.rewards, self.prompt_set = cfg, rewards, prompt_set
         self.steps, self.guidance, self.dist, self.output_dir = steps, guidance, dist, Path(output_dir)
         self.logger = logger
         self._base: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+        self.panel = HackingPanel(cfg.hacking, list(prompt_set.prompts), list(prompt_set.metadata),
+                                  heldout=heldout or {}, kl_step=kl_step, kl_guidance=kl_guidance, steps=steps,
+                                  guidance=guidance, batch_size=cfg.batch_size, dist=dist) \
+            if cfg.hacking.enabled else None
 
     def __call__(self, model, epoch: int, ema=None, should_stop=None) -> dict[str, float]:
         """``{"eval/<reward>/mean": ..., "eval/<reward>/accuracy": ..., ...}``; the EMA weights (if any) are
@@ -69,10 +78,15 @@ class Evaluator:
         model.eval()
         bar = tqdm(total=len(rows), desc=f"eval (epoch {epoch})", leave=False, disable=not dist.is_main,
                    dynamic_ncols=True)
+        panel: dict[str, float] = {}
         try:
             images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
                               batch_size=self.cfg.batch_size, progress=bar.update,
                               should_stop=should_stop) if rows else None
+            if self.panel is not None:  # with the evaluated (EMA) weights still in place
+                every = gather_images(dist, images, n, per_process)
+                all_seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]
+                panel = self.panel(model, epoch, every, all_seeds, should_stop=should_stop)
         finally:
             bar.close()
             if ema is not None:
@@ -99,6 +113,7 @@ class Evaluator:
                 for kind in sorted({k for k in kinds if k}):
                     selected = torch.tensor([k == kind for k in kinds])
                     metrics[f"eval/{name}/{kind}"] = float(correct[selected].mean())
+        metrics.update(panel)
         if dist.is_main and images is not None and self.cfg.grid_size:
             k = min(self.cfg.grid_size, len(rows))
             self._save_grid(model, epoch, images[:k], prompts[:k], seeds[:k],
@@ -113,7 +128,9 @@ class Evaluator:
         from flowrl.sample import generate
 
         if self._base is None:
-            if epoch == 0:
+            if self.panel is not None:  # drew every eval row already (rank 0's rows come first)
+                base = self.panel.base_images(model, epoch, images, seeds)[: images.shape[0]]
+            elif epoch == 0:
                 base = images
             else:
                 was_training = model.training

@@ -355,7 +355,7 @@ def forward_epoch(online, train_epoch: Callable, *, velocity_fn=None, **state) -
     """
     cfg, run = online.cfg, online.run
     rollouts, advantages, valid, metrics = online.collect(run.epoch, velocity_fn=velocity_fn)
-    if run.check_rewards(metrics, cfg.sampling.samples_per_epoch):
+    if online.updates_policy(metrics):
         passes = int(valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
         with online.training(passes) as bar:
             data = ForwardData.from_rollouts(rollouts, advantages, valid)

@@ -8,15 +8,18 @@ A recipe's ``main`` stays a readable loop (docs/architecture.md, "Adding a train
     with run:
         while run.next_epoch():
             rollouts, advantages, valid, metrics = online.collect(run.epoch)
-            if run.check_rewards(metrics, cfg.sampling.samples_per_epoch):
+            if online.updates_policy(metrics):                       # run.check_rewards, reward.discriminator
                 with online.training(passes) as bar:          # run.updating(), precision, progress
                     metrics.update(train_epoch(...))
             online.end_epoch(metrics, rollouts)               # scheduler, reward details, timings, log
     return run.finish()
 
 :class:`OnlineLoop` builds the run (:class:`flowrl.rl.run.OnlineRun`), the model, the training reward, the
-group sampler, the evaluator, AdamW with its warm-up, the EMA and the per-prompt tracker, and checkpoints
-them under the names ``model``, ``optimizer``, ``scheduler``, ``ema``, ``tracker``.
+group sampler, the evaluator (with its hacking panel), AdamW with its warm-up, the EMA and the per-prompt
+tracker, and checkpoints them under the names ``model``, ``optimizer``, ``scheduler``, ``ema``, ``tracker``;
+a trainable reward in the training reward (the adversarial discriminator) trains on the collected images on
+the schedule of ``reward.discriminator`` and is checkpointed as ``reward_models``
+(:mod:`flowrl.rl.reward_training`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class OnlineLoop:
         from flowrl.data.prompts import load_prompts
         from flowrl.rl.evaluate import Evaluator
         from flowrl.rl.optim import build_ema, build_optimizer
+        from flowrl.rl.reward_training import RewardTraining
         from flowrl.rl.run import OnlineRun, TrainableWeights
 
         self.cfg, self.recipe, self.per_sample = cfg, recipe, per_sample
@@ -111,11 +115,20 @@ class OnlineLoop:
                                         num_processes=self.dist.world_size, rank=self.dist.rank)
             a = cfg.advantage
             self.tracker = PerPromptStatTracker(a.per_prompt_buffer, a.per_prompt_min_count, eps=a.eps, clip=a.clip)
+        self.reward_training = RewardTraining(self.reward, cfg.reward.discriminator, self.dist)
+        run.track(reward_models=self.reward_training if self.reward_training else None)
+        self.step = self.window = None
+        if rollouts:
+            from flowrl.rl.sampling import rollout_step, rollout_window
+
+            self.sigmas = model.sigmas(s.num_steps)
+            self.step, self.window = rollout_step(s, self.sigmas), rollout_window(s)
         self.evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(self.dist.device),
                                    load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts),
                                    steps=s.eval_num_steps, guidance=s.guidance if s.eval_guidance is None
                                    else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
-                                   logger=run.logger)
+                                   logger=run.logger, heldout=cfg.reward.build_heldout(self.dist.device),
+                                   kl_step=self.step, kl_guidance=s.guidance)
         self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
         # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
         model.denoiser, self.optimizer = self.dist.prepare_training(
@@ -124,11 +137,6 @@ class OnlineLoop:
         run.track(model=TrainableWeights(model), optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
                   tracker=self.tracker)
         run.evaluation(lambda epoch, should_stop: self.evaluator(model, epoch, self.ema, should_stop))
-        if rollouts:
-            from flowrl.rl.sampling import rollout_step, rollout_window
-
-            self.sigmas = model.sigmas(s.num_steps)
-            self.step, self.window = rollout_step(s, self.sigmas), rollout_window(s)
         self._train_start = time.perf_counter()
 
     def precision(self):
@@ -165,9 +173,18 @@ class OnlineLoop:
             advantages, valid, metrics = compute_advantages(
                 rollouts, cfg.advantage, dist, seed=cfg.run.seed, epoch=epoch, tracker=self.tracker, model=self.model,
                 reward=self.reward, guidance=s.guidance, batch_size=s.batch_size, per_sample=self.per_sample)
+        metrics.update(self.reward_training.update(epoch, rollouts))  # after scoring: the rewards used the old head
         self._train_start = time.perf_counter()
         metrics["time/advantages_s"] = self._train_start - start
         return rollouts, advantages, valid, metrics
+
+    def updates_policy(self, metrics: dict) -> bool:
+        """Whether this epoch updates the policy: not on a discriminator-only epoch of ``reward.discriminator``,
+        nor when every reward is NaN (:meth:`flowrl.rl.run.OnlineRun.check_rewards`, which also stops a run
+        whose rewards stay degenerate)."""
+        if not self.reward_training.trains_policy(self.run.epoch):
+            return False
+        return self.run.check_rewards(metrics, self.cfg.sampling.samples_per_epoch)
 
     @contextlib.contextmanager
     def training(self, total: int, epoch: int | None = None) -> Iterator:

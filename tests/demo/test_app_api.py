@@ -23,7 +23,7 @@ def test_api_lists_the_three_tabs(client):
 
 
 def test_compare_returns_a_grid_and_scores(client):
-    grid, means, per_image, status = client.predict(
+    grid, means, per_image, status, hacking = client.predict(
         ["base", "flow_grpo", "lora"], "a red circle\ntwo blue squares", "0-2", 3, 1.0, "flow_sde", 0.7,
         ["shapes", "jpeg_compressibility"], api_name="/compare")
     with Image.open(grid) as image:
@@ -38,6 +38,13 @@ def test_compare_returns_a_grid_and_scores(client):
     assert headers == ["model", "prompt", "seed", "shapes", "shapes correct", "jpeg_compressibility"]
     assert len(rows) == 3 * 2 * 3
     assert "18 images" in status
+    headers, rows = _table(hacking)
+    assert headers[0] == "model" and {"drift_pixel", "extra_object_rate", "bg_shift", "accuracy_strict",
+                                      "diversity"} <= set(headers)
+    assert [r[0] for r in rows] == ["base", "flow_grpo", "lora"]
+    drift = headers.index("drift_pixel")
+    assert rows[0][drift] is None or rows[0][drift] != rows[0][drift]  # the first model is the reference: no drift
+    assert rows[1][drift] > 0  # the tuned model's images differ from the base model's of the same noise
 
 
 def test_trajectory_returns_the_strip_the_curve_and_the_steps(client):

@@ -1,0 +1,221 @@
+"""The reward-hacking panel of an online run, measured at every evaluation (``hack/*`` in ``metrics.jsonl``).
+
+What a reward cannot see, the panel measures (the metrics are :func:`flowrl.hacking.hacking_panel`'s; the
+loop adds the images and the base model):
+
+- drift from the base model: the evaluation images against the base model's images of the same prompts and
+  initial noise (drawn once, by the reference weights: LoRA adapters off, or the frozen copy of a full
+  fine-tune), ``hack/drift_pixel`` and, with a feature network, ``hack/drift_feature``;
+- diversity within a prompt: ``eval.hacking.diversity_prompts`` eval prompts drawn with
+  ``eval.hacking.diversity_seeds`` seeds each, ``hack/diversity``;
+- for the shapes world: ``hack/extra_object_rate``, ``hack/extra_objects``, ``hack/bg_shift``,
+  ``hack/bg_r/g/b``, ``hack/accuracy_strict[/kind]``;
+- ``hack/kl_to_base``: the KL between the policy's and the base model's transitions of the training rollout
+  step, along the policy's ODE path of ``eval.hacking.kl_prompts`` eval prompts (measured even when the loss
+  has no KL term; same units as ``train/kl_ref``: the per-step Gaussian KL, averaged over the stochastic steps);
+- the held-out rewards of ``reward.heldout`` (never trained on): ``hack/heldout/<name>/mean`` (and
+  ``/accuracy`` when the reward reports correctness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from flowrl.config import bounds, fail
+
+__all__ = ["HackingConfig", "HackingPanel", "kl_to_base"]
+
+
+@dataclass
+class HackingConfig:
+    enabled: bool = True
+    # auto: the shipped shapes encoder when the prompts are the shapes world's, none otherwise; "shapes";
+    # "none" (pixel metrics only); or a local DINOv2 folder (config.json + model.safetensors).
+    features: str = "auto"
+    diversity_prompts: int = field(default=8, metadata=bounds(ge=0, le=256))  # 0: no diversity metric
+    diversity_seeds: int = field(default=4, metadata=bounds(ge=2, le=64))
+    kl_prompts: int = field(default=16, metadata=bounds(ge=0, le=1024))  # 0: no hack/kl_to_base
+
+    def check(self) -> None:
+        if not self.features:
+            fail("features", "empty; use auto, shapes, none or a local DINOv2 folder")
+
+
+FeatureFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def build_features(spec: str, prompts: list[str], device) -> FeatureFn | None:
+    """The panel's feature network (images ``[B, 3, H, W]`` in [0, 1] -> ``[B, D]``) named by ``spec``."""
+    from flowrl.hacking import is_shapes_world, shapes_feature_fn
+
+    if spec == "none" or (spec == "auto" and not is_shapes_world(prompts)):
+        return None
+    if spec in ("auto", "shapes"):
+        return shapes_feature_fn(str(device))
+    from rewards.backbones import load_backbone
+
+    backbone = load_backbone("dinov2", spec, device=str(device))
+
+    @torch.no_grad()
+    def features(images: torch.Tensor) -> torch.Tensor:
+        return backbone(images.to(next(backbone.parameters()).device)).global_token.float().cpu()
+
+    return features
+
+
+@torch.no_grad()
+def kl_to_base(model, step, prompts: list[str], seeds: list[int], *, guidance: float | None,
+               batch_size: int) -> torch.Tensor:
+    """Per-sample KL of the rollout ``step`` between the policy and the base model along the policy's ODE path.
+
+    At every step ``t`` whose transition is stochastic (``std > 0``), both velocities are evaluated at the
+    policy's ODE state ``x_t`` and the step's Gaussian means compared: ``||mu - mu_ref||^2 / (2 std_t^2)``
+    (averaged or summed over elements as the step's ``reduction``, like the training loss's KL).
+
+    Args:
+        model: the policy (a :class:`flowrl.models.base.FlowModel`); its ``reference()`` is the base.
+        step: the training rollout's ``samplers.Step`` on its schedule (``step.sigmas``, ``T`` steps).
+        prompts / seeds: ``B`` prompts and the seeds of their initial noise.
+
+    Returns:
+        ``[B]`` mean over the stochastic steps of the per-step KL (zeros when no step is stochastic).
+    """
+    from flowrl.core.losses import gaussian_kl
+    from samplers import euler_step, initial_noise
+
+    velocity = model.velocity_fn(guidance)
+    sigmas, device = step.sigmas, model.device
+    reduction = step.hyperparams.get("reduction", "mean")
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        cond = model.encode_prompts(chunk)
+        x = initial_noise(model.latent_shape, torch.as_tensor(seeds[start:start + batch_size]), device=device)
+        total, counted = torch.zeros(len(chunk), dtype=torch.float64), 0
+        for t in range(len(sigmas) - 1):
+            sigma = torch.full((len(chunk),), float(sigmas[t]), device=device)
+            v = velocity(x.to(model.dtype), sigma, cond).float()
+            policy = step(v, x.float(), t, x_next=x.float())
+            if float(policy.std.max()) > 0:
+                with model.reference():
+                    v_ref = velocity(x.to(model.dtype), sigma, cond).float()
+                ref = step(v_ref, x.float(), t, x_next=x.float())
+                total += gaussian_kl(policy.mean, ref.mean, policy.std, reduction=reduction).double().cpu()
+                counted += 1
+            x = euler_step(v, x.float(), float(sigmas[t]), float(sigmas[t + 1])).x_next
+        out.append((total / max(counted, 1)).float())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+class HackingPanel:
+    """The ``hack/*`` metrics of one evaluation (see the module docstring).
+
+    Args:
+        cfg: the ``eval.hacking`` section.
+        prompts / metadata: the full eval prompt set (every process sees the same).
+        heldout: ``{name: reward}`` of ``reward.heldout``.
+        kl_step: the training rollout's ``samplers.Step`` (None: no ``hack/kl_to_base``).
+        kl_guidance: the rollout's guidance scale.
+        steps / guidance / batch_size: the evaluation's ODE sampling.
+        dist: the run's :class:`flowrl.dist.Dist`.
+    """
+
+    def __init__(self, cfg: HackingConfig, prompts: list[str], metadata: list[dict], *, heldout: dict,
+                 kl_step=None, kl_guidance: float | None = None, steps: int, guidance: float | None,
+                 batch_size: int, dist):
+        self.cfg, self.prompts, self.metadata, self.heldout = cfg, prompts, metadata, heldout
+        self.kl_step, self.kl_guidance = kl_step, kl_guidance
+        self.steps, self.guidance, self.batch_size, self.dist = steps, guidance, batch_size, dist
+        self._features: FeatureFn | None | bool = False  # built at first use (False: not yet)
+        self._base: torch.Tensor | None = None  # uint8 [n, 3, H, W]: the base model's eval images, all rows
+
+    def features(self) -> FeatureFn | None:
+        if self._features is False:
+            self._features = build_features(self.cfg.features, self.prompts, self.dist.device)
+        return self._features
+
+    def base_images(self, model, epoch: int, images: torch.Tensor, seeds: list[int],
+                    should_stop=None) -> torch.Tensor:
+        """The base model's images of every eval row (``images`` themselves at the evaluation before training;
+        once drawn, later calls return them whatever the arguments)."""
+        if self._base is None:
+            if epoch == 0:
+                base = images
+            else:
+                was_training = model.training
+                model.eval()
+                try:
+                    with model.reference():
+                        base = self._generate(model, self.prompts, seeds, should_stop)
+                finally:
+                    model.train(was_training)
+            self._base = to_uint8(base)
+        return self._base.float() / 255
+
+    def _generate(self, model, prompts: list[str], seeds: list[int], should_stop=None) -> torch.Tensor:
+        """ODE samples of ``prompts`` split over the processes, gathered (every process gets all)."""
+        from flowrl.sample import generate
+
+        dist = self.dist
+        n = len(prompts)
+        per = -(-n // dist.world_size)
+        rows = list(range(dist.rank * per, min((dist.rank + 1) * per, n)))
+        local = generate(model, [prompts[i] for i in rows], [seeds[i] for i in rows], steps=self.steps,
+                         guidance=self.guidance, batch_size=self.batch_size, should_stop=should_stop) if rows else None
+        return gather_images(dist, local, n, per)
+
+    def __call__(self, model, epoch: int, images: torch.Tensor, seeds: list[int], should_stop=None) -> dict[str, float]:
+        """The panel for ``images`` (``[n, 3, H, W]`` in [0, 1]: every eval row, gathered, in order) drawn by
+        ``model`` (its evaluated weights swapped in) at the eval ``seeds``."""
+        from flowrl.hacking import hacking_panel
+        from flowrl.rl.collect import checked_reward
+
+        images = to_uint8(images).float() / 255  # 8-bit, as stored for the base (and as a saved image would be)
+        features = self.features()
+        base = self.base_images(model, epoch, images, seeds, should_stop)
+        metrics = hacking_panel(images, self.prompts, base_images=base, features=features)
+        if self.cfg.diversity_prompts and features is not None:
+            k = min(self.cfg.diversity_prompts, len(self.prompts))
+            prompts = [p for p in self.prompts[:k] for _ in range(self.cfg.diversity_seeds)]
+            group_seeds = [1_000_003 * (i + 1) + j for i in range(k) for j in range(self.cfg.diversity_seeds)]
+            group_images = self._generate(model, prompts, group_seeds, should_stop)
+            metrics["hack/diversity"] = hacking_panel(group_images, prompts, features=features,
+                                                      shapes=False)["hack/diversity"]
+        else:
+            metrics.pop("hack/diversity", None)  # eval prompts are one seed each: no groups to measure
+        for name, reward in self.heldout.items():
+            out = checked_reward(reward, images, self.prompts, self.metadata)
+            metrics[f"hack/heldout/{name}/mean"] = float(out.scores.float().mean())
+            if "correct" in out.details:
+                metrics[f"hack/heldout/{name}/accuracy"] = float(out.details["correct"].float().mean())
+        if self.kl_step is not None and self.cfg.kl_prompts:
+            k = min(self.cfg.kl_prompts, len(self.prompts))
+            per = -(-k // self.dist.world_size)
+            rows = list(range(self.dist.rank * per, min((self.dist.rank + 1) * per, k)))
+            kl = kl_to_base(model, self.kl_step, [self.prompts[i] for i in rows], [seeds[i] for i in rows],
+                            guidance=self.kl_guidance, batch_size=self.batch_size)
+            pad = per - len(rows)
+            keep = self.dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
+            metrics["hack/kl_to_base"] = float(self.dist.gather(torch.cat([kl, torch.zeros(pad)]))[keep].mean())
+        return metrics
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def gather_images(dist, local: torch.Tensor | None, n: int, per: int) -> torch.Tensor:
+    """Every process's ``local`` images (``per`` rows each at most, ``n`` in all) on every process, in row
+    order; sent as uint8 (a quarter of the bytes; the panel's metrics are in 0-255 units anyway)."""
+    if dist.world_size == 1:
+        return local
+    shape = local.shape[1:] if local is not None else None
+    shape = next(s for s in dist.gather_object([shape]) if s is not None)  # a process may hold no rows
+    rows = torch.zeros((per, *shape), dtype=torch.uint8)
+    if local is not None:
+        rows[: local.shape[0]] = to_uint8(local)
+    gathered = dist.gather(rows.to(dist.device)).cpu()
+    return gathered[:n].float() / 255
