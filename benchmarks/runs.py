@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ROOT", "train_run", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
+__all__ = ["ROOT", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
            "save_figure"]
 
 
@@ -46,6 +46,22 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"{label} FAILED (exit {proc.returncode}); last lines:\n  " + "\n  ".join(tail), flush=True)
     return {"status": status, "returncode": proc.returncode, "seconds": round(time.time() - start, 1)}
+
+
+def launch(jobs: list[dict], parallel: int, keys: tuple[str, ...] = ("trainer", "seed", "variant")) -> list[dict]:
+    """Run ``jobs`` (``config``, ``out``, ``overrides``, ``extra``, ``label``, ``reuse``), ``parallel`` at a time;
+    each result carries the job's ``keys``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # each run one thread: runs side by side do not fight over cores
+
+    def one(job: dict) -> dict:
+        result = train_run(job["config"], job["out"], job["overrides"], job["extra"], reuse=job["reuse"],
+                           label=job["label"])
+        return {**{k: job[k] for k in keys}, **result}
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        return list(pool.map(one, jobs))
 
 
 def interp(x: float, xs: list[float], ys: list[float]) -> float:

@@ -35,18 +35,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import (clean, curve_mean, fmt, interp, mean_std, read_curve, save_figure,  # noqa: E402
-                             train_run)
+from benchmarks.runs import (clean, curve_mean, fmt, interp, launch, mean_std, read_curve,  # noqa: E402
+                             save_figure)
 
 TRAINERS = ("flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
 METRIC = "eval/shapes/accuracy"
@@ -155,19 +153,6 @@ def common_overrides(args: argparse.Namespace, trainer: str) -> dict:
     if trainer == "dpo":
         overrides["pairs.path"] = args.pairs
     return overrides
-
-
-def launch(jobs: list[dict], parallel: int) -> list[dict]:
-    """Run ``jobs`` (``config``, ``out``, ``overrides``, ``extra``, ``label``, ``reuse``), ``parallel`` at a time."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # each run one thread: runs side by side do not fight over cores
-
-    def one(job: dict) -> dict:
-        result = train_run(job["config"], job["out"], job["overrides"], job["extra"], reuse=job["reuse"],
-                           label=job["label"])
-        return {**{k: job[k] for k in ("trainer", "seed", "variant")}, **result}
-
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        return list(pool.map(one, jobs))
 
 
 def base_evaluation(args: argparse.Namespace) -> dict | None:
