@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--minutes", type=float, default=30.0, help="training minutes per run (default 30)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="a budget in epochs instead of minutes (evaluations every third of it), for runs that "
+                             "share a loaded machine")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time, one thread each (default 1)")
     parser.add_argument("--eval-every-minutes", type=float, default=None, help="default: a third of the budget")
@@ -95,9 +98,13 @@ def ensure_artifact_model(path: Path) -> None:
 
 
 def jobs_for(args: argparse.Namespace) -> list[dict]:
-    every = args.eval_every_minutes or args.minutes / 3
-    common = {"run.max_minutes": args.minutes, "run.max_epochs": args.max_epochs, "eval.every_minutes": every,
-              "eval.every_epochs": "null", "eval.at_start": "true", "data.num_eval_prompts": args.num_eval_prompts,
+    if args.epochs is not None:
+        budget = {"run.max_minutes": "null", "run.max_epochs": args.epochs, "eval.every_minutes": "null",
+                  "eval.every_epochs": max(1, args.epochs // 3)}
+    else:
+        budget = {"run.max_minutes": args.minutes, "run.max_epochs": args.max_epochs, "eval.every_epochs": "null",
+                  "eval.every_minutes": args.eval_every_minutes or args.minutes / 3}
+    common = {**budget, "eval.at_start": "true", "data.num_eval_prompts": args.num_eval_prompts,
               "sampling.eval_num_steps": args.eval_steps}
     if args.model_path is not None:
         common["model.path"] = args.model_path
@@ -141,14 +148,15 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
 def markdown(summary: dict) -> str:
     keys = (METRIC, *PANEL)
     short = lambda k: k.split("/", 1)[1].replace("shapes/", "")  # noqa: E731
-    lines = ["| variant | seeds | epochs | " + " | ".join(short(k) for k in keys) + " |",
-             "|---|---|---|" + "---|" * len(keys)]
+    lines = ["| variant | seeds | epochs | train min | " + " | ".join(short(k) for k in keys) + " |",
+             "|---|---|---|---|" + "---|" * len(keys)]
     first = next(iter(summary.values()))
-    lines.append("| base (start) | | 0 | " + " | ".join(fmt(first[k]["start"][0]) for k in keys) + " |")
+    lines.append("| base (start) | | 0 | 0 | " + " | ".join(fmt(first[k]["start"][0]) for k in keys) + " |")
     for variant, row in summary.items():
         cells = [f"{fmt(row[k]['end'][0])} ± {fmt(row[k]['end'][1])}" if row["seeds"] > 1 else fmt(row[k]["end"][0])
                  for k in keys]
-        lines.append(f"| {variant} | {row['seeds']} | {row['epochs']:.0f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {variant} | {row['seeds']} | {row['epochs']:.0f} | {row['minutes']:.1f} | "
+                     + " | ".join(cells) + " |")
     lines += ["", "Per task (held-out accuracy at the end):", "",
               "| variant | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
     lines.append("| base (start) | " + " | ".join(fmt(first[f"eval/shapes/{k}"]["start"][0]) for k in KINDS) + " |")
@@ -198,8 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown(summary)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    plot(runs, results / "hacking.png",
-         f"Hacking panel on the shapes model: {args.minutes:g} training minutes, {len(args.seeds)} seed(s)")
+    budget = f"{args.epochs} epochs" if args.epochs is not None else f"{args.minutes:g} training minutes"
+    plot(runs, results / "hacking.png", f"Hacking panel on the shapes model: {budget}, {len(args.seeds)} seed(s)")
     settings = {k: v for k, v in vars(args).items() if k not in ("analyse_only", "reuse")}
     result = {"settings": settings, "summary": summary, "runs": {f"{v}_s{s}": r for (v, s), r in runs.items()},
               "table_md": table}

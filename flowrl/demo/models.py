@@ -173,8 +173,9 @@ class RunInfo:
 
 
 def discover_runs(runs_dir: str | Path | None) -> list[RunInfo]:
-    """Runs under ``runs_dir`` (one level deep) that hold a model: fine-tuning runs with at least one
-    checkpoint, and pretraining runs with a saved ``model/``. Unreadable directories are skipped."""
+    """Runs under ``runs_dir`` (one level deep) that hold an image model: fine-tuning runs with at least one
+    checkpoint, and pretraining runs with a saved ``model/``. Unreadable directories and the runs of token
+    policies (``vlm_*`` recipes: the Agent tab loads those) are skipped."""
     from flowrl.checkpoint import latest_checkpoint
 
     if not runs_dir:
@@ -190,6 +191,8 @@ def discover_runs(runs_dir: str | Path | None) -> list[RunInfo]:
         try:
             recipe = str(_read_yaml(config).get("recipe", "?"))
         except ModelLoadError:
+            continue
+        if recipe.startswith("vlm_"):
             continue
         if recipe == "pretrain":
             if (run / "model" / "model.json").is_file():

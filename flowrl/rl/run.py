@@ -189,11 +189,18 @@ class OnlineRun:
         # What tells a user whether training works, one unit per axis.
         groups = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": ["train/grad_norm"],
                   "signal": ["train/zero_std_frac", "train/clip_frac"],
-                  "policy": ["train/approx_kl", "train/kl_ref"], "hack": ["hack/"],
+                  "policy": ["train/approx_kl", "train/kl_ref", "hack/kl_to_base"],
+                  "hack_accuracy": ["hack/accuracy*", "hack/heldout/*"], "hack_objects": ["hack/extra_object*"],
+                  "hack_pixels": ["hack/bg_shift", "hack/drift_pixel"], "hack_background": ["hack/bg_[rgb]*"],
+                  "hack_features": ["hack/drift_feature", "hack/diversity"],
                   "time_per_epoch": ["time/*_s"], "time_total": ["time/*_min"]}
         units = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
                  "grad_norm": "gradient norm before clipping", "signal": "fraction",
-                 "policy": "KL (nats per element)", "time_per_epoch": "seconds per epoch", "time_total": "minutes"}
+                 "policy": "KL (nats per element)", "hack_accuracy": "accuracy / held-out reward",
+                 "hack_objects": "extra objects per image (rate, mean count)",
+                 "hack_pixels": "RGB distance (0-255)", "hack_background": "mean background colour (0-255)",
+                 "hack_features": "feature cosine distance", "time_per_epoch": "seconds per epoch",
+                 "time_total": "minutes"}
         groups.update(plot_groups or {})
         self.logger = MetricsLogger(self.output_dir, backends=cfg.log.backends, enabled=self.dist.is_main,
                                     project=cfg.log.project, plot_groups=groups, plot_units=units)

@@ -2,6 +2,8 @@
 
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -76,6 +78,11 @@ def test_discover_runs_and_lazy_bank(finetuned_runs, tmp_path):
     assert set(found) == {"flow_grpo_full", "flow_grpo_lora"}
     assert found["flow_grpo_full"].recipe == "flow_grpo"
     assert discover_runs(tmp_path / "missing") == [] and discover_runs(None) == []
+    # A VLM run (a config and a complete checkpoint) is the Agent tab's, not an image model.
+    vlm = tmp_path / "runs" / "vlm_run"
+    shutil.copytree(found["flow_grpo_lora"].path / "checkpoints", vlm / "checkpoints")
+    (vlm / "config.yaml").write_text("recipe: vlm_grpo\n")
+    assert latest_checkpoint(vlm) is not None and discover_runs(tmp_path / "runs") == []
     bank = ModelBank()
     calls = []
     bank.add("run", lambda: calls.append(1) or load_finetuned(found["flow_grpo_lora"].path), source="x", kind="run")

@@ -92,7 +92,8 @@ def test_every_evaluation_logs_the_panel_from_zero_drift_at_the_start(tiny_shape
                 "hack/heldout/jpeg_compressibility/mean"):
         assert all(key in r for r in evals), key
     assert 0 < start["hack/diversity"] <= 2  # cosine distances of random-model images of one prompt
-    assert (tmp_path / "run" / "plots" / "hack.png").exists()
+    for name in ("hack_accuracy", "hack_objects", "hack_pixels", "hack_background", "hack_features", "policy"):
+        assert (tmp_path / "run" / "plots" / f"{name}.png").exists(), name
 
 
 def test_a_trained_reward_cannot_be_held_out(tiny_shapes_dir, tmp_path):
