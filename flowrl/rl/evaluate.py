@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import bounds
-from flowrl.rl.panel import HackingConfig, HackingPanel, gather_images
+from flowrl.rl.panel import HackingConfig, HackingPanel, gather_images, with_reference
 
 __all__ = ["EvalConfig", "Evaluator"]
 
@@ -130,17 +130,9 @@ class Evaluator:
         if self._base is None:
             if self.panel is not None:  # drew every eval row already (rank 0's rows come first)
                 base = self.panel.base_images(model, epoch, images, seeds)[: images.shape[0]]
-            elif epoch == 0:
-                base = images
             else:
-                was_training = model.training
-                model.eval()
-                try:
-                    with model.reference():
-                        base = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
-                                        batch_size=self.cfg.batch_size)
-                finally:
-                    model.train(was_training)
+                base = images if epoch == 0 else with_reference(model, lambda: generate(
+                    model, prompts, seeds, steps=self.steps, guidance=self.guidance, batch_size=self.cfg.batch_size))
             scores = {name: checked_reward(reward, base, prompts, metadata).scores.float()
                       for name, reward in self.rewards.items()}
             self._base = (base, scores)

@@ -26,7 +26,7 @@ import torch
 
 from flowrl.config import bounds, fail
 
-__all__ = ["HackingConfig", "HackingPanel", "kl_to_base"]
+__all__ = ["HackingConfig", "HackingPanel", "kl_to_base", "with_reference"]
 
 
 @dataclass
@@ -142,16 +142,8 @@ class HackingPanel:
         """The base model's images of every eval row (``images`` themselves at the evaluation before training;
         once drawn, later calls return them whatever the arguments)."""
         if self._base is None:
-            if epoch == 0:
-                base = images
-            else:
-                was_training = model.training
-                model.eval()
-                try:
-                    with model.reference():
-                        base = self._generate(model, self.prompts, seeds, should_stop)
-                finally:
-                    model.train(was_training)
+            base = images if epoch == 0 else with_reference(
+                model, lambda: self._generate(model, self.prompts, seeds, should_stop))
             self._base = to_uint8(base)
         return self._base.float() / 255
 
@@ -201,6 +193,17 @@ class HackingPanel:
             keep = self.dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
             metrics["hack/kl_to_base"] = float(self.dist.gather(torch.cat([kl, torch.zeros(pad)]))[keep].mean())
         return metrics
+
+
+def with_reference(model, draw: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``draw()`` with the model's reference (base) weights, in eval mode; the model's mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with model.reference():
+            return draw()
+    finally:
+        model.train(was_training)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
