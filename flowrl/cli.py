@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, _, function_name = COMMANDS[name][0].partition(":")
     function = getattr(importlib.import_module(module_name), function_name)
-    return int(function(rest) or 0)
+    from flowrl.dist import exit_process
+
+    return exit_process(int(function(rest) or 0))  # under a distributed launcher: no teardown abort
 
 
 if __name__ == "__main__":

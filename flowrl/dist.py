@@ -423,3 +423,21 @@ def check_dtype_agrees(mixed_precision: str, dtype: str) -> None:
         raise ConfigError("model.dtype", f"{dtype} disagrees with the launch config's mixed_precision "
                           f"{mixed_precision}; set model.dtype to {' or '.join(allowed)}, or launch with "
                           f"mixed_precision {other}")
+
+
+def exit_process(code: int) -> int:
+    """The exit of a process that may have joined a process group (``accelerate launch``, ``torchrun``).
+
+    After :meth:`Dist.close` has destroyed the group, the interpreter's teardown can still abort in gloo's
+    C++ threads ("terminate called without an active exception", about one exit in ten on CPU), which turns a
+    finished run into a failed launch. A process started by a distributed launcher (``WORLD_SIZE`` > 1)
+    therefore flushes its streams and leaves with ``os._exit(code)``; any other process gets ``code`` back.
+    Call it last, after every output is written."""
+    import os
+    import sys
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

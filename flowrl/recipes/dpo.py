@@ -219,6 +219,19 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 RECIPE = Recipe(Config, main)
 
 
+def _model_resolution(model: dict) -> int:
+    """The pixel side of the (tiny) model of a dry run: the config's, else a shapes model's ``model.json``."""
+    import json
+    from pathlib import Path
+
+    if model.get("resolution"):
+        return int(model["resolution"])
+    saved = Path(str(model.get("path") or "")) / "model.json"
+    if saved.is_file():
+        return int(json.loads(saved.read_text()).get("config", {}).get("resolution", 64))
+    return 64
+
+
 def dry_run_overrides(data: dict, workdir) -> list[str]:
     """``flowrl train --dry-run``: stand-in preference pairs (random images) when ``pairs.path`` has none."""
     import numpy as np
@@ -233,7 +246,7 @@ def dry_run_overrides(data: dict, workdir) -> list[str]:
     except (ShardError, TypeError):
         pass
     rng = np.random.default_rng(0)
-    side = int((data.get("model") or {}).get("resolution") or 64)  # the (tiny) model's resolution
+    side = _model_resolution(data.get("model") or {})
     image = lambda: rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # noqa: E731
     stand_in = workdir / "stand_in_pairs"
     write_pair_shards(((image(), image(), p, None) for p in ["a red circle", "two blue squares"] * 4), stand_in)

@@ -44,4 +44,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    from flowrl.dist import exit_process
+
+    raise SystemExit(exit_process(main(sys.argv[1:])))

@@ -47,6 +47,8 @@ for name in sys.argv[4:]:
                                      tiny_overrides(name, model_dir, f"{{out}}/{{name}}", pairs, **extra))
     assert recipe.main(cfg, dist=dist) == 0
 Dist.close(dist)
+from flowrl.dist import exit_process
+exit_process(0)
 '''
 
 

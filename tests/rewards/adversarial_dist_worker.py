@@ -45,4 +45,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from flowrl.dist import exit_process
+
     main(sys.argv[1])
+    exit_process(0)

@@ -335,7 +335,7 @@ def test_schedule_alternates_like_adv_grpo():
 
     with pytest.raises(ConfigError, match="d_epochs: 10 of every 10 epochs leaves none for the generator"):
         from_dict(DiscriminatorSchedule, {"period": 10, "d_epochs": 10})
-    with pytest.raises(ConfigError, match="period: got 0, must be >= 1"):
+    with pytest.raises(ConfigError, match="period: got 0; must be >= 1"):
         from_dict(DiscriminatorSchedule, {"period": 0})
 
 
