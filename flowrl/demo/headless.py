@@ -97,7 +97,9 @@ _GRID_IMG = "#compare-grid img"
 _GRID_READY = """
 const i = document.querySelector('#compare-grid img');
 const m = document.querySelector('#compare-means');
-return !!(i && i.complete && i.naturalWidth > 0 && m && m.innerText.includes('mean'));
+const h = document.querySelector('#compare-hacking');
+return !!(i && i.complete && i.naturalWidth > 0 && m && m.innerText.includes('mean')
+          && h && h.innerText.includes('model'));
 """
 _FETCH_IMAGE = """
 const done = arguments[arguments.length - 1];
@@ -155,7 +157,8 @@ def capture_compare(url: str, out: str | Path | None = None, *, prompts: str | N
     Returns:
         ``{"png": screenshot bytes, "grid_rect": (x, y, w, h) of the grid image in the screenshot's pixels,
         "grid_natural": (w, h) of the grid image, "grid_png": the grid image's own bytes, "means_text": the
-        mean-reward table's text, "table_text": the per-image table's text, "status_text": the status line}``.
+        mean-reward table's text, "table_text": the per-image table's text, "status_text": the status line,
+        "hacking_text": the reward-hacking panel's text}``.
 
     Raises:
         ChromiumNotFound: no browser; BrowserError: the page did not render the grid in time.
@@ -199,7 +202,8 @@ def capture_compare(url: str, out: str | Path | None = None, *, prompts: str | N
             "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';", selector)
         info = {"png": png, "grid_rect": tuple(round(v) for v in rect), "grid_natural": tuple(natural),
                 "grid_png": base64.b64decode(grid_b64), "means_text": text("#compare-means"),
-                "table_text": text("#compare-table"), "status_text": text("#compare-status")}
+                "table_text": text("#compare-table"), "status_text": text("#compare-status"),
+                "hacking_text": text("#compare-hacking")}
     finally:
         browser.quit()
     if out is not None:

@@ -98,3 +98,6 @@ def test_compare_tab_shows_the_grid_with_images_and_captions(browser_binaries, d
         assert name in info["means_text"]
     assert "mean shapes" in info["means_text"]
     assert "18 images" in info["status_text"]
+    # 5. The reward-hacking panel under it: one row per model, the shapes world's metrics as columns.
+    for word in ("extra_object_rate", "bg_shift", "accuracy_strict", "drift_pixel", "flow_grpo", "lora"):
+        assert word in info["hacking_text"], info["hacking_text"]
