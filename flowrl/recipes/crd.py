@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
-from flowrl.rl.forward import ForwardTrainConfig, TimesConfig, check_forward_config
-from flowrl.rl.online import OnlineConfig
-from flowrl.rl.sampling import SamplingConfig
+from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
 from flowrl.rl.snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
@@ -64,13 +62,9 @@ class TrainConfig(ForwardTrainConfig):
 
 
 @dataclass
-class Config(OnlineConfig):
+class Config(ForwardConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/crd"))
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
     train: TrainConfig = field(default_factory=TrainConfig)
-
-    def check(self) -> None:
-        check_forward_config(self)
 
 
 def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *, old, ema=None, health=None,

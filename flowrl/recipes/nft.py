@@ -34,9 +34,7 @@ from dataclasses import dataclass, field
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
 from flowrl.rl.advantages import AdvantageConfig
-from flowrl.rl.forward import ForwardTrainConfig, check_forward_config
-from flowrl.rl.online import OnlineConfig
-from flowrl.rl.sampling import SamplingConfig
+from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig
 from flowrl.rl.snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
@@ -53,14 +51,10 @@ class TrainConfig(ForwardTrainConfig):
 
 
 @dataclass
-class Config(OnlineConfig):
+class Config(ForwardConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/nft"))
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
     advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(std_scope="batch"))
     train: TrainConfig = field(default_factory=TrainConfig)
-
-    def check(self) -> None:
-        check_forward_config(self)
 
 
 def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *, old, ema=None, health=None,

@@ -29,7 +29,8 @@ from typing import Callable, Literal
 import torch
 
 from flowrl.config import bounds, fail
-from flowrl.rl.online import UpdateConfig
+from flowrl.rl.online import OnlineConfig, UpdateConfig
+from flowrl.rl.sampling import SamplingConfig
 
 __all__ = ["TimesConfig", "ForwardTrainConfig", "ForwardData", "ForwardBatch", "schedule_positions", "draw_times",
            "forward_noise", "training_guidance", "train_forward_epoch", "forward_epoch", "check_forward_config",
@@ -319,6 +320,17 @@ def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tenso
     return {**stats.means(), "train/grad_norm": norm,
             "train/optimizer_steps": int(grad_norms.weights.get("train/grad_norm", 0)),
             "train/lr": optimizer.param_groups[0]["lr"]}
+
+
+@dataclass
+class ForwardConfig(OnlineConfig):
+    """The sections of a forward-process recipe: :class:`OnlineConfig` with deterministic (ODE) rollouts by
+    default, checked by :func:`check_forward_config`. A recipe adds its ``train`` section (and its defaults)."""
+
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
+
+    def check(self) -> None:
+        check_forward_config(self)
 
 
 def check_forward_config(cfg) -> None:
