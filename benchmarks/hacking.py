@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-epochs", type=int, default=100000)
     parser.add_argument("--adv-weight", type=float, default=0.3)
     parser.add_argument("--adv-warmup", type=int, default=3, help="discriminator-only epochs first (default 3)")
+    parser.add_argument("--adv-d-steps", type=int, default=1, help="discriminator steps per epoch (default 1)")
+    parser.add_argument("--adv-lr", type=float, default=1e-4, help="discriminator learning rate (default 1e-4)")
     parser.add_argument("--artifact-weight", type=float, default=0.5)
     parser.add_argument("--artifact-model", default=str(ROOT / "benchmarks" / "out" / "hacking" / "artifact_model"))
     parser.add_argument("--model-path", default=None, help="the model to tune (default: the shipped one)")
@@ -79,7 +81,8 @@ def variant_overrides(args: argparse.Namespace, variant: str) -> tuple[Path, lis
         return shapes / "crd.yaml", []
     if variant == "adversarial":
         return shapes / "flow_grpo.yaml", [
-            f"reward.train={{shapes: 1.0, adversarial: {{weight: {args.adv_weight}, kwargs: {{references: shapes}}}}}}",
+            f"reward.train={{shapes: 1.0, adversarial: {{weight: {args.adv_weight}, kwargs: {{references: shapes, "
+            f"d_steps: {args.adv_d_steps}, lr: {args.adv_lr}}}}}}}",
             "reward.discriminator.period=1", "reward.discriminator.d_epochs=0",
             "reward.discriminator.d_on_generator_epochs=true", f"reward.discriminator.warmup_epochs={args.adv_warmup}"]
     if variant == "artifact":
