@@ -10,7 +10,7 @@ STAMP := $(VENV)/.flowrl-installed
 # Debian's browser and its WebDriver, for the demo's browser test (tests/demo/test_screenshot.py, Selenium).
 BROWSER_PACKAGES := chromium chromium-driver
 
-.PHONY: install browser test demo bench clean
+.PHONY: install browser test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ install: $(STAMP) browser
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The inner loop (about 2 minutes on 2 cores): the math, samplers, configs, data, rewards, environments, model
+# adapters, CLI errors, import rules and the golden metrics of every recipe; tests marked slow are left out.
+FAST_TESTS := tests/core tests/samplers tests/flowrl tests/data tests/rewards tests/envs tests/models \
+	tests/test_configs_load.py tests/test_cli_errors.py tests/test_import_rules.py tests/recipes/test_golden_metrics.py
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/flowrl train configs/shapes/flow_grpo.yaml

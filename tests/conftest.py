@@ -17,3 +17,14 @@ def tiny_shapes_dir(tmp_path_factory) -> Path:
                                text_heads=2)
     ShapesModel.build(config, seed=0).save_pretrained(path)
     return path
+
+
+def pytest_configure(config):
+    """``FLOWRL_TEST_DISABLE_ONEDNN=1`` runs the suite with torch's oneDNN (mkldnn) kernels off: a stand-in for a
+    CPU that takes other kernels, used to check that numeric tests hold across machines."""
+    import os
+
+    if os.environ.get("FLOWRL_TEST_DISABLE_ONEDNN") == "1":
+        import torch
+
+        torch.backends.mkldnn.enabled = False
