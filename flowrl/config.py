@@ -90,6 +90,11 @@ class RunConfig:
     # Training-time budget in minutes, evaluation excluded (None = unlimited). The run checkpoints and
     # stops cleanly when it is spent.
     max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
+    # What max_minutes, eval.every_minutes and time/train_min count: wall-clock time, or this process's CPU
+    # time (all its threads), which does not depend on what else the machine runs.
+    clock: Literal["wall", "cpu"] = "wall"
+    # torch.set_num_threads for the run (None: torch's default, one per core).
+    threads: int | None = dataclasses.field(default=None, metadata=bounds(ge=1, le=1024))
     # Bitwise-reproducible kernels (slower); required for exact resume comparisons.
     deterministic: bool = False
     # Run health: stop (after a checkpoint of the last finite weights) when this many optimizer updates in a
@@ -229,9 +234,50 @@ def _check_bounds(value: Any, limits: dict, path: str) -> None:
         raise ConfigError(path, f"got {_short(value)}; must be {allowed}")
 
 
+_warned_renames: set[str] = set()
+
+
+def renamed_keys(cls: type) -> dict[str, str]:
+    """``{old key: new dotted path}`` of a config class (its ``RENAMED`` class attribute), relative to the class.
+
+    A renamed key keeps working for one release: loading moves its value to the new place and prints a
+    one-line deprecation warning."""
+    return dict(getattr(cls, "RENAMED", {}) or {})
+
+
+def _apply_renames(cls: type, data: dict, path: str) -> dict:
+    renames = renamed_keys(cls)
+    if not renames or not any(key in data for key in renames):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        old_path, new_path = (f"{path}.{old}" if path else old), (f"{path}.{new}" if path else new)
+        if old_path not in _warned_renames:
+            _warned_renames.add(old_path)
+            import sys
+
+            print(f"flowrl: warning: config key {old_path!r} is deprecated; use {new_path!r} (the old name works "
+                  "until the next release)", file=sys.stderr, flush=True)
+        *sections, last = new.split(".")
+        node = data
+        for section in sections:
+            child = node.get(section)
+            node[section] = child = dict(child) if isinstance(child, dict) else {}
+            node = child
+        if last in node and node[last] != value:
+            raise ConfigError(new_path, f"set twice: as {new_path!r} and under its deprecated name {old_path!r}; "
+                              f"keep {new_path!r}")
+        node[last] = value
+    return data
+
+
 def _build(cls: type[T], data: dict, path: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    data = _apply_renames(cls, data, path)
     kwargs = {}
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else str(key)
@@ -346,7 +392,7 @@ def merge_config(base: dict, override: dict, cls: type | None, *, source: str = 
     hints = typing.get_type_hints(cls) if cls is not None else {}
     for key, value in override.items():
         key_path = f"{path}.{key}" if path else str(key)
-        if cls is not None and key not in fields and not (not path and key in extra_keys):
+        if cls is not None and key not in fields and key not in renamed_keys(cls) and not (not path and key in extra_keys):
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(key_path, f"unknown key in {source}{hint}; the base config has: {', '.join(fields)}")

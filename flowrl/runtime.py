@@ -14,7 +14,7 @@ import torch
 
 from flowrl.config import RunConfig
 
-__all__ = ["GracefulStop", "prepare_run", "Deadline", "resolve_device"]
+__all__ = ["GracefulStop", "prepare_run", "Deadline", "CpuDeadline", "make_deadline", "resolve_device"]
 
 
 class GracefulStop:
@@ -82,6 +82,38 @@ class Deadline:
         return self.minutes is not None and self.elapsed_minutes() >= self.minutes
 
 
+class CpuDeadline(Deadline):
+    """``run.max_minutes`` counted in this process's CPU time (all its threads), evaluation excluded.
+
+    On a shared machine wall time depends on everyone else's load; CPU time hardly does, so a budget in CPU
+    minutes buys the same training on an idle machine and beside other jobs. At ``run.threads=1`` a CPU minute
+    is a wall minute of one busy core.
+    """
+
+    def __init__(self, minutes: float | None, already_spent: float = 0.0):
+        super().__init__(minutes, already_spent)
+        self.start_cpu = time.process_time()
+        self.excluded_cpu = 0.0
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        start, start_wall = time.process_time(), time.monotonic()
+        try:
+            yield
+        finally:
+            self.excluded_cpu += time.process_time() - start
+            self.excluded_seconds += time.monotonic() - start_wall
+
+    def elapsed_minutes(self) -> float:
+        """Training CPU minutes, this session and earlier ones, evaluation excluded."""
+        return self.already_spent + (time.process_time() - self.start_cpu - self.excluded_cpu) / 60.0
+
+
+def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0) -> Deadline:
+    """The budget ``run.clock`` names: wall-clock (:class:`Deadline`) or CPU time (:class:`CpuDeadline`)."""
+    return CpuDeadline(minutes, already_spent) if clock == "cpu" else Deadline(minutes, already_spent)
+
+
 def prepare_run(run: RunConfig) -> Path:
     """Create the output directory and apply the determinism settings. Returns the output directory."""
     output_dir = Path(run.output_dir)
@@ -90,6 +122,8 @@ def prepare_run(run: RunConfig) -> Path:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+    if getattr(run, "threads", None):
+        torch.set_num_threads(run.threads)
     torch.manual_seed(run.seed)
     return output_dir
 

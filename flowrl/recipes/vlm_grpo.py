@@ -39,7 +39,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -207,8 +207,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    threads: int | None = field(default=None, metadata=bounds(ge=1))
-    clock: Literal["wall", "cpu"] = "wall"  # what run.max_minutes counts (see flowrl/recipes/vlm_sft.py)
+
+    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock"}
 
     def check(self) -> None:
         a = self.algorithm
@@ -573,11 +573,9 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import AnswerRewards
     from flowrl.logging import MetricsLogger
-    from flowrl.recipes.vlm_sft import make_deadline
+    from flowrl.runtime import make_deadline
     from flowrl.runtime import GracefulStop, prepare_run
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     dist = dist or Dist()
     output_dir = prepare_run(cfg.run)
     if dist.is_main:
@@ -617,7 +615,7 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
         if dist.is_main:
             print(f"flowrl: resumed from {checkpoint} at epoch {epoch}")
 
-    deadline = make_deadline(cfg.clock, cfg.run.max_minutes, train_minutes_before)
+    deadline = make_deadline(cfg.run.clock, cfg.run.max_minutes, train_minutes_before)
 
     def checkpoint_now() -> None:
         if not dist.is_main:

@@ -22,7 +22,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 from pathlib import Path
 
 import torch
@@ -32,49 +32,7 @@ from flowrl.config import RunConfig, bounds, fail, save_config
 from flowrl.policies.shapes_vlm import ShapesVLMConfig
 from flowrl.recipes import Recipe
 
-__all__ = ["Config", "main", "RECIPE", "CpuDeadline", "make_deadline"]
-
-
-class CpuDeadline:
-    """``run.max_minutes`` counted in this process's CPU time (all threads), evaluation excluded.
-
-    On a shared machine wall time depends on everyone else's load; CPU time does not (much), so a budget in
-    CPU minutes reproduces. Same interface as :class:`flowrl.runtime.Deadline`.
-    """
-
-    def __init__(self, minutes: float | None, already_spent: float = 0.0):
-        import contextlib
-
-        self.minutes, self.already_spent = minutes, already_spent
-        self.start_cpu, self.start_wall = time.process_time(), time.monotonic()
-        self.excluded_cpu = 0.0
-        self._contextlib = contextlib
-
-    def excluded(self):
-        @self._contextlib.contextmanager
-        def block():
-            start = time.process_time()
-            try:
-                yield
-            finally:
-                self.excluded_cpu += time.process_time() - start
-        return block()
-
-    def wall_minutes(self) -> float:
-        return (time.monotonic() - self.start_wall) / 60.0
-
-    def elapsed_minutes(self) -> float:
-        return self.already_spent + (time.process_time() - self.start_cpu - self.excluded_cpu) / 60.0
-
-    def passed(self) -> bool:
-        return self.minutes is not None and self.elapsed_minutes() >= self.minutes
-
-
-def make_deadline(clock: str, minutes: float | None, already_spent: float):
-    """A wall-clock :class:`flowrl.runtime.Deadline` or a :class:`CpuDeadline`."""
-    from flowrl.runtime import Deadline
-
-    return CpuDeadline(minutes, already_spent) if clock == "cpu" else Deadline(minutes, already_spent)
+__all__ = ["Config", "main", "RECIPE"]
 
 
 @dataclass
@@ -114,10 +72,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint_minutes: float = field(default=5.0, metadata=bounds(gt=0))
-    threads: int | None = field(default=None, metadata=bounds(ge=1))  # torch.set_num_threads (None: torch's default)
-    # What run.max_minutes and time/train_min count: wall-clock time, or this process's CPU time (reproducible
-    # on a shared machine).
-    clock: Literal["wall", "cpu"] = "wall"
+
+    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock"}
 
     def check(self) -> None:
         if self.model.hidden_size % self.model.heads:
@@ -190,10 +146,8 @@ def main(cfg: Config) -> int:
     from flowrl.logging import MetricsLogger
     from flowrl.policies import TokenPolicy
     from flowrl.policies.shapes_vlm import build_model
-    from flowrl.runtime import GracefulStop, prepare_run
+    from flowrl.runtime import GracefulStop, make_deadline, prepare_run
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     output_dir = prepare_run(cfg.run)
     save_config(cfg, output_dir / "config.yaml", extra={"recipe": "vlm_sft"})
     if cfg.init_from:
@@ -223,7 +177,7 @@ def main(cfg: Config) -> int:
     elif (output_dir / "metrics.jsonl").exists():
         (output_dir / "metrics.jsonl").unlink()
 
-    deadline = make_deadline(cfg.clock, cfg.run.max_minutes, minutes_before)
+    deadline = make_deadline(cfg.run.clock, cfg.run.max_minutes, minutes_before)
 
     def checkpoint_now() -> None:
         state = {"model": policy.trainable_state_dict(), "optimizer": optimizer.state_dict(),

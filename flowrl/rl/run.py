@@ -452,11 +452,12 @@ class OnlineRun:
     # ------------------------------------------------------------------ the loop
 
     def __enter__(self) -> "OnlineRun":
-        from flowrl.runtime import Deadline, GracefulStop
+        from flowrl.runtime import GracefulStop, make_deadline
 
         if self.cfg.run.resume:
             self._resume()
-        self._deadline = Deadline(self.cfg.run.max_minutes, already_spent=self._train_minutes_before)
+        self._deadline = make_deadline(self.cfg.run.clock, self.cfg.run.max_minutes,
+                                       already_spent=self._train_minutes_before)
         self._next_eval_minutes = _next_multiple(self._train_minutes_before, self.cfg.eval.every_minutes)
         self._stop = GracefulStop().__enter__()
         return self

@@ -105,3 +105,38 @@ def test_save_round_trip(tmp_path):
     save_config(cfg, tmp_path / "out.yaml", extra={"recipe": "demo"})
     again = load_config(Cfg, tmp_path / "out.yaml", drop_keys=("recipe",))
     assert to_dict(again) == to_dict(cfg)
+
+
+def test_cpu_clock_counts_this_processs_cpu_time_not_sleep():
+    import time
+
+    from flowrl.runtime import CpuDeadline, Deadline, make_deadline
+
+    cpu, wall = make_deadline("cpu", 1.0), make_deadline("wall", 1.0)
+    assert type(cpu) is CpuDeadline and type(wall) is Deadline
+    time.sleep(0.3)  # waiting (another job holding the core) costs wall time, not CPU time
+    assert wall.elapsed_minutes() * 60 >= 0.29
+    assert cpu.elapsed_minutes() * 60 < 0.1
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # work
+        pass
+    assert cpu.elapsed_minutes() * 60 >= 0.29
+    with cpu.excluded():  # evaluation does not count
+        start = time.process_time()
+        while time.process_time() - start < 0.3:
+            pass
+    assert cpu.elapsed_minutes() * 60 < 0.5
+    assert make_deadline("cpu", None, already_spent=2.0).elapsed_minutes() >= 2.0
+
+
+def test_a_renamed_key_keeps_working_with_a_warning(capsys):
+    from flowrl.config import ConfigError, from_dict
+    from flowrl.recipes.vlm_sft import Config
+
+    cfg = from_dict(Config, {"clock": "cpu", "threads": 1})
+    assert cfg.run.clock == "cpu" and cfg.run.threads == 1
+    err = capsys.readouterr().err
+    assert "'clock' is deprecated; use 'run.clock'" in err
+    assert from_dict(Config, {"clock": "cpu", "run": {"clock": "cpu"}}).run.clock == "cpu"  # same value twice is fine
+    with pytest.raises(ConfigError, match="set twice"):
+        from_dict(Config, {"clock": "cpu", "run": {"clock": "wall"}})

@@ -40,7 +40,7 @@ def overrides(model_dir, out, *extra) -> list[str]:
     return [f"model.path={model_dir}", f"run.output_dir={out}", "run.max_epochs=1", "run.max_minutes=null",
             "run.deterministic=true", "sampling.groups_per_epoch=2", "sampling.group_size=4", "sampling.batch_size=4",
             "sampling.max_new_tokens=4", "train.micro_batch_size=4", "optim.lr=1e-3", "eval.at_start=false",
-            "eval.every_minutes=null", "eval.num_examples=10", "threads=1", REWARD, *extra]
+            "eval.every_minutes=null", "eval.num_examples=10", "run.threads=1", REWARD, *extra]
 
 
 def run_recipe(config: str, args: list[str]) -> None:
