@@ -55,7 +55,7 @@ COLORS = {"outcome": "tab:blue", "tp_grpo": "tab:red", "cosine": "tab:green", "s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/credit.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=30.0, help="training minutes per run (run.max_minutes)")
+    p.add_argument("--minutes", type=float, default=30.0, help="training CPU-minutes per run (run.max_minutes, one thread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--eval-every-minutes", type=float, default=None,

@@ -49,7 +49,7 @@ COLORS = {"main": "tab:blue", "adversarial": "tab:red", "artifact": "tab:green",
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--minutes", type=float, default=30.0, help="training minutes per run (default 30)")
+    parser.add_argument("--minutes", type=float, default=30.0, help="training CPU-minutes per run, one thread (default 30)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="a budget in epochs instead of minutes (evaluations every third of it), for runs that "
                              "share a loaded machine")

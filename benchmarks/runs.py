@@ -5,10 +5,15 @@ seeds (interpolation at equal images / equal minutes, mean and spread).
 A run is ``python -m flowrl train CONFIG run.output_dir=DIR run.seed=S run.max_minutes=M eval.every_minutes=E
 eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flowrl.runtime.Deadline`` excludes
 it from the budget), so every method gets held-out points at the same minutes whatever its epoch length.
+
+Budgets are in CPU-minutes at one thread (``run.clock=cpu run.threads=1``, which every run gets first, so a
+benchmark's own overrides may change them): two runs side by side, or one beside other work, buy the training
+an idle machine buys.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -18,33 +23,48 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every benchmark run's budget clock: this process's CPU time, one thread.
+CPU_BUDGET = ("run.clock=cpu", "run.threads=1")
 
 __all__ = ["ROOT", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
            "save_figure"]
 
 
+DONE = "benchmark_done.json"  # written beside a run's metrics when its process finished with exit status 0
+
+
 def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, reuse: bool = False,
               label: str = "run") -> dict:
-    """One training run as a subprocess (fresh unless ``reuse`` finds metrics); its log goes to
-    ``<out>/train.log``. Returns ``{"status": ok | failed | reused, "returncode", "seconds"}``."""
-    if reuse and (out / "metrics.jsonl").is_file():
+    """One training run as a subprocess; its log goes to ``<out>/train.log``.
+
+    With ``reuse``, a finished run (``benchmark_done.json``) is kept, and an interrupted one (a killed benchmark,
+    a machine that went away) resumes from its last checkpoint with ``run.resume=true``: a benchmark that spans
+    sessions is started again with the same command. Without it, or with nothing to resume, the run starts
+    fresh. Returns ``{"status": ok | failed | reused, "returncode", "seconds"}``."""
+    from flowrl.checkpoint import checkpoints
+
+    if reuse and (out / DONE).is_file():
         print(f"{label}: reusing {out}", flush=True)
         return {"status": "reused", "returncode": 0}
-    if out.exists():
-        shutil.rmtree(out)  # a fresh run: old metrics would be appended to
-    out.mkdir(parents=True)
-    command = [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}",
-               *[f"{k}={v}" for k, v in overrides.items()], *extra]
-    print(f"{label}: {' '.join(command[1:])}", flush=True)
+    resume = reuse and out.is_dir() and bool(checkpoints(out))
+    if not resume:
+        if out.exists():
+            shutil.rmtree(out)  # a fresh run
+        out.mkdir(parents=True)
+    command = [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}", *CPU_BUDGET,
+               *[f"{k}={v}" for k, v in overrides.items()], *extra, *(["run.resume=true"] if resume else [])]
+    print(f"{label}: {'resuming: ' if resume else ''}{' '.join(command[1:])}", flush=True)
     start = time.time()
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = {**os.environ, "PYTHONPATH": path}
-    with open(out / "train.log", "w") as log:
+    with open(out / "train.log", "a" if resume else "w") as log:
         proc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     status = "ok" if proc.returncode == 0 else "failed"
     if status == "failed":
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"{label} FAILED (exit {proc.returncode}); last lines:\n  " + "\n  ".join(tail), flush=True)
+    else:
+        (out / DONE).write_text(json.dumps({"command": command[1:], "seconds": round(time.time() - start, 1)}) + "\n")
     return {"status": status, "returncode": proc.returncode, "seconds": round(time.time() - start, 1)}
 
 

@@ -70,7 +70,7 @@ PAIRS = ROOT / "benchmarks" / "out" / "trainers" / "dpo_pairs"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/trainers.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=10.0, help="training minutes per run (run.max_minutes)")
+    p.add_argument("--minutes", type=float, default=10.0, help="training CPU-minutes per run (run.max_minutes, one thread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
     p.add_argument("--eval-every-minutes", type=float, default=None, help="default: minutes / 2")

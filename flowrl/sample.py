@@ -73,7 +73,7 @@ def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, step
             sigma = torch.full((x.shape[0],), float(sigmas[i]), device=device)
             v = velocity(x.to(model.dtype), sigma, cond)
             x = euler_step(v, x, float(sigmas[i]), float(sigmas[i + 1])).x_next
-        images.append(model.decode(x).cpu())
+        images.append(model.decode(x).float().cpu())  # float32 under autocast too
         if progress is not None:
             progress(len(chunk))
     return torch.cat(images)

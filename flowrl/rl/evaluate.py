@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -24,6 +25,9 @@ class EvalConfig:
     at_start: bool = True
     batch_size: int = field(default=100, metadata=bounds(ge=1, le=4096))
     grid_size: int = field(default=32, metadata=bounds(ge=0, le=1024))
+    # The evaluation's ODE sampling (and the hacking panel's) under bfloat16 autocast or in float32. On the
+    # shapes model 20 steps in bfloat16 cost 0.3x of 40 in float32 for the same held-out accuracy (README).
+    precision: Literal["float32", "bfloat16"] = "float32"
     hacking: HackingConfig = field(default_factory=HackingConfig)  # the hack/* panel (flowrl/rl/panel.py)
 
 
@@ -80,13 +84,14 @@ class Evaluator:
                    dynamic_ncols=True)
         panel: dict[str, float] = {}
         try:
-            images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
-                              batch_size=self.cfg.batch_size, progress=bar.update,
-                              should_stop=should_stop) if rows else None
-            if self.panel is not None:  # with the evaluated (EMA) weights still in place
-                every = gather_images(dist, images, n, per_process)
-                all_seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]
-                panel = self.panel(model, epoch, every, all_seeds, should_stop=should_stop)
+            with self._precision(model):
+                images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
+                                  batch_size=self.cfg.batch_size, progress=bar.update,
+                                  should_stop=should_stop) if rows else None
+                if self.panel is not None:  # with the evaluated (EMA) weights still in place
+                    every = gather_images(dist, images, n, per_process)
+                    all_seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]
+                    panel = self.panel(model, epoch, every, all_seeds, should_stop=should_stop)
         finally:
             bar.close()
             if ema is not None:
@@ -120,6 +125,11 @@ class Evaluator:
                             {name: s[:k] for name, s in local_scores.items()}, [prompt_set.metadata[i] for i in rows[:k]])
         return metrics
 
+    def _precision(self, model):
+        """``eval.precision``'s autocast context on the model's device (images come back as float32)."""
+        return torch.autocast(torch.device(model.device).type, dtype=torch.bfloat16,
+                              enabled=self.cfg.precision == "bfloat16")
+
     def _base_images(self, model, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
                      metadata: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The base model's images of the grid's prompts and seeds, and their scores (computed once: at the
@@ -131,8 +141,12 @@ class Evaluator:
             if self.panel is not None:  # drew every eval row already (rank 0's rows come first)
                 base = self.panel.base_images(model, epoch, images, seeds)[: images.shape[0]]
             else:
-                base = images if epoch == 0 else with_reference(model, lambda: generate(
-                    model, prompts, seeds, steps=self.steps, guidance=self.guidance, batch_size=self.cfg.batch_size))
+                def draw():
+                    with self._precision(model):
+                        return generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
+                                        batch_size=self.cfg.batch_size)
+
+                base = images if epoch == 0 else with_reference(model, draw)
             scores = {name: checked_reward(reward, base, prompts, metadata).scores.float()
                       for name, reward in self.rewards.items()}
             self._base = (base, scores)
