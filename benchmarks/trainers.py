@@ -179,10 +179,15 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
                      "trainer": trainer, "seed": seed, "variant": variant})
 
     if args.sweep:
+        # Every shipped config first, then each trainer's first swept setting, and so on: a sweep cut short by
+        # the machine still compares every trainer.
         for trainer in args.trainers:
-            add(trainer, args.seeds[0])  # the shipped config
-            for key, values in SWEEP[trainer].items():
-                for value in values:
+            add(trainer, args.seeds[0])
+        variants = {t: [(key, value) for key, values in SWEEP[t].items() for value in values] for t in args.trainers}
+        for k in range(max(map(len, variants.values()), default=0)):
+            for trainer in args.trainers:
+                if k < len(variants[trainer]):
+                    key, value = variants[trainer][k]
                     add(trainer, args.seeds[0], f"{key.split('.')[-1]}={value:g}", [f"{key}={value}"])
     else:
         for seed in args.seeds:  # seed-major: an interrupted benchmark still has every trainer for early seeds
