@@ -59,13 +59,18 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
     env = {**os.environ, "PYTHONPATH": path}
     with open(out / "train.log", "a" if resume else "w") as log:
         proc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    status = "ok" if proc.returncode == 0 else "failed"
+    # Exit 3 (flowrl.run.NO_USABLE_REWARD): the run ran to its end but no epoch had a usable reward; its curve
+    # is a result (it learned nothing), so it is analysed like any finished run and flagged.
+    status = "ok" if proc.returncode in (0, 3) else "failed"
+    if proc.returncode == 3:
+        print(f"{label}: no epoch had a usable reward (flat curve)", flush=True)
     if status == "failed":
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"{label} FAILED (exit {proc.returncode}); last lines:\n  " + "\n  ".join(tail), flush=True)
     else:
         (out / DONE).write_text(json.dumps({"command": command[1:], "seconds": round(time.time() - start, 1)}) + "\n")
-    return {"status": status, "returncode": proc.returncode, "seconds": round(time.time() - start, 1)}
+    return {"status": status, "returncode": proc.returncode, "no_usable_reward": proc.returncode == 3,
+            "seconds": round(time.time() - start, 1)}
 
 
 def launch(jobs: list[dict], parallel: int, keys: tuple[str, ...] = ("trainer", "seed", "variant")) -> list[dict]:

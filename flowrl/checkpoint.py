@@ -1,12 +1,16 @@
 """Atomic, resumable checkpoints.
 
-A checkpoint is a directory ``output_dir/checkpoints/step_<N>/`` holding ``state.pt`` (tensors and
-plain Python data only, loaded with ``torch.load(weights_only=True)``) and any files a recipe adds
-(e.g. a loadable model directory). It is written under a temporary name and renamed into place, and
-``latest`` is rewritten atomically afterwards, so a write killed half-way never damages the last good
-checkpoint.
+A checkpoint is a directory ``output_dir/checkpoints/<unit>_<N>/``, named by what its number counts:
+``epoch_<N>`` after N epochs, ``step_<N>`` after N optimizer steps (pretraining and SFT, whose epochs are a
+logging period of many steps). It holds ``state.pt`` (tensors and plain Python data only, loaded with
+``torch.load(weights_only=True)``) and any files a recipe adds (e.g. a loadable model directory). It is
+written under a temporary name, its files are flushed to disk (``fsync``) and it is renamed into place;
+``latest`` is rewritten atomically afterwards, so a write killed half-way (or a power cut) never damages the
+last good checkpoint. Rotation orders checkpoints by their number, never by name, and never removes the one
+just written; a checkpoint found corrupt at resume is set aside (``corrupt_<name>``), not kept among the newest.
+Runs written before the ``epoch_`` names (their ``step_<N>`` counted epochs) still resume.
 
-An online run's checkpoint (``flowrl.rl.run.OnlineRun``, docs/distributed.md) also holds
+A run's checkpoint (``flowrl.run.Run``, docs/distributed.md) also holds
 ``accelerate/`` (``accelerator.save_state``: the optimizer, sharded under FSDP2 / ZeRO, the gradient scaler,
 every process's random generators, and under FSDP2 / ZeRO the model's shards), written by every process
 into the same temporary directory before it is renamed, and for LoRA runs of diffusers pipelines ``lora/``
@@ -26,12 +30,60 @@ import torch
 
 __all__ = ["CheckpointError", "save_checkpoint", "begin_checkpoint", "finish_checkpoint", "abandon_checkpoint",
            "latest_checkpoint", "checkpoints", "load_state", "load_latest_state", "clean_stale_files", "rng_state",
-           "set_rng_state", "ACCELERATE_DIR", "LORA_DIR"]
+           "set_rng_state", "ACCELERATE_DIR", "LORA_DIR", "checkpoint_name", "checkpoint_number", "set_aside"]
 
 #: Sub-directory of a checkpoint written by ``accelerator.save_state`` (online runs).
 ACCELERATE_DIR = "accelerate"
 #: Sub-directory of a LoRA checkpoint holding the adapter as a diffusers LoRA folder.
 LORA_DIR = "lora"
+
+
+#: The names a checkpoint directory may have: ``<unit>_<number>``.
+UNITS = ("epoch", "step")
+
+
+def checkpoint_name(step: int, unit: str = "epoch") -> str:
+    """``epoch_0000012`` / ``step_0000750``: the directory name of checkpoint ``step`` counted in ``unit``."""
+    return f"{unit}_{step:07d}"
+
+
+def checkpoint_number(path: str | Path) -> int | None:
+    """The number of a checkpoint directory name (None for anything else)."""
+    unit, _, number = Path(path).name.partition("_")
+    return int(number) if unit in UNITS and number.isdigit() else None
+
+
+def _numbered(root: Path) -> list[Path]:
+    """Checkpoint directories of ``root``, oldest first by their number (not by name)."""
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_number(p) is not None] if root.is_dir() else []
+    return sorted(found, key=lambda p: (checkpoint_number(p), p.name))
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` and the folders themselves to disk."""
+    for path in sorted(folder.rglob("*")) + [folder]:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass  # a file system without fsync on directories
+        finally:
+            os.close(fd)
+
+
+def set_aside(checkpoint: Path) -> Path | None:
+    """Rename a corrupt checkpoint to ``corrupt_<name>`` (kept for inspection, out of resume and rotation)."""
+    target = checkpoint.with_name(f"corrupt_{checkpoint.name}")
+    try:
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(checkpoint, target)
+        return target
+    except OSError:
+        return None
 
 
 class CheckpointError(RuntimeError):
@@ -69,7 +121,7 @@ def _write_failed(final: Path, err: OSError) -> CheckpointError:
                            "with run.resume=true")
 
 
-def begin_checkpoint(output_dir: str | Path, step: int, token: str | int | None = None) -> Path:
+def begin_checkpoint(output_dir: str | Path, step: int, token: str | int | None = None, unit: str = "epoch") -> Path:
     """Create the empty temporary directory checkpoint ``step`` is written into (the main process only;
     every process may then write into it, e.g. ``accelerator.save_state``).
 
@@ -89,7 +141,7 @@ def begin_checkpoint(output_dir: str | Path, step: int, token: str | int | None 
         tmp.mkdir()
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(root / f"step_{step:07d}", err) from None
+        raise _write_failed(root / checkpoint_name(step, unit), err) from None
     return tmp
 
 
@@ -99,41 +151,59 @@ def abandon_checkpoint(tmp: Path) -> None:
 
 
 def finish_checkpoint(tmp: Path, step: int, state: dict[str, Any], *,
-                      write_extra: Callable[[Path], None] | None = None, keep: int = 2) -> Path:
-    """Write ``state.pt`` (and files from ``write_extra(dir)``) into ``tmp``, rename it to ``step_<N>``,
-    point ``latest`` at it, and delete all but the ``keep`` newest checkpoints.
+                      write_extra: Callable[[Path], None] | None = None, keep: int = 2, unit: str = "epoch") -> Path:
+    """Write ``state.pt`` (and files from ``write_extra(dir)``) into ``tmp``, flush it to disk, rename it to
+    ``<unit>_<N>``, point ``latest`` at it, and delete all but the ``keep`` newest checkpoints (by number;
+    the one just written always stays).
 
     Raises:
         CheckpointError: a write failed; ``tmp`` is removed and the previous checkpoints are untouched.
     """
     root = tmp.parent
-    final = root / f"step_{step:07d}"
+    final = root / checkpoint_name(step, unit)
     try:
         _write_state(state, tmp / "state.pt")
         if write_extra is not None:
             write_extra(tmp)
+        _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer = root / f".latest_{os.getpid()}"
         pointer.write_text(final.name)
         os.replace(pointer, root / "latest")
+        _fsync_dir(root)
     except OSError as err:
         abandon_checkpoint(tmp)
         raise _write_failed(final, err) from None
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+    others = [p for p in _numbered(root) if p != final]
+    for old in others[: max(len(others) - (keep - 1), 0)] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Flush a directory's entries (the renames into it) to disk."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], *,
-                    write_extra: Callable[[Path], None] | None = None, keep: int = 2) -> Path:
+                    write_extra: Callable[[Path], None] | None = None, keep: int = 2, unit: str = "epoch") -> Path:
     """Write ``state`` (and files from ``write_extra(dir)``) as checkpoint ``step``, atomically, from one
     process (:func:`begin_checkpoint` + :func:`finish_checkpoint`).
 
     Args:
         output_dir: the run directory; checkpoints go to ``output_dir/checkpoints``.
-        step: the counter that names the checkpoint (epoch or optimizer step).
+        step: the counter that names the checkpoint (``unit``: epoch or optimizer step).
         state: tensors / plain data (no arbitrary objects: they would not load with weights_only).
         write_extra: writes additional files into the (temporary) checkpoint directory.
         keep: how many newest checkpoints to keep (older ones are deleted after the new one is in place).
@@ -145,7 +215,8 @@ def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], *,
         CheckpointError: the checkpoint could not be written (e.g. the disk is full); the partial copy is
             removed and the previous checkpoints are untouched.
     """
-    return finish_checkpoint(begin_checkpoint(output_dir, step), step, state, write_extra=write_extra, keep=keep)
+    return finish_checkpoint(begin_checkpoint(output_dir, step, unit=unit), step, state, write_extra=write_extra,
+                             keep=keep, unit=unit)
 
 
 def clean_stale_files(output_dir: str | Path) -> list[Path]:
@@ -163,7 +234,7 @@ def clean_stale_files(output_dir: str | Path) -> list[Path]:
 def checkpoints(output_dir: str | Path) -> list[Path]:
     """A run's complete checkpoint directories, newest first (the ``latest`` pointer's first)."""
     root = Path(output_dir) / "checkpoints"
-    complete = sorted((p for p in root.glob("step_*") if (p / "state.pt").is_file()), reverse=True)
+    complete = [p for p in reversed(_numbered(root)) if (p / "state.pt").is_file()]
     pointer = root / "latest"
     if pointer.is_file():
         named = root / pointer.read_text().strip()

@@ -16,7 +16,7 @@
 
 The weights are those ``flowrl.demo.models.load_finetuned`` uses: the EMA when the run kept one (``--no-ema``:
 the raw trained weights). Every LoRA checkpoint of an SD3 / FLUX run also holds the diffusers folder
-(``checkpoints/step_<N>/lora``), written by the run itself with the same code.
+(``checkpoints/epoch_<N>/lora``), written by the run itself with the same code.
 """
 
 from __future__ import annotations
@@ -205,21 +205,21 @@ def _write_info(directory: Path, info: dict) -> None:
 
 
 def _checkpoint_dir(run: Path, checkpoint: int | None) -> Path:
-    from flowrl.checkpoint import checkpoints
+    from flowrl.checkpoint import checkpoint_number, checkpoints
 
     if (run / "state.pt").is_file():  # a checkpoint directory itself
         return run
     found = checkpoints(run)
     if not found:
-        raise ExportError(f"{str(run)!r} has no checkpoint (expected {run}/checkpoints/step_<N>/state.pt); give "
+        raise ExportError(f"{str(run)!r} has no checkpoint (expected {run}/checkpoints/epoch_<N>/state.pt); give "
                           "a run directory of `flowrl train`")
     if checkpoint is None:
         return found[0]
-    wanted = run / "checkpoints" / f"step_{checkpoint:07d}"
-    if wanted not in found:
-        have = ", ".join(str(int(p.name.removeprefix("step_"))) for p in sorted(found))
+    wanted = [p for p in found if checkpoint_number(p) == checkpoint]
+    if not wanted:
+        have = ", ".join(str(checkpoint_number(p)) for p in reversed(found))
         raise ExportError(f"run {str(run)!r} has no checkpoint {checkpoint}; it has {have}")
-    return wanted
+    return wanted[0]
 
 
 def _run_model_config(run_dir: Path):
@@ -315,7 +315,7 @@ def _parser():
     parser = OneLineParser(prog="flowrl export", description="Export a run's trained weights: a diffusers LoRA "
                                                              "folder, a PEFT adapter or a merged pipeline.")
     parser.add_argument("run", help="a run directory (run.output_dir of `flowrl train`) or one of its "
-                                    "checkpoints/step_<N> directories")
+                                    "checkpoints/epoch_<N> directories")
     parser.add_argument("--checkpoint", type=int, default=None,
                         help="the epoch of the checkpoint (default: the newest)")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, required=True,

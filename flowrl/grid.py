@@ -3,6 +3,9 @@
 
 Rows are labelled on the left (a label may have a second, muted line), columns on top, and each image
 may carry a caption of one or more lines under it (its rewards).
+
+:func:`prompt_grid` is the compact layout of a run's ``samples/``: a few prompts per row, each prompt's whole
+text wrapped above its images (e.g. the base model's and the current one's, side by side, from the same noise).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["image_grid", "to_pil", "PAD", "HEADER", "LINE_HEIGHT"]
+__all__ = ["image_grid", "prompt_grid", "to_pil", "PAD", "HEADER", "LINE_HEIGHT"]
 
 HEADER = 22  # px of the column-label strip on top
 PAD = 6
@@ -114,3 +117,81 @@ def image_grid(images: torch.Tensor, row_labels: Sequence[str], col_labels: Sequ
     return canvas
 
 
+
+
+def _wrap(text: str, font, width: float) -> list[str]:
+    """``text`` broken into lines that fit ``width`` px (words kept whole unless one is wider than a line)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+            continue
+        while font.getlength(word) > width and len(word) > 1:  # a very long word: break it
+            cut = len(word)
+            while cut > 1 and font.getlength(word[:cut]) > width:
+                cut -= 1
+            lines.append(word[:cut])
+            word = word[cut:]
+        lines.append(word)
+    return lines or [""]
+
+
+def prompt_grid(prompts: Sequence[str], columns: dict[str, torch.Tensor],
+                captions: dict[str, Sequence[str]] | None = None, *, per_row: int = 4, cell: int = 96,
+                notes: Sequence[str] | None = None, boxes: dict | None = None):
+    """A compact grid of prompts: ``per_row`` prompts side by side, each a panel with its whole prompt wrapped
+    on top and one image per column (labelled) under it, each with its caption.
+
+    Args:
+        prompts: ``P`` prompts.
+        columns: ``{label: [P, 3, H, W] images in [0, 1]}``, e.g. ``{"base": ..., "epoch 30": ...}``.
+        captions: ``{label: P captions}`` (lines separated by ``\\n``), or None.
+        per_row: panels per row of the grid.
+        cell: the image cell size in px.
+        notes: ``P`` muted lines under each prompt (e.g. ``seed 17``), or None.
+        boxes: if given, filled with ``{(prompt index, label): (left, top, right, bottom)}`` of every image.
+
+    Returns:
+        An RGB PIL image.
+    """
+    from PIL import Image, ImageDraw
+
+    labels = list(columns)
+    n = len(prompts)
+    for label in labels:
+        if columns[label].shape[0] != n:
+            raise ValueError(f"column {label!r} has {columns[label].shape[0]} images for {n} prompts")
+    font, small = _font(12), _font(11)
+    tiles = {label: [_tile(img, cell) for img in columns[label]] for label in labels}
+    tile = max((t.size[0] for ts in tiles.values() for t in ts), default=cell)
+    panel_w = len(labels) * (tile + PAD) - PAD
+    texts = [_wrap(p, font, panel_w) for p in prompts]
+    caption_lines = max((len(c.split("\n")) for cs in (captions or {}).values() for c in cs), default=0)
+    # Every panel of the grid has the same height: the longest prompt's lines, its note, the column labels.
+    head = (max((len(t) for t in texts), default=1) + (1 if notes else 0) + 1) * LINE_HEIGHT + 4
+    panel_h = head + tile + caption_lines * LINE_HEIGHT + 4
+    rows, cols = (n + per_row - 1) // per_row, min(per_row, max(n, 1))
+    canvas = Image.new("RGB", (PAD + cols * (panel_w + 3 * PAD), PAD + rows * (panel_h + 2 * PAD)), BACKGROUND)
+    draw = ImageDraw.Draw(canvas)
+    for i in range(n):
+        x0, y0 = PAD + (i % per_row) * (panel_w + 3 * PAD), PAD + (i // per_row) * (panel_h + 2 * PAD)
+        for k, line in enumerate(texts[i]):
+            draw.text((x0, y0 + k * LINE_HEIGHT), line, fill=TEXT, font=font)
+        if notes:
+            draw.text((x0, y0 + len(texts[i]) * LINE_HEIGHT), notes[i], fill=MUTED, font=small)
+        label_y = y0 + head - LINE_HEIGHT - 2
+        top = label_y + LINE_HEIGHT + 2
+        for c, label in enumerate(labels):
+            x = x0 + c * (tile + PAD)
+            draw.text((x + tile / 2, label_y + LINE_HEIGHT / 2), _cut(label, small, tile), fill=MUTED, font=small,
+                      anchor="mm")
+            image = tiles[label][i]
+            left, upper = x + (tile - image.size[0]) // 2, top + (tile - image.size[1]) // 2
+            canvas.paste(image, (left, upper))
+            if boxes is not None:
+                boxes[(i, label)] = (left, upper, left + image.size[0], upper + image.size[1])
+            draw.rectangle([x - 1, top - 1, x + tile, top + tile], outline=(205, 205, 205))
+            for k, line in enumerate(((captions or {}).get(label) or [""] * n)[i].split("\n")):
+                draw.text((x + tile / 2, top + tile + 3 + k * LINE_HEIGHT + LINE_HEIGHT / 2),
+                          _cut(line, small, tile + PAD), fill=MUTED, font=small, anchor="mm")
+    return canvas

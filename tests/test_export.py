@@ -113,7 +113,7 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, kind, t
 
     # The diffusers LoRA folder of `flowrl export` and the one every checkpoint holds.
     assert export_main([str(run), "--format", "diffusers", "--out", str(tmp_path / "diffusers")]) == 0
-    for folder in (tmp_path / "diffusers", run / "checkpoints" / "step_0000001" / "lora"):
+    for folder in (tmp_path / "diffusers", run / "checkpoints" / "epoch_0000001" / "lora"):
         pipe = base_pipeline(kind)
         pipe.load_lora_weights(str(folder))
         torch.testing.assert_close(diffusers_images(pipe, kind), ours, rtol=0, atol=ATOL)

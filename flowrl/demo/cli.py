@@ -7,7 +7,7 @@
   directory (a pretraining run directory works too) or a diffusers SD3 / FLUX pipeline directory. It is the row
   called ``base``.
 - ``--checkpoint NAME=PATH``: a fine-tuned model to compare, loaded at start-up: a run directory
-  (its newest checkpoint; SD3 / FLUX runs too), a ``checkpoints/step_<N>`` directory, a saved model or a
+  (its newest checkpoint; SD3 / FLUX runs too), a ``checkpoints/epoch_<N>`` directory, a saved model or a
   pipeline directory (``flowrl export --format merged``); ``NAME=`` may be left out
   (the directory's name is used). Repeat the flag or give several after one flag.
 - ``--runs-dir``: runs found there (fine-tuning runs with a checkpoint, pretraining runs with a saved model)
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="base model: `shapes` (the shipped model, default), a saved shapes-model directory or "
                              "an SD3 / FLUX pipeline directory")
     parser.add_argument("--checkpoint", nargs="+", action="extend", default=[], metavar="NAME=PATH",
-                        help="fine-tuned model(s): a run directory, a checkpoints/step_<N> directory or a saved "
+                        help="fine-tuned model(s): a run directory, a checkpoints/epoch_<N> directory or a saved "
                              "model; NAME= is optional")
     parser.add_argument("--reward", nargs="+", action="extend", default=None, metavar="NAME",
                         help="reward(s) to score with (default: shapes); NAME:key=value,... passes arguments")
@@ -89,8 +89,11 @@ def _default_name(path: Path) -> str:
     path = path.resolve() if path.exists() else path
     if path.name == "state.pt":
         path = path.parent
-    if path.parent.name == "checkpoints":  # runs/<run>/checkpoints/step_<N>
-        return f"{path.parent.parent.name}@{path.name.removeprefix('step_').lstrip('0') or '0'}"
+    if path.parent.name == "checkpoints":  # runs/<run>/checkpoints/epoch_<N> (or step_<N>)
+        from flowrl.checkpoint import checkpoint_number
+
+        number = checkpoint_number(path)
+        return f"{path.parent.parent.name}@{number if number is not None else path.name}"
     return path.name or str(path)
 
 

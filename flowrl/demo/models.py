@@ -4,7 +4,7 @@ A fine-tuning run (``flowrl train configs/shapes/flow_grpo.yaml``, or any recipe
 section) writes::
 
     runs/<name>/config.yaml                      the resolved config (model.name / path / lora / dtype)
-    runs/<name>/checkpoints/step_<N>/state.pt    state["model"]: the trainable tensors (the whole denoiser,
+    runs/<name>/checkpoints/epoch_<N>/state.pt    state["model"]: the trainable tensors (the whole denoiser,
                                                  or only the LoRA weights); state["ema"]: their EMA
 
 :func:`load_finetuned` rebuilds the base model exactly as the run did (same adapter, same LoRA settings)
@@ -71,7 +71,7 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
 
     Args:
         path: a run directory (its newest checkpoint is used), a checkpoint directory
-            ``<run>/checkpoints/step_<N>`` or its ``state.pt``; a pretraining run directory or a saved model
+            ``<run>/checkpoints/epoch_<N>`` or its ``state.pt``; a pretraining run directory or a saved model
             directory is loaded as it is.
         device: where the model goes.
         use_ema: load the EMA weights when the run kept them (``train.ema_decay``), as the recipe's
@@ -96,7 +96,7 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no checkpoint at {str(path)!r}: give a run directory (runs/<name>), one of its "
-                             "checkpoints/step_<N> directories, or a saved model directory")
+                             "checkpoints/epoch_<N> directories, or a saved model directory")
     run_dir, checkpoint = _locate(path)
     config_path = run_dir / "config.yaml"
     if checkpoint is None and not config_path.is_file():
@@ -120,7 +120,7 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
             raise ModelLoadError(f"run {str(run_dir)!r} has no checkpoint yet (nothing under "
-                                 f"{run_dir / 'checkpoints'}/step_*/state.pt); wait for the first one")
+                                 f"{run_dir / 'checkpoints'}/epoch_*/state.pt); wait for the first one")
     if not isinstance(data.get("model"), dict):
         raise ModelLoadError(f"{config_path} has no 'model' section; is it a fine-tuning run's config?")
     try:

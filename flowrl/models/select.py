@@ -116,7 +116,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", default=None,
                         help="a run directory of `flowrl train` or an exported LoRA folder to apply to the base")
     parser.add_argument("--run", default=None,
-                        help="a run directory (or checkpoints/step_<N>): the model as the run trained it")
+                        help="a run directory (or checkpoints/epoch_<N>): the model as the run trained it")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="weights dtype of SD3 / FLUX (default: bfloat16 on a GPU, float32 on the CPU; --run: "
                              "the run's)")

@@ -26,6 +26,8 @@ whose reward is NaN are left out and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 from typing import Literal
 
 from flowrl.config import RunConfig, bounds
@@ -71,26 +73,28 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
         ``grad_norm``, ``optimizer_steps``, ``lr``.
     """
     from flowrl.core.forward_losses import awm_loss
-    from flowrl.rl.forward import train_forward_epoch
+    from flowrl.rl.forward import ForwardEpoch
 
     t = cfg.train
-    snapshots = {"ema": ema_snapshot} if t.ema_kl_coef > 0 else {}
-
-    def objective(batch):
-        out = awm_loss(batch.v, batch.target, batch.t, batch.advantages, v_ref=batch.v_ref,
-                       v_ema=batch.snapshots.get("ema"), kl_coef=t.kl_coef, ema_kl_coef=t.ema_kl_coef,
-                       weighting=t.weighting, power=t.power, adv_clip=t.adv_clip, adv_max=t.adv_max)
-        return out.loss, {"policy_loss": out.policy_loss, "kl_loss": out.kl_loss, "kl_ref": out.stats["kl_ref"],
-                          "kl_ema": out.stats["kl_ema"], "ratio_mean": out.stats["ratio"]}
-
-    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
-                               snapshots=snapshots, reference=t.kl_coef > 0, ema=ema, health=health,
-                               progress=progress)
+    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
+                            progress=progress)
+    for minibatch in training.minibatches():
+        for batch in minibatch:
+            with torch.no_grad():
+                v_ema = training.velocity(batch, snapshot=ema_snapshot) if t.ema_kl_coef > 0 else None
+                v_ref = training.velocity(batch, reference=True) if t.kl_coef > 0 else None
+            out = awm_loss(training.velocity(batch), batch.target, batch.t, batch.advantages, v_ref=v_ref, v_ema=v_ema,
+                           kl_coef=t.kl_coef, ema_kl_coef=t.ema_kl_coef, weighting=t.weighting, power=t.power,
+                           adv_clip=t.adv_clip, adv_max=t.adv_max)
+            training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss,
+                              kl_ref=out.stats["kl_ref"], kl_ema=out.stats["kl_ema"], ratio_mean=out.stats["ratio"])
+        training.step()
+    return training.metrics()
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run AWM as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from flowrl.rl.forward import forward_epoch
+    from flowrl.rl.forward import collect_forward, forward_rows
     from flowrl.rl.online import OnlineLoop
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
@@ -102,7 +106,12 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     with run:
         while run.next_epoch():
-            metrics, rollouts = forward_epoch(online, train_epoch, ema_snapshot=ema_snapshot)
+            rollouts, data, metrics = collect_forward(online)
+            if data is not None:
+                with online.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
+                                               run.epoch, ema_snapshot=ema_snapshot, ema=online.ema,
+                                               health=run.health, progress=bar))
             if ema_snapshot is not None:
                 metrics["train/ema_decay"] = ema_snapshot.update(model, optimizer_steps(online.optimizer))
             online.end_epoch(metrics, rollouts)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
 from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
@@ -81,24 +83,28 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
         ``reward_weight``, ``grad_norm``, ``optimizer_steps``, ``lr``.
     """
     from flowrl.core.forward_losses import crd_loss
-    from flowrl.rl.forward import train_forward_epoch
+    from flowrl.rl.forward import ForwardEpoch
 
     t = cfg.train
-
-    def objective(batch):
-        out = crd_loss(batch.v, batch.snapshots["old"], batch.v_ref, batch.target, batch.advantages, batch.group_ids,
-                       beta=t.beta, kl_coef=t.kl_coef, kl_floor=t.kl_floor, reward_adaptive=t.reward_adaptive,
-                       adaptive=t.adaptive, adv_clip=t.adv_clip)
-        return out.loss, {"policy_loss": out.policy_loss, "kl_loss": out.kl_loss, **out.stats}
-
-    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
-                               snapshots={"old": old}, reference=t.teacher_guidance if t.kl_coef > 0 else False,
-                               whole_groups=True, ema=ema, health=health, progress=progress)
+    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
+                            health=health, progress=progress)
+    for minibatch in training.minibatches():
+        for batch in minibatch:  # whole groups at one shared noised point per group
+            with torch.no_grad():
+                v_old = training.velocity(batch, snapshot=old)
+                # The KL anchor is the reference at the teacher's guidance scale.
+                v_ref = training.velocity(batch, reference=t.teacher_guidance) if t.kl_coef > 0 else None
+            out = crd_loss(training.velocity(batch), v_old, v_ref, batch.target, batch.advantages, batch.group_ids,
+                           beta=t.beta, kl_coef=t.kl_coef, kl_floor=t.kl_floor, reward_adaptive=t.reward_adaptive,
+                           adaptive=t.adaptive, adv_clip=t.adv_clip)
+            training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss, **out.stats)
+        training.step()
+    return training.metrics()
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run CRD as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from flowrl.rl.forward import forward_epoch, groups_stay_local
+    from flowrl.rl.forward import collect_forward, forward_rows, groups_stay_local
     from flowrl.rl.online import OnlineLoop
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
@@ -112,8 +118,12 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     with run:
         while run.next_epoch():
-            metrics, rollouts = forward_epoch(online, train_epoch, old=old,
-                                              velocity_fn=sampler.velocity_fn(model, cfg.sampling.guidance))
+            sample_with = sampler.velocity_fn(model, cfg.sampling.guidance)
+            rollouts, data, metrics = collect_forward(online, velocity_fn=sample_with)
+            if data is not None:
+                with online.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
+                                               run.epoch, old=old, ema=online.ema, health=run.health, progress=bar))
             steps = optimizer_steps(online.optimizer)
             metrics["train/old_decay"] = old.update(model, steps)
             metrics["train/sampler_decay"] = sampler.update(model, steps)

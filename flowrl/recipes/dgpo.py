@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
 from flowrl.rl.advantages import AdvantageConfig
@@ -77,35 +79,37 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     """
     from flowrl.core.diffusion_preference import dgpo_loss
     from flowrl.core.forward_losses import velocity_error
-    from flowrl.rl.forward import train_forward_epoch
+    from flowrl.rl.forward import ForwardEpoch
     from flowrl.rl.snapshots import optimizer_steps
 
     t = cfg.train
-    decays: list[float] = []
-
-    def objective(batch):
-        err, err_ref = velocity_error(batch.v, batch.target), velocity_error(batch.v_ref, batch.target)
-        old_err = velocity_error(batch.snapshots["ema"], batch.target) if t.clip_range is not None else None
-        out = dgpo_loss(err, err_ref, batch.advantages, batch.group_ids, beta=t.beta, adv_clip=t.adv_clip,
-                        old_err=old_err, clip_range=t.clip_range)
-        kl = velocity_error(batch.v, batch.v_ref).mean()
-        return out.loss + t.kl_coef * kl, {"policy_loss": out.loss.detach(), "kl_ref": kl.detach(),
-                                           "group_weight": out.group_weight, "clip_frac": out.clip_frac,
-                                           "implicit_acc": out.implicit_acc}
-
-    metrics = train_forward_epoch(
-        model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
-        snapshots={"ema": ema_snapshot} if t.clip_range is not None else {}, reference=True, whole_groups=True,
-        ema=ema, health=health, progress=progress,
-        after_step=lambda: decays.append(ema_snapshot.update(model, optimizer_steps(optimizer))))
-    if decays:
-        metrics["train/ema_decay"] = decays[-1]
+    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
+                            health=health, progress=progress)
+    decay = None
+    for minibatch in training.minibatches():
+        for batch in minibatch:  # whole groups, all at one shared noised point per group
+            with torch.no_grad():
+                v_ema = training.velocity(batch, snapshot=ema_snapshot) if t.clip_range is not None else None
+                v_ref = training.velocity(batch, reference=True)
+            v = training.velocity(batch)
+            err, err_ref = velocity_error(v, batch.target), velocity_error(v_ref, batch.target)
+            old_err = velocity_error(v_ema, batch.target) if v_ema is not None else None
+            out = dgpo_loss(err, err_ref, batch.advantages, batch.group_ids, beta=t.beta, adv_clip=t.adv_clip,
+                            old_err=old_err, clip_range=t.clip_range)
+            kl = velocity_error(v, v_ref).mean()
+            training.backward(out.loss + t.kl_coef * kl, batch, policy_loss=out.loss.detach(), kl_ref=kl.detach(),
+                              group_weight=out.group_weight, clip_frac=out.clip_frac, implicit_acc=out.implicit_acc)
+        training.step()
+        decay = ema_snapshot.update(model, optimizer_steps(optimizer))  # as the authors: after every step
+    metrics = training.metrics()
+    if decay is not None:
+        metrics["train/ema_decay"] = decay
     return metrics
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run DGPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from flowrl.rl.forward import forward_epoch, groups_stay_local
+    from flowrl.rl.forward import collect_forward, forward_rows, groups_stay_local
     from flowrl.rl.online import OnlineLoop
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
@@ -121,7 +125,12 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         while run.next_epoch():
             from_ema = after is not None and optimizer_steps(online.optimizer) >= after
             sampler = ema_snapshot.velocity_fn(model, cfg.sampling.guidance) if from_ema else None
-            metrics, rollouts = forward_epoch(online, train_epoch, velocity_fn=sampler, ema_snapshot=ema_snapshot)
+            rollouts, data, metrics = collect_forward(online, velocity_fn=sampler)
+            if data is not None:
+                with online.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
+                                               run.epoch, ema_snapshot=ema_snapshot, ema=online.ema,
+                                               health=run.health, progress=bar))
             metrics["train/sampled_from_ema"] = int(from_ema)
             online.end_epoch(metrics, rollouts)
     return run.finish()

@@ -30,7 +30,8 @@ from flowrl.recipes import Recipe
 from flowrl.rl.evaluate import EvalConfig
 from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
 from flowrl.rl.optim import OptimConfig
-from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
+from flowrl.rl.online import DataConfig
+from flowrl.run import CheckpointConfig, LogConfig
 from flowrl.rl.sampling import SamplingConfig
 from rewards.config import RewardConfig
 
@@ -170,29 +171,32 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     """
     from flowrl.core.diffusion_preference import diffusion_dpo_loss
     from flowrl.core.forward_losses import velocity_error
-    from flowrl.rl.forward import train_forward_epoch
+    from flowrl.rl.forward import ForwardEpoch
 
     t = cfg.train
-
-    def objective(batch):
-        # Whole pairs, ordered by pair: each pair's chosen row comes before its rejected row.
-        chosen = batch.advantages > 0
-        err, err_ref = velocity_error(batch.v, batch.target), velocity_error(batch.v_ref, batch.target)
-        loss = diffusion_dpo_loss(err[chosen], err[~chosen], err_ref[chosen], err_ref[~chosen], beta=t.beta,
-                                  label_smoothing=t.label_smoothing).mean()
-        with torch.no_grad():
-            delta = -(err - err_ref)
-            margin = t.beta * (delta[chosen] - delta[~chosen])
-        return loss, {"implicit_acc": (margin > 0).float().mean(), "reward_margin": margin.mean(),
-                      "kl_ref": (err - err_ref).abs().mean()}
-
-    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective, reference=True,
-                               whole_groups=True, ema=ema, health=health, progress=progress)
+    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
+                            health=health, progress=progress)
+    for minibatch in training.minibatches():
+        for batch in minibatch:  # whole pairs, ordered by pair: each pair's chosen row before its rejected row
+            with torch.no_grad():
+                v_ref = training.velocity(batch, reference=True)
+            chosen = batch.advantages > 0
+            err, err_ref = velocity_error(training.velocity(batch), batch.target), velocity_error(v_ref, batch.target)
+            loss = diffusion_dpo_loss(err[chosen], err[~chosen], err_ref[chosen], err_ref[~chosen], beta=t.beta,
+                                      label_smoothing=t.label_smoothing).mean()
+            with torch.no_grad():
+                delta = -(err - err_ref)
+                margin = t.beta * (delta[chosen] - delta[~chosen])
+            training.backward(loss, batch, implicit_acc=(margin > 0).float().mean(), reward_margin=margin.mean(),
+                              kl_ref=(err - err_ref).abs().mean())
+        training.step()
+    return training.metrics()
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Diffusion-DPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.config import ConfigError
+    from flowrl.rl.forward import forward_rows
     from flowrl.rl.online import OnlineLoop
 
     online = OnlineLoop(cfg, "dpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, rollouts=False,
@@ -209,12 +213,11 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
             with online.precision():
                 data = pairs.epoch(model, run.epoch, online.dist)
             metrics = {"train/pairs_seen": (run.epoch + 1) * cfg.pairs.pairs_per_epoch, "train/pair_set": len(pairs)}
-            with online.training(len(data.x0) * cfg.train.times.count * cfg.train.inner_epochs) as bar:
+            with online.training(forward_rows(data, cfg)) as bar:
                 metrics.update(train_epoch(model, online.optimizer, data, sigmas, cfg, online.dist, run.epoch,
                                            ema=online.ema, health=run.health, progress=bar))
             online.end_epoch(metrics, images=0)
     return run.finish()
-
 
 RECIPE = Recipe(Config, main)
 

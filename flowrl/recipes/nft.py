@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
 from flowrl.rl.advantages import AdvantageConfig
@@ -71,23 +73,26 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
         ``reward_weight``, ``grad_norm``, ``optimizer_steps``, ``lr``.
     """
     from flowrl.core.forward_losses import nft_loss
-    from flowrl.rl.forward import train_forward_epoch
+    from flowrl.rl.forward import ForwardEpoch
 
     t = cfg.train
-
-    def objective(batch):
-        out = nft_loss(batch.v, batch.snapshots["old"], batch.v_ref, batch.x_t, batch.x0, batch.t, batch.advantages,
-                       beta=t.beta, kl_coef=t.kl_coef, adv_clip=t.adv_clip)
-        return out.loss, {"policy_loss": out.policy_loss, "kl_loss": out.kl_loss, **out.stats}
-
-    return train_forward_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, objective=objective,
-                               snapshots={"old": old}, reference=t.kl_coef > 0, ema=ema, health=health,
-                               progress=progress)
+    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
+                            progress=progress)
+    for minibatch in training.minibatches():
+        for batch in minibatch:
+            with torch.no_grad():
+                v_old = training.velocity(batch, snapshot=old)
+                v_ref = training.velocity(batch, reference=True) if t.kl_coef > 0 else None
+            out = nft_loss(training.velocity(batch), v_old, v_ref, batch.x_t, batch.x0, batch.t, batch.advantages,
+                           beta=t.beta, kl_coef=t.kl_coef, adv_clip=t.adv_clip)
+            training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss, **out.stats)
+        training.step()
+    return training.metrics()
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run DiffusionNFT as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from flowrl.rl.forward import forward_epoch
+    from flowrl.rl.forward import collect_forward, forward_rows
     from flowrl.rl.online import OnlineLoop
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
@@ -99,8 +104,12 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     with run:
         while run.next_epoch():
-            metrics, rollouts = forward_epoch(online, train_epoch, old=old,
-                                              velocity_fn=old.velocity_fn(model, cfg.sampling.guidance))
+            sample_with = old.velocity_fn(model, cfg.sampling.guidance)  # the old snapshot samples
+            rollouts, data, metrics = collect_forward(online, velocity_fn=sample_with)
+            if data is not None:
+                with online.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
+                                               run.epoch, old=old, ema=online.ema, health=run.health, progress=bar))
             metrics["train/old_decay"] = old.update(model, optimizer_steps(online.optimizer))
             online.end_epoch(metrics, rollouts)
     return run.finish()

@@ -12,16 +12,16 @@ optimizer, LR schedule and EMA state in the checkpoint, a resumed run continues 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
-from tqdm.auto import tqdm
 
-from flowrl.config import RunConfig, bounds, fail, save_config
+from flowrl.config import RunConfig, bounds, fail
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
 from flowrl.recipes import Recipe
+from flowrl.run import CheckpointConfig
 
 __all__ = ["Config", "main", "RECIPE"]
 
@@ -75,29 +75,16 @@ class Config:
     ema: EmaConfig = field(default_factory=EmaConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint_minutes: float = field(default=5.0, metadata=bounds(gt=0))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=1, every_minutes=5.0))
     # The guidance scale stored with the saved model as its default.
     default_guidance: float = field(default=1.0, metadata=bounds(ge=0))
+
+    RENAMED: ClassVar[dict[str, str]] = {"checkpoint_minutes": "checkpoint.every_minutes"}
 
     def check(self) -> None:
         if self.optim.warmup_steps > self.run.max_epochs * self.data.steps_per_epoch:
             fail("optim.warmup_steps", f"{self.optim.warmup_steps} is longer than the whole run "
                  f"({self.run.max_epochs} epochs x {self.data.steps_per_epoch} steps)")
-
-
-def _lr_lambda(cfg: Config):
-    import math
-
-    total = max((cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch, 1)
-    warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _batch(cfg: Config, model: ShapesModel, step: int):
@@ -150,20 +137,12 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
     return metrics
 
 
-def _save_grid(images: torch.Tensor, prompts: list[str], summary: dict, path: Path, columns: int = 8) -> None:
-    """The evaluation's first images, eight to a row, each captioned with its prompt (wrapped)."""
-    import textwrap
+def _save_grid(images: torch.Tensor, prompts: list[str], summary: dict, path: Path) -> None:
+    """The evaluation's first images, eight prompts to a row, each under its whole prompt."""
+    from flowrl.grid import prompt_grid
 
-    from flowrl.grid import image_grid
-
-    rows = (len(prompts) + columns - 1) // columns
-    pad = rows * columns - len(prompts)
-    images = torch.cat([images, torch.ones(pad, *images.shape[1:])]) if pad else images
-    captions = ["\n".join(textwrap.wrap(p, 20)[:3]) for p in prompts] + [""] * pad
-    grid = image_grid(images, [f"{r * columns}-{min((r + 1) * columns, len(prompts)) - 1}" for r in range(rows)],
-                      [str(c) for c in range(columns)], captions, row_label_width=60)
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    prompt_grid(prompts, {"EMA model": images}, per_row=8).save(path)
 
 
 def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:
@@ -173,96 +152,43 @@ def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:
 def main(cfg: Config) -> int:
     from diffusers.training_utils import EMAModel
 
-    from flowrl.checkpoint import latest_checkpoint, load_state, save_checkpoint
-    from flowrl.logging import MetricsLogger
-    from flowrl.runtime import Deadline, GracefulStop, prepare_run
+    from flowrl.run import Run
+    from flowrl.updates import optimizer_step, warmup_cosine
 
-    output_dir = prepare_run(cfg.run)
-    save_config(cfg, output_dir / "config.yaml", extra={"recipe": "pretrain"})
+    run = Run(cfg, "pretrain", plots={"loss": ["train/loss"], "eval": ["eval/shapes/"]},
+              units={"loss": "flow-matching loss", "eval": "held-out accuracy"},
+              steps_per_epoch=cfg.data.steps_per_epoch)
     model = ShapesModel.build(cfg.model, seed=cfg.run.seed, default_guidance=cfg.default_guidance)
     model.text_encoder.requires_grad_(True).train()
     model.train()
     params = _trainable(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    decay_steps = (cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(decay_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
     ema = EMAModel(params, decay=cfg.ema.decay, use_ema_warmup=True, inv_gamma=1.0, power=cfg.ema.warmup_power)
-    total_steps = cfg.run.max_epochs * cfg.data.steps_per_epoch
-    step, minutes_before = 0, 0.0
-    logger = MetricsLogger(output_dir, plot_groups={"loss": ["train/loss"], "eval": ["eval/shapes/"]})
+    run.track(unet=model.denoiser, text_encoder=model.text_encoder, optimizer=optimizer, scheduler=scheduler, ema=ema)
+    run.checkpoint_files(lambda directory: _save_model(model, ema, directory / "model"))
+    run.evaluation(lambda epoch, should_stop: _evaluate(cfg, model, ema, run.output_dir, epoch))
 
-    if cfg.run.resume:
-        checkpoint = latest_checkpoint(output_dir)
-        if checkpoint is None:
-            print(f"flowrl: run.resume=true but {output_dir}/checkpoints has no checkpoint; "
-                  "run without run.resume=true to start fresh")
-            return 2
-        state = load_state(checkpoint)
-        model.denoiser.load_state_dict(state["unet"])
-        model.text_encoder.load_state_dict(state["text_encoder"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        ema.load_state_dict(state["ema"])
-        step = int(state["step"])
-        minutes_before = float(state.get("train_minutes", 0.0))
-        logger.truncate_after(step // cfg.data.steps_per_epoch)
-        print(f"flowrl: resumed from {checkpoint} at step {step}")
-    elif (output_dir / "metrics.jsonl").exists():
-        (output_dir / "metrics.jsonl").unlink()
-
-    def checkpoint_now() -> None:
-        state = {"unet": model.denoiser.state_dict(), "text_encoder": model.text_encoder.state_dict(),
-                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "ema": ema.state_dict(), "step": step, "train_minutes": deadline.elapsed_minutes()}
-        save_checkpoint(output_dir, step, state, write_extra=lambda d: _save_model(model, ema, d / "model"))
-
-    deadline = Deadline(cfg.run.max_minutes, already_spent=minutes_before)
-    last_checkpoint = time.monotonic()
-    progress = tqdm(total=total_steps, initial=step, desc="pretrain", dynamic_ncols=True)
-    losses: list[float] = []
-    epoch_start = time.monotonic()
-    with GracefulStop() as stop:
-        if step == 0:
-            with deadline.excluded():
-                logger.log({"epoch": 0, "step": 0, **_evaluate(cfg, model, ema, output_dir, 0)})
-        while step < total_steps:
-            x0, tokens, noise, t = _batch(cfg, model, step)
-            loss = flow_matching_loss(model, x0, tokens, noise, t)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            ema.step(params)
-            step += 1
-            losses.append(loss.item())
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-            if step % cfg.data.steps_per_epoch == 0:
-                epoch = step // cfg.data.steps_per_epoch
-                metrics = {"epoch": epoch, "step": step, "train/loss": sum(losses) / len(losses),
-                           "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
-                           "time/epoch_seconds": time.monotonic() - epoch_start,
-                           "time/minutes": deadline.elapsed_minutes()}
-                losses = []
-                if epoch % cfg.eval.every_epochs == 0 or step == total_steps:
-                    with deadline.excluded():
-                        metrics.update(_evaluate(cfg, model, ema, output_dir, epoch))
-                    progress.write(f"epoch {epoch}: eval accuracy {metrics['eval/shapes/accuracy']:.3f}")
-                logger.log(metrics)
-                logger.plot()
-                epoch_start = time.monotonic()
-            if stop.requested or deadline.passed():
-                break
-            if time.monotonic() - last_checkpoint > cfg.checkpoint_minutes * 60:
-                checkpoint_now()
-                last_checkpoint = time.monotonic()
-    progress.close()
-    checkpoint_now()
-    _save_model(model, ema, output_dir / "model")
-    logger.close()
-    reason = stop.reason or ("time budget reached" if deadline.passed() else "finished")
-    print(f"flowrl: pretraining stopped at step {step}/{total_steps} ({reason}); model saved to {output_dir / 'model'}")
-    return 0
+    with run:
+        while run.next_epoch():
+            losses, grad_norm = [], 0.0
+            for step in run.steps():
+                x0, tokens, noise, t = _batch(cfg, model, step)
+                with run.updating():
+                    loss = flow_matching_loss(model, x0, tokens, noise, t)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norm = optimizer_step(optimizer, params, run.dist, grad_clip=cfg.optim.grad_clip, ema=ema,
+                                               health=run.health)
+                    scheduler.step()
+                losses.append(loss.item())
+            run.end_epoch({"train/loss": sum(losses) / max(len(losses), 1), "train/grad_norm": grad_norm,
+                           "train/lr": scheduler.get_last_lr()[0]})
+    _save_model(model, ema, run.output_dir / "model")
+    print(f"flowrl: the pretrained model is in {run.output_dir / 'model'}")
+    return run.finish()
 
 
 def _save_model(model: ShapesModel, ema, path: Path) -> None:

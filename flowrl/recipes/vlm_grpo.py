@@ -38,17 +38,16 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from tqdm.auto import tqdm
 
-from flowrl.config import RunConfig, bounds, fail, save_config
+from flowrl.config import RunConfig, bounds, fail
+from flowrl.policies.config import PolicyConfig, build_policy
 from flowrl.recipes import Recipe
+from flowrl.run import CheckpointConfig, LogConfig
 
-__all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "EpochBatch", "collect_epoch", "compute_advantages",
-           "train_epoch", "build_policy"]
+__all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "train_epoch", "build_policy"]
 
 
 # ============================================================================ variants
@@ -83,23 +82,6 @@ VARIANTS: dict[str, Variant] = {
 
 
 # ============================================================================ config
-
-
-@dataclass
-class LoraConfig:
-    rank: int = field(default=16, metadata=bounds(ge=1))
-    alpha: float = field(default=32.0, metadata=bounds(gt=0))
-    dropout: float = field(default=0.0, metadata=bounds(ge=0, lt=1))
-    target_modules: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ModelConfig:
-    path: str | None = None  # a local model folder or hub id; None: the shipped Shapes-VQA model
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    lora: LoraConfig | None = None  # None: full fine-tuning (a frozen copy is the KL reference)
-    gradient_checkpointing: bool = False
-    attn_implementation: str | None = None
 
 
 @dataclass
@@ -183,21 +165,9 @@ class EvalConfig:
 
 
 @dataclass
-class LogConfig:
-    backends: list[str] = field(default_factory=list)
-    project: str = "flowrl"
-
-
-@dataclass
-class CheckpointConfig:
-    every_epochs: int = field(default=20, metadata=bounds(ge=1))
-    keep: int = field(default=2, metadata=bounds(ge=1))
-
-
-@dataclass
 class Config:
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/vlm_grpo", max_epochs=100))
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: PolicyConfig = field(default_factory=PolicyConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -206,7 +176,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=20))
 
     RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock"}
 
@@ -238,174 +208,6 @@ class Config:
             fail("train.minibatches", "more minibatches than episodes per epoch")
 
 
-# ============================================================================ components
-
-
-def build_policy(cfg: ModelConfig, device: torch.device):
-    """The policy named by ``cfg`` (LoRA or full fine-tuning)."""
-    from flowrl.policies import LoraSpec, TokenPolicy
-    from flowrl.policies.shapes_vlm import resolve_model_path
-
-    lora = None
-    if cfg.lora is not None:
-        lora = LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                        target_modules=tuple(cfg.lora.target_modules))
-    return TokenPolicy.from_pretrained(resolve_model_path(cfg.path), dtype=cfg.dtype, device=device, lora=lora,
-                                       gradient_checkpointing=cfg.gradient_checkpointing,
-                                       attn_implementation=cfg.attn_implementation)
-
-
-def _seed(*parts: int) -> int:
-    from flowrl.envs.rollout import sample_seed
-
-    return sample_seed(*parts)
-
-
-# ============================================================================ one epoch
-
-
-@dataclass
-class EpochBatch:
-    """The epoch's episodes (every process holds all of them) and their rewards.
-
-    Attributes:
-        episodes: ``N`` :class:`flowrl.envs.rollout.Episode`, groups contiguous.
-        group_ids: ``[N]`` group of each episode.
-        rewards: ``[N]`` episode reward (answer rewards + environment rewards + overlong penalty).
-        turn_rewards: ``[N, K]`` per-turn rewards (the answer reward and overlong penalty on the last turn).
-        turn_mask: ``[N, K]`` bool.
-        details: ``{name: [N]}`` reward components.
-        stats: sampling statistics for logging.
-    """
-
-    episodes: list
-    group_ids: torch.Tensor
-    rewards: torch.Tensor
-    turn_rewards: torch.Tensor
-    turn_mask: torch.Tensor
-    details: dict[str, torch.Tensor]
-    stats: dict[str, float]
-
-
-def _score_episodes(episodes: list, answer_rewards, cfg: Config, variant: Variant):
-    """Episode rewards, per-turn rewards and components."""
-    scores, details = answer_rewards([e.answer for e in episodes], [e.task for e in episodes],
-                                     [e.image for e in episodes])
-    answered = torch.tensor([float(e.answered) for e in episodes])
-    scores = scores * answered  # an episode that hit the turn limit answered nothing
-    details = {k: v * answered for k, v in details.items()}
-    K = max(e.num_turns for e in episodes)
-    turn_rewards = torch.zeros(len(episodes), K)
-    turn_mask = torch.zeros(len(episodes), K, dtype=torch.bool)
-    overlong = torch.zeros(len(episodes))
-    if variant.overlong_penalty:
-        # DAPO's soft overlong punishment on the episode's generated tokens, against the whole budget.
-        budget = cfg.sampling.max_new_tokens
-        cache = cfg.algorithm.overlong_cache or max(budget // 4, 1)
-        for i, e in enumerate(episodes):
-            length = max(e.action_lengths)
-            if length > budget - cache:
-                overlong[i] = max(-1.0, ((budget - cache) - length) / cache)
-        details["overlong_penalty"] = overlong
-    for i, e in enumerate(episodes):
-        n = e.num_turns
-        turn_rewards[i, :n] = torch.tensor(e.turn_rewards)
-        turn_rewards[i, n - 1] += scores[i] + overlong[i]
-        turn_mask[i, :n] = True
-    rewards = (turn_rewards * turn_mask).sum(1)
-    return rewards, turn_rewards, turn_mask, details
-
-
-def collect_epoch(policy, cfg: Config, epoch: int, dist, answer_rewards, env_spec, *, progress=None) -> EpochBatch:
-    """Play the epoch's episodes (sharded over processes, gathered), score them, and (DAPO) refill groups whose
-    rewards are all equal until ``groups_per_epoch`` informative groups are found."""
-    from flowrl.envs.rollout import SamplingSettings, play_episodes
-
-    variant = cfg.algorithm.resolved()
-    s = cfg.sampling
-    kinds = tuple(cfg.env.kinds or env_spec.kinds)
-    settings = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                stop_strings=tuple(s.stop_strings), batch_size=s.batch_size)
-    max_turns = cfg.env.max_turns or env_spec.max_turns
-    kept: list[list] = []
-    rounds, seen_groups, zero_std_groups = 0, 0, 0
-    stats = {"truncated": 0.0, "empty": 0.0, "malformed": 0.0, "tool_call": 0.0, "turn_limit": 0.0, "episodes": 0.0}
-    rounds_allowed = s.max_sampling_rounds if variant.dynamic_sampling else 1
-    all_played = []
-    while rounds < rounds_allowed and len(kept) < s.groups_per_epoch:
-        round_seed = _seed(cfg.run.seed, epoch, rounds)
-        tasks = env_spec.train_tasks("train", s.groups_per_epoch, seed=round_seed % (2**31), kinds=kinds)
-        flat = [t for t in tasks for _ in range(s.group_size)]
-        n = len(flat)
-        per = math.ceil(n / dist.world_size)
-        lo, hi = dist.rank * per, min((dist.rank + 1) * per, n)
-        mine = play_episodes(policy, env_spec.make, flat[lo:hi], list(range(lo, hi)), seed=round_seed,
-                             sampling=settings, max_turns=max_turns, system_prompt=cfg.env.system_prompt)
-        if progress is not None:
-            progress(len(mine))
-        episodes = dist.gather_object(mine) if dist.world_size > 1 else mine
-        groups = [episodes[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
-        seen_groups += len(groups)
-        if variant.dynamic_sampling:  # keep only groups whose rewards differ (scored here to decide)
-            rewards = _score_episodes(episodes, answer_rewards, cfg, variant)[0]
-            for g, group in enumerate(groups):
-                r = rewards[g * s.group_size:(g + 1) * s.group_size]
-                if bool(r.max() == r.min()):
-                    zero_std_groups += 1
-                elif len(kept) < s.groups_per_epoch:
-                    kept.append(group)
-        else:
-            kept = groups
-        all_played += episodes
-        rounds += 1
-    if not kept:  # every group was constant in every round: train on the first round (zero advantages)
-        kept = [all_played[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
-    # Every process trains on an equal shard: keep a multiple of the world size of groups x group size.
-    while len(kept) > 1 and (len(kept) * s.group_size) % dist.world_size:
-        kept.pop()
-    episodes = [e for group in kept for e in group]
-    group_ids = torch.tensor([g for g, group in enumerate(kept) for _ in group])
-    rewards, turn_rewards, turn_mask, details = _score_episodes(episodes, answer_rewards, cfg, variant)
-    if not variant.dynamic_sampling:
-        from flowrl.core.advantages import zero_std_fraction
-
-        zero_std_groups = round(zero_std_fraction(rewards, group_ids) * len(kept))
-    for e in all_played:
-        stats["episodes"] += 1
-        for key in ("truncated", "empty", "malformed", "tool_call", "turn_limit"):
-            stats[key] += e.counts[key]
-    stats.update({"rounds": float(rounds), "groups_seen": float(seen_groups), "groups_kept": float(len(kept)),
-                  "zero_std_frac_sampled": zero_std_groups / max(seen_groups, 1)})
-    return EpochBatch(episodes, group_ids, rewards, turn_rewards, turn_mask, details, stats)
-
-
-def compute_advantages(batch: EpochBatch, cfg: Config) -> torch.Tensor:
-    """``[N, K]`` per-turn advantages from the estimator named by ``algorithm.turn_credit``
-    (:mod:`flowrl.core.estimators`: ``outcome`` repeats the episode's advantage on every turn it played,
-    ``gigpo`` and ``turn_return`` are turn-level credit)."""
-    from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
-    from flowrl.core.turn_credit import anchor_index
-
-    a, v = cfg.algorithm, cfg.algorithm.resolved()
-    estimator = ADVANTAGE_ESTIMATORS.get(a.turn_credit)
-    K = batch.turn_rewards.shape[1]
-    anchors = (anchor_index([e.anchors for e in batch.episodes], batch.group_ids.tolist())
-               if "anchor_ids" in estimator.needs else None)
-    credit = CreditBatch(rewards=batch.rewards, group_ids=batch.group_ids, steps=list(range(K)), num_steps=K,
-                         turn_rewards=batch.turn_rewards, turn_mask=batch.turn_mask, anchor_ids=anchors)
-    advantages, _ = estimator(credit, normalizer=v.estimator, std_scope=v.std_scope, eps=a.eps, clip=a.adv_clip,
-                              gamma=a.gamma, step_weight=a.step_weight)
-    return advantages
-
-
-def _conversation(episode) -> list:
-    return episode.conversation[:_last_assistant(episode.conversation) + 1]
-
-
-def _last_assistant(conversation) -> int:
-    return max(i for i, t in enumerate(conversation) if t.role == "assistant")
-
-
 def _token_advantages(inputs, turn_adv: torch.Tensor) -> torch.Tensor:
     """``[b, T]`` advantages: each trained token gets the advantage of the turn it belongs to."""
     idx = inputs.turn_index.clamp(min=0)
@@ -417,15 +219,17 @@ def _micro_batches(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i:i + size] for i in range(0, len(indices), size)]
 
 
-def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Tensor, cfg: Config, dist, epoch: int,
+def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: Config, dist, epoch: int,
                 progress=None) -> dict[str, float]:
     """Re-score old (and reference) log-probs, then the clipped-loss updates of one epoch on this process's shard."""
     from flowrl.core.losses import clipped_policy_loss, kl_estimate
+    from flowrl.envs.epoch import rollout_logp_gap, trained_conversation
+    from flowrl.envs.rollout import sample_seed
 
     a, v, t = cfg.algorithm, cfg.algorithm.resolved(), cfg.train
     temperature = cfg.sampling.temperature
     N = len(batch.episodes)
-    rng = random.Random(_seed(cfg.run.seed, epoch, 7))
+    rng = random.Random(sample_seed(cfg.run.seed, epoch, 7))
     budget = cfg.sampling.max_new_tokens * (cfg.env.max_turns or max(e.num_turns for e in batch.episodes))
     # Inputs, old and reference log-probs per micro-batch, computed once before any update.
     cache: dict[tuple[int, ...], dict] = {}
@@ -433,7 +237,7 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
     def prepared(ids: list[int]) -> dict:
         key = tuple(ids)
         if key not in cache:
-            inputs = policy.build_inputs([_conversation(batch.episodes[i]) for i in ids])
+            inputs = policy.build_inputs([trained_conversation(batch.episodes[i]) for i in ids])
             with torch.no_grad():
                 old = policy.score(inputs, temperature=temperature)
                 ref = None
@@ -455,14 +259,7 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
         mine = minibatch[dist.rank * len(minibatch) // dist.world_size:(dist.rank + 1) * len(minibatch) // dist.world_size]
         for micro in _micro_batches(mine, t.micro_batch_size):
             prepared(micro)
-    gap_sum = gap_n = 0.0
-    for key, item in cache.items():  # rollout log-probs vs the re-scored ones (sampler / trainer mismatch)
-        m = item["inputs"].loss_mask > 0
-        rollout = torch.cat([torch.cat(batch.episodes[i].logprobs) for i in key]) if key else torch.zeros(0)
-        rescored = item["old"].cpu()[m]
-        if rollout.numel() == rescored.numel():
-            gap_sum += float((rollout - rescored).abs().sum())
-            gap_n += rollout.numel()
+    gap = rollout_logp_gap(batch.episodes, {ids: (item["inputs"].loss_mask, item["old"]) for ids, item in cache.items()})
 
     sums: dict[str, float] = {}
     count = 0.0
@@ -530,159 +327,59 @@ def train_epoch(policy, module, optimizer, batch: EpochBatch, turn_adv: torch.Te
     metrics["train/grad_norm"] = sums["train/grad_norm"] / max(steps, 1)
     metrics["train/optimizer_steps"] = steps
     metrics["train/lr"] = optimizer.param_groups[0]["lr"]
-    metrics["train/rollout_logp_gap"] = gap_sum / max(gap_n, 1.0)
-    return metrics
-
-
-# ============================================================================ main
-
-
-def _next_multiple(minutes: float, every: float | None) -> float | None:
-    return None if every is None else (math.floor(minutes / every + 1e-9) + 1) * every
-
-
-def _epoch_metrics(batch: EpochBatch, cfg: Config) -> dict[str, float]:
-    from flowrl.core.advantages import zero_std_fraction
-
-    r = batch.rewards
-    eps = batch.episodes
-    n = max(batch.stats["episodes"], 1.0)
-    lengths = torch.tensor([float(sum(e.action_lengths)) for e in eps])
-    metrics = {"train/reward_mean": float(r.mean()), "train/reward_std": float(r.std(unbiased=False)),
-               "train/zero_std_frac": zero_std_fraction(r, batch.group_ids),
-               "train/response_len": float(lengths.mean()), "train/turns": float(batch.turn_mask.sum(1).float().mean()),
-               "train/episodes": float(len(eps))}
-    for key in ("truncated", "empty", "malformed", "tool_call", "turn_limit"):
-        metrics[f"train/{key}_per_episode"] = batch.stats[key] / n
-    metrics.update({f"train/sampling_{k}": batch.stats[k] for k in ("rounds", "groups_kept", "zero_std_frac_sampled")})
-    for name, value in batch.details.items():
-        metrics[f"train/reward/{name}"] = float(value.mean())
-    if cfg.env.name == "shapes_zoom":
-        kinds = sorted({e.task.kind for e in eps})
-        for kind in kinds:
-            sel = [e for e in eps if e.task.kind == kind]
-            metrics[f"train/tool_calls/{kind}"] = sum(e.counts["tool_call"] for e in sel) / len(sel)
+    metrics["train/rollout_logp_gap"] = gap
     return metrics
 
 
 def main(cfg: Config, *, policy=None, dist=None) -> int:
     """Run the configured GRPO-family algorithm. ``policy`` / ``dist`` may be injected (tests)."""
-    from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
-    from flowrl.dist import Dist
+    from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
     from flowrl.envs.evaluate import evaluate_policy
     from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import AnswerRewards
-    from flowrl.logging import MetricsLogger
-    from flowrl.runtime import make_deadline
-    from flowrl.runtime import GracefulStop, prepare_run
+    from flowrl.run import PolicyWeights, Run
 
-    dist = dist or Dist()
-    output_dir = prepare_run(cfg.run)
-    if dist.is_main:
-        save_config(cfg, output_dir / "config.yaml", extra={"recipe": "vlm_grpo"})
+    short = cfg.env.name.removeprefix("shapes_")
+    run = Run(cfg, "vlm_grpo", dist=dist, counters=("episodes_sampled",),
+              plots={"reward": ["train/reward_mean", "train/reward/"], "eval": [f"eval/{short}/"],
+                     "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"],
+                     "agent": ["train/tool_calls/", "train/malformed_per_episode", "train/turn_limit_per_episode",
+                               "train/truncated_per_episode", "train/empty_per_episode"]},
+              units={"reward": "episode reward", "eval": "held-out accuracy", "policy": "fraction / KL (nats)",
+                     "agent": "per episode"})
+    dist = run.dist
     if policy is None:
         policy = build_policy(cfg.model, dist.device)
     policy.train()
     env_spec = get_env(cfg.env.name)
     answer_rewards = AnswerRewards(cfg.reward.answer)
-    params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  weight_decay=cfg.optim.weight_decay)
     warmup = cfg.optim.warmup_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: min(1.0, (e + 1) / warmup) if warmup else 1.0)
     module = dist.prepare(policy.model) if dist.world_size > 1 else policy.model
-    short = cfg.env.name.removeprefix("shapes_")
-    logger = MetricsLogger(output_dir, backends=cfg.log.backends, enabled=dist.is_main, project=cfg.log.project,
-                           plot_groups={"reward": ["train/reward_mean", "train/reward/"], "eval": [f"eval/{short}/"],
-                                        "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"],
-                                        "agent": ["train/tool_calls/", "train/malformed_per_episode",
-                                                  "train/turn_limit_per_episode", "train/truncated_per_episode",
-                                                  "train/empty_per_episode"],
-                                        "time": ["time/"]})
-    epoch, episodes_sampled, train_minutes_before, wall_minutes_before = 0, 0, 0.0, 0.0
-    if cfg.run.resume:
-        checkpoint = latest_checkpoint(output_dir)
-        if checkpoint is None:
-            raise CheckpointError(f"run.resume=true but {output_dir}/checkpoints holds no checkpoint; "
-                                  "run without run.resume=true to start fresh")
-        state = load_state(checkpoint)
-        policy.load_trainable_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        epoch, episodes_sampled = int(state["epoch"]), int(state["episodes_sampled"])
-        train_minutes_before, wall_minutes_before = float(state["train_minutes"]), float(state["wall_minutes"])
-        logger.truncate_after(epoch)
-        if dist.is_main:
-            print(f"flowrl: resumed from {checkpoint} at epoch {epoch}")
+    run.track(model=PolicyWeights(policy), optimizer=optimizer, scheduler=scheduler)
+    # Every process evaluates the same set (greedy, deterministic); only the main one logs.
+    run.evaluation(lambda epoch, should_stop: evaluate_policy(
+        policy, cfg.env.name, cfg.eval.num_examples, batch_size=cfg.eval.batch_size, max_turns=cfg.env.max_turns,
+        max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt))
 
-    deadline = make_deadline(cfg.run.clock, cfg.run.max_minutes, train_minutes_before)
-
-    def checkpoint_now() -> None:
-        if not dist.is_main:
-            return
-        state = {"model": policy.trainable_state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": epoch,
-                 "episodes_sampled": episodes_sampled, "train_minutes": deadline.elapsed_minutes(),
-                 "wall_minutes": wall_minutes_before + deadline.wall_minutes()}
-        save_checkpoint(output_dir, epoch, state, keep=cfg.checkpoint.keep)
-
-    def evaluate() -> dict[str, float]:
-        # Every process evaluates the same set (greedy, deterministic); only the main one logs.
-        return evaluate_policy(policy, cfg.env.name, cfg.eval.num_examples, batch_size=cfg.eval.batch_size,
-                               max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens,
-                               system_prompt=cfg.env.system_prompt)
-
-    next_eval = _next_multiple(train_minutes_before, cfg.eval.every_minutes)
-    status = "finished"
-    with GracefulStop() as stop:
-        if epoch == 0 and cfg.eval.at_start:
-            with deadline.excluded():
-                metrics = evaluate()
-            logger.log({"epoch": 0, "episodes_sampled": 0, "time/train_min": 0.0, **metrics})
-            logger.plot()
-            if dist.is_main:
-                print("epoch 0: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith("accuracy")))
-        bar = tqdm(total=cfg.run.max_epochs, initial=epoch, desc="vlm_grpo", disable=not dist.is_main, dynamic_ncols=True)
-        while epoch < cfg.run.max_epochs:
-            t0 = time.perf_counter()
-            batch = collect_epoch(policy, cfg, epoch, dist, answer_rewards, env_spec)
-            t1 = time.perf_counter()
-            turn_adv = compute_advantages(batch, cfg)
-            metrics = _epoch_metrics(batch, cfg)
-            metrics.update(train_epoch(policy, module, optimizer, batch, turn_adv, cfg, dist, epoch))
+    with run:
+        while run.next_epoch():
+            start = time.perf_counter()
+            batch = collect_epoch(policy, cfg, run.epoch, dist, answer_rewards, env_spec)
+            collected = time.perf_counter()
+            metrics = epoch_metrics(batch, cfg)
+            if run.check_rewards(metrics, len(batch.episodes)):
+                turn_adv = turn_advantages(batch, cfg)
+                with run.updating():
+                    metrics.update(train_epoch(policy, module, optimizer, batch, turn_adv, cfg, dist, run.epoch))
             scheduler.step()
-            t2 = time.perf_counter()
-            epoch += 1
-            episodes_sampled += int(batch.stats["episodes"])
-            metrics.update({"epoch": epoch, "episodes_sampled": episodes_sampled, "time/sampling_s": t1 - t0,
-                            "time/training_s": t2 - t1, "time/epoch_s": t2 - t0,
-                            "time/train_min": deadline.elapsed_minutes()})
-            stopping = dist.any(stop.requested or deadline.passed())
-            due = (cfg.eval.every_epochs is not None and epoch % cfg.eval.every_epochs == 0) or (
-                next_eval is not None and deadline.elapsed_minutes() >= next_eval)
-            if due or stopping or epoch == cfg.run.max_epochs:
-                with deadline.excluded():
-                    metrics.update(evaluate())
-                next_eval = _next_multiple(deadline.elapsed_minutes(), cfg.eval.every_minutes)
-            metrics["time/wall_min"] = wall_minutes_before + deadline.wall_minutes()
-            logger.log(metrics)
-            logger.plot()
-            bar.update(1)
-            acc = metrics.get(f"eval/{short}/accuracy")
-            bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", **({"eval": f"{acc:.3f}"} if acc is not None else {}))
-            if epoch % cfg.checkpoint.every_epochs == 0 or stopping or epoch == cfg.run.max_epochs:
-                checkpoint_now()
-            if stopping:
-                status = stop.reason or "time budget reached"
-                break
-        bar.close()
+            metrics.update({"time/sampling_s": collected - start, "time/training_s": time.perf_counter() - collected})
+            run.end_epoch(metrics, episodes_sampled=int(batch.stats["episodes"]))
     if dist.is_main:
-        policy.save_pretrained(output_dir / "model")
-    logger.close()
-    if dist.is_main:
-        print(f"flowrl: vlm_grpo stopped at epoch {epoch}/{cfg.run.max_epochs} ({status}); outputs in {output_dir}")
-    dist.close()
-    return 0
+        policy.save_pretrained(run.output_dir / "model")
+    return run.finish()
 
 
 RECIPE = Recipe(Config, main)

@@ -18,19 +18,16 @@ logs ``eval/vqa/accuracy`` and one ``eval/vqa/<kind>`` per question kind. The ru
 
 from __future__ import annotations
 
-import math
 import random
-import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
-from pathlib import Path
+from typing import ClassVar
 
 import torch
-from tqdm.auto import tqdm
 
-from flowrl.config import RunConfig, bounds, fail, save_config
+from flowrl.config import RunConfig, bounds, fail
 from flowrl.policies.shapes_vlm import ShapesVLMConfig
 from flowrl.recipes import Recipe
+from flowrl.run import CheckpointConfig
 
 __all__ = ["Config", "main", "RECIPE"]
 
@@ -71,28 +68,16 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint_minutes: float = field(default=5.0, metadata=bounds(gt=0))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=1, every_minutes=5.0))
 
-    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock"}
+    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock",
+                                         "checkpoint_minutes": "checkpoint.every_minutes"}
 
     def check(self) -> None:
         if self.model.hidden_size % self.model.heads:
             fail("model.heads", f"{self.model.heads} does not divide hidden_size {self.model.hidden_size}")
         if self.model.image_size % (2 * self.model.patch_size):
             fail("model.patch_size", f"image_size {self.model.image_size} must be a multiple of 2 x patch_size")
-
-
-def _lr_factor(cfg: Config):
-    total = max((cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch, 1)
-    warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def batch_conversations(cfg: Config, step: int) -> list:
@@ -142,14 +127,14 @@ def _evaluate(cfg: Config, policy) -> dict[str, float]:
 
 
 def main(cfg: Config) -> int:
-    from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state, save_checkpoint
-    from flowrl.logging import MetricsLogger
     from flowrl.policies import TokenPolicy
     from flowrl.policies.shapes_vlm import build_model
-    from flowrl.runtime import GracefulStop, make_deadline, prepare_run
+    from flowrl.run import PolicyWeights, Run
+    from flowrl.updates import optimizer_step, warmup_cosine
 
-    output_dir = prepare_run(cfg.run)
-    save_config(cfg, output_dir / "config.yaml", extra={"recipe": "vlm_sft"})
+    run = Run(cfg, "vlm_sft", plots={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/zoom/accuracy"]},
+              units={"loss": "mean NLL of the answer tokens", "eval": "held-out accuracy"},
+              steps_per_epoch=cfg.data.steps_per_epoch)
     if cfg.init_from:
         policy = TokenPolicy.from_pretrained(cfg.init_from)
     else:
@@ -158,80 +143,30 @@ def main(cfg: Config) -> int:
     policy.train()
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg))
-    total_steps = cfg.run.max_epochs * cfg.data.steps_per_epoch
-    step, minutes_before = 0, 0.0
-    logger = MetricsLogger(output_dir, plot_groups={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/zoom/accuracy"]})
-    if cfg.run.resume:
-        checkpoint = latest_checkpoint(output_dir)
-        if checkpoint is None:
-            raise CheckpointError(f"run.resume=true but {output_dir}/checkpoints holds no checkpoint; "
-                                  "run without run.resume=true to start fresh")
-        state = load_state(checkpoint)
-        policy.load_trainable_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, minutes_before = int(state["step"]), float(state["train_minutes"])
-        logger.truncate_after(step // cfg.data.steps_per_epoch)
-        print(f"flowrl: resumed from {checkpoint} at step {step}")
-    elif (output_dir / "metrics.jsonl").exists():
-        (output_dir / "metrics.jsonl").unlink()
+    decay_steps = (cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(decay_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+    run.track(model=PolicyWeights(policy), optimizer=optimizer, scheduler=scheduler)
+    run.evaluation(lambda epoch, should_stop: _evaluate(cfg, policy))
 
-    deadline = make_deadline(cfg.run.clock, cfg.run.max_minutes, minutes_before)
-
-    def checkpoint_now() -> None:
-        state = {"model": policy.trainable_state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "step": step, "train_minutes": deadline.elapsed_minutes()}
-        save_checkpoint(output_dir, step, state)
-
-    last_checkpoint = time.monotonic()
-    progress = tqdm(total=total_steps, initial=step, desc="vlm_sft", dynamic_ncols=True)
-    losses: list[float] = []
-    epoch_start = time.monotonic()
-    with GracefulStop() as stop:
-        if step == 0:
-            with deadline.excluded():
-                logger.log({"epoch": 0, "step": 0, "time/train_min": 0.0, **_evaluate(cfg, policy)})
-        while step < total_steps:
-            loss = sft_loss(policy, batch_conversations(cfg, step))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            losses.append(loss.item())
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.4f}")
-            epoch_done = step % cfg.data.steps_per_epoch == 0
-            stopping = stop.requested or deadline.passed()
-            if epoch_done or stopping or step == total_steps:
-                epoch = math.ceil(step / cfg.data.steps_per_epoch)
-                metrics = {"epoch": epoch, "step": step, "train/loss": sum(losses) / max(len(losses), 1),
-                           "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
-                           "time/epoch_s": time.monotonic() - epoch_start, "time/train_min": deadline.elapsed_minutes(),
-                           "time/wall_min": deadline.wall_minutes()}
-                losses = []
-                if epoch % cfg.eval.every_epochs == 0 or stopping or step == total_steps:
-                    with deadline.excluded():
-                        metrics.update(_evaluate(cfg, policy))
-                    progress.write(f"epoch {epoch}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                                   if k.startswith("eval/") and k.endswith("accuracy")))
-                logger.log(metrics)
-                logger.plot()
-                epoch_start = time.monotonic()
-            if stopping:
-                break
-            if time.monotonic() - last_checkpoint > cfg.checkpoint_minutes * 60:
-                checkpoint_now()
-                last_checkpoint = time.monotonic()
-    progress.close()
-    checkpoint_now()
-    policy.save_pretrained(output_dir / "model")
-    logger.close()
-    reason = stop.reason or ("time budget reached" if deadline.passed() else "finished")
-    print(f"flowrl: vlm_sft stopped at step {step}/{total_steps} ({reason}); model saved to {output_dir / 'model'}")
-    return 0
+    with run:
+        while run.next_epoch():
+            losses, grad_norm = [], 0.0
+            for step in run.steps():
+                conversations = batch_conversations(cfg, step)
+                with run.updating():
+                    loss = sft_loss(policy, conversations)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norm = optimizer_step(optimizer, params, run.dist, grad_clip=cfg.optim.grad_clip,
+                                               health=run.health)
+                    scheduler.step()
+                losses.append(loss.item())
+            run.end_epoch({"train/loss": sum(losses) / max(len(losses), 1), "train/grad_norm": grad_norm,
+                           "train/lr": scheduler.get_last_lr()[0]})
+    policy.save_pretrained(run.output_dir / "model")
+    print(f"flowrl: the policy is in {run.output_dir / 'model'}")
+    return run.finish()
 
 
 RECIPE = Recipe(Config, main)

@@ -154,19 +154,19 @@ class Evaluator:
 
     def _save_grid(self, model, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
                    scores: dict[str, torch.Tensor], metadata: list[dict]) -> None:
-        """``samples/epoch_<N>.png``: each grid prompt (a row) drawn by the base model and by the model at this
-        epoch from the same noise, captioned with every eval reward; also sent to TensorBoard / wandb."""
-        from flowrl.grid import image_grid
+        """``samples/epoch_<N>.png``: each grid prompt drawn by the base model and by the model at this epoch from
+        the same noise, side by side under the whole prompt, four prompts to a row, captioned with every eval
+        reward; also sent to TensorBoard / wandb."""
+        from flowrl.grid import prompt_grid
 
         base, base_scores = self._base_images(model, epoch, images, prompts, seeds, metadata)
 
-        def caption(i: int, values: dict[str, torch.Tensor]) -> str:
-            return "\n".join(f"{name} {float(v[i]):.2f}" for name, v in values.items())
+        def captions(values: dict[str, torch.Tensor]) -> list[str]:
+            return ["\n".join(f"{name} {float(v[i]):.2f}" for name, v in values.items()) for i in range(len(prompts))]
 
-        stacked = torch.stack([base, images], dim=1).flatten(0, 1)  # row i: base i, current i
-        captions = [c for i in range(len(prompts)) for c in (caption(i, base_scores), caption(i, scores))]
-        labels = [f"{p}\nseed {s}" for p, s in zip(prompts, seeds)]
-        grid = image_grid(stacked, labels, ["base", f"epoch {epoch}"], captions)
+        current = f"epoch {epoch}"
+        grid = prompt_grid(prompts, {"base": base, current: images},
+                           {"base": captions(base_scores), current: captions(scores)}, notes=[f"seed {s}" for s in seeds])
         path = self.output_dir / "samples" / f"epoch_{epoch:04d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         grid.save(path)

@@ -11,10 +11,10 @@ objective compares velocity predictions there with the target ``u = eps - x0``. 
 - :func:`forward_noise`: the noise ``eps`` of a (sample or group, time) pair;
 - :class:`ForwardData` / :class:`ForwardBatch`: what the training pass reads, and one pass's noised
   points with the velocities the objective asked for;
-- :class:`ForwardTrainConfig` and :func:`train_forward_epoch`: minibatches (of whole groups when the
-  objective compares a group's samples), passes (micro-batch x training time), the velocities of the
-  policy, of parameter snapshots and of the reference, the objective, and the optimizer step;
-- :func:`forward_epoch`: a recipe's collect-and-train half of an epoch.
+- :class:`ForwardTrainConfig` and :class:`ForwardEpoch`: the epoch a recipe drives in its own loop: minibatches
+  (of whole groups when the objective compares a group's samples), passes (micro-batch x training time), the
+  velocities of the policy, of parameter snapshots and of the reference, the backward pass and the optimizer
+  step (the recipe writes its objective inline between them).
 
 Every random draw is a pure function of ``(run seed, epoch, inner epoch, global sample or group id,
 time index)``, never of the process, so one process with accumulation ``2a`` and two with ``a`` draw the
@@ -24,7 +24,7 @@ same points and take the same step (docs/architecture.md, "Distributed training"
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Iterator, Literal
 
 import torch
 
@@ -33,7 +33,7 @@ from flowrl.rl.online import OnlineConfig, UpdateConfig
 from flowrl.rl.sampling import SamplingConfig
 
 __all__ = ["TimesConfig", "ForwardTrainConfig", "ForwardData", "ForwardBatch", "schedule_positions", "draw_times",
-           "forward_noise", "training_guidance", "train_forward_epoch", "forward_epoch", "check_forward_config",
+           "forward_noise", "training_guidance", "ForwardEpoch", "forward_rows", "collect_forward", "check_forward_config",
            "groups_stay_local"]
 
 # Stream tags keep the draws of this module independent of the rollout's.
@@ -185,15 +185,13 @@ class ForwardData:
 
 @dataclass
 class ForwardBatch:
-    """One pass: ``m`` rows at one training time each, and the velocities there.
+    """One pass: ``m`` rows at one training time each.
 
     Attributes:
         rows: ``[m]`` local rows of the :class:`ForwardData`.
         t: ``[m]`` noise levels; ``x0``, ``eps``, ``x_t``, ``target`` (``u = eps - x0``): ``[m, *S]``.
         cond: the rows' conditioning; ``advantages`` / ``group_ids``: ``[m]``.
-        v: ``[m, *S]`` the policy's velocity at ``x_t`` (with gradient).
-        snapshots: ``{name: [m, *S]}`` velocities of the parameter snapshots the objective named (no gradient).
-        v_ref: ``[m, *S]`` the reference's velocity (no gradient), or None when not asked for.
+        training_pass: the :class:`flowrl.rl.passes.TrainingPass` it belongs to (its weight and sync flag).
     """
 
     rows: torch.Tensor
@@ -205,9 +203,7 @@ class ForwardBatch:
     cond: dict[str, torch.Tensor]
     advantages: torch.Tensor
     group_ids: torch.Tensor
-    v: torch.Tensor | None = None
-    snapshots: dict[str, torch.Tensor] = field(default_factory=dict)
-    v_ref: torch.Tensor | None = None
+    training_pass: object = None
 
 
 def _noised_batch(data: ForwardData, rows: torch.Tensor, times: torch.Tensor, unit: int, cfg: TimesConfig, *,
@@ -222,9 +218,6 @@ def _noised_batch(data: ForwardData, rows: torch.Tensor, times: torch.Tensor, un
                         advantages=data.advantages[rows].to(device), group_ids=data.group_ids[rows])
 
 
-Objective = Callable[[ForwardBatch], "tuple[torch.Tensor, dict[str, float]]"]
-
-
 def training_guidance(model, sampling) -> float:
     """The guidance the policy is trained at: none (1.0) for a model with classifier-free guidance (the
     forward-process trainers train CFG-free), the rollout's for a guidance-distilled model (FLUX.1-dev reads
@@ -232,94 +225,122 @@ def training_guidance(model, sampling) -> float:
     return 1.0 if model.uses_cfg else sampling.guidance
 
 
-def train_forward_epoch(model, optimizer, data: ForwardData, sigmas: torch.Tensor, cfg, dist, epoch: int, *,
-                        objective: Objective, snapshots: dict | None = None, reference: bool | float = False,
-                        whole_groups: bool = False, ema=None, health=None, progress=None,
-                        after_step: Callable[[], None] | None = None) -> dict[str, float]:
-    """One epoch of a forward-process objective: for each inner epoch, minibatch, and pass (micro-batch x
-    training time), noise the rows, predict, call ``objective``, back-propagate; one optimizer step per
-    minibatch.
+class ForwardEpoch:
+    """One epoch of a forward-process objective, driven by the recipe's own loop::
 
-    Before the policy's forward pass (which alone carries a gradient) the pass predicts with every snapshot
-    in ``snapshots`` (``batch.snapshots[name]``) and, when ``reference`` is set, with the frozen reference
-    (``batch.v_ref``). The policy and its snapshots predict at :func:`training_guidance` (CFG-free).
+        epoch = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch_index, whole_groups=True)
+        for minibatch in epoch.minibatches():            # one optimizer step each
+            for batch in minibatch:                      # a micro-batch's rows noised at one training time
+                with torch.no_grad():
+                    v_ref = epoch.velocity(batch, reference=True)
+                v = epoch.velocity(batch)                # the policy, with gradient
+                loss = my_loss(v, v_ref, batch.target, batch.advantages)
+                epoch.backward(loss, batch, my_stat=...)  # scaled to the minibatch's global mean
+            epoch.step()                                 # clip, step, EMA; skips a non-finite update
+        return epoch.metrics()
+
+    For each inner epoch the training times are drawn (:func:`draw_times`), minibatches partition global ids
+    (of groups with ``whole_groups``, for objectives that compare a group's samples: a group must not span
+    processes), and a minibatch's passes are its micro-batches times its training times, padded so that every
+    process makes the same number of backward calls (:func:`flowrl.rl.passes.training_passes`).
 
     Args:
-        data: the epoch's :class:`ForwardData` (this process's rows).
+        model / optimizer: the policy adapter and its (prepared) optimizer.
+        data: this process's :class:`ForwardData`.
         sigmas: the rollout schedule ``[T + 1]`` (for ``times.mode`` ``schedule`` / ``stratified``).
         cfg: the recipe's config; its ``train`` section is a :class:`ForwardTrainConfig` (``run.seed``,
             ``optim.grad_clip`` and ``sampling.guidance`` are read too).
-        objective: ``objective(batch) -> (loss, stats)``: ``loss`` the mean over the batch's rows, ``stats``
-            floats averaged over the epoch (weighted by rows) and logged as ``train/<name>``.
-        snapshots: ``{name: ParamSnapshot}`` whose velocities the objective reads.
-        reference: False (none), True (the reference at the policy's guidance) or a classifier-free guidance
-            scale for the reference (CRD's teacher).
-        whole_groups: minibatches and micro-batches hold whole prompt groups (objectives that centre or
-            compare within a group); a group must not span processes.
-        ema / health: as for :func:`flowrl.rl.passes.optimizer_step`.
-        progress: advanced by the rows of every pass.
-        after_step: called after every optimizer step (e.g. DGPO's per-step snapshot update).
-
-    Returns:
-        ``train/...`` means over the epoch: the objective's stats, ``train/loss``, ``train/grad_norm``,
-        ``train/optimizer_steps``, ``train/lr``.
+        dist / epoch: the run's :class:`flowrl.dist.Dist` and the epoch index (it seeds every draw).
+        ema / health / progress: the evaluation EMA, the run's update health, a progress bar (rows of passes).
     """
-    from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_scale,
-                                  training_passes)
 
-    t_cfg, seed = cfg.train, cfg.run.seed
-    device = model.device
-    snapshots = snapshots or {}
-    guidance = training_guidance(model, cfg.sampling)
-    velocity = model.velocity_fn(guidance)
-    reference_velocity = None
-    if reference is not False:
-        reference_velocity = model.velocity_fn(guidance if reference is True else float(reference))
-    params = model.trainable_parameters()
-    units = list(range(t_cfg.times.count))
-    stats, grad_norms = MetricMeans(), MetricMeans()
-    # Minibatches partition global ids (of groups, when the objective compares a group's samples); the
-    # partition must agree across processes, so it is drawn over the global number of ids.
-    partition_ids = data.group_ids if whole_groups else data.sample_ids
-    total = int(dist.gather(partition_ids.max().view(1)).max()) + 1
-    for inner in range(t_cfg.inner_epochs):
-        times = draw_times(t_cfg.times, sigmas, data.group_ids, data.sample_ids, seed=seed, epoch=epoch, inner=inner)
-        for rows in minibatch_rows(partition_ids, t_cfg.minibatches, seed=seed, epoch=epoch, inner=inner, total=total):
-            rows = rows[data.valid[rows]]
-            n_global = global_count(dist, rows)
-            if n_global == 0:
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            for p in training_passes(rows, units, t_cfg.micro_batch_size, dist,
-                                     groups=data.group_ids if whole_groups else None):
-                batch = _noised_batch(data, p.rows, times, p.unit, t_cfg.times, seed=seed, epoch=epoch, inner=inner,
-                                      device=device)
-                x_t = batch.x_t.to(model.dtype)
-                with torch.no_grad():
-                    for name, snapshot in snapshots.items():
-                        with snapshot.active(model):
-                            batch.snapshots[name] = velocity(x_t, batch.t, batch.cond).float()
-                    if reference_velocity is not None:
-                        with model.reference():
-                            batch.v_ref = reference_velocity(x_t, batch.t, batch.cond).float()
-                batch.v = velocity(x_t, batch.t, batch.cond).float()
-                loss, values = objective(batch)
-                dist.backward(loss * pass_scale(p, n_global, dist, len(units)), model.denoiser, sync=p.sync)
-                if p.weight:
-                    values = {f"train/{k}": float(torch.as_tensor(v).detach()) for k, v in values.items()}
-                    stats.add(len(p.rows), **values,
-                              **{"train/loss": float(loss.detach())})
-                    if progress is not None:
-                        progress.update(len(p.rows))
-            grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist,
-                                                                     grad_clip=cfg.optim.grad_clip, ema=ema,
-                                                                     health=health)})
-            if after_step is not None:
-                after_step()
-    norm = grad_norms.means().get("train/grad_norm", 0.0)
-    return {**stats.means(), "train/grad_norm": norm,
-            "train/optimizer_steps": int(grad_norms.weights.get("train/grad_norm", 0)),
-            "train/lr": optimizer.param_groups[0]["lr"]}
+    def __init__(self, model, optimizer, data: ForwardData, sigmas: torch.Tensor, cfg, dist, epoch: int, *,
+                 whole_groups: bool = False, ema=None, health=None, progress=None):
+        from flowrl.rl.passes import MetricMeans
+
+        self.model, self.optimizer, self.data, self.sigmas = model, optimizer, data, sigmas
+        self.cfg, self.dist, self.epoch, self.whole_groups = cfg, dist, epoch, whole_groups
+        self.ema, self.health, self.progress = ema, health, progress
+        self.guidance = training_guidance(model, cfg.sampling)
+        self.params = model.trainable_parameters()
+        self.units = list(range(cfg.train.times.count))
+        self.stats, self.grad_norms = MetricMeans(), MetricMeans()
+        self._n_global = 0
+
+    def minibatches(self) -> Iterator[Iterator[ForwardBatch]]:
+        """Each minibatch's passes as noised :class:`ForwardBatch` es (built lazily, one at a time)."""
+        from flowrl.rl.passes import global_count, minibatch_rows, training_passes
+
+        t, data, seed = self.cfg.train, self.data, self.cfg.run.seed
+        # The partition must agree across processes, so it is drawn over the global number of ids.
+        ids = data.group_ids if self.whole_groups else data.sample_ids
+        total = int(self.dist.gather(ids.max().view(1)).max()) + 1
+        for inner in range(t.inner_epochs):
+            times = draw_times(t.times, self.sigmas, data.group_ids, data.sample_ids, seed=seed, epoch=self.epoch,
+                               inner=inner)
+            for rows in minibatch_rows(ids, t.minibatches, seed=seed, epoch=self.epoch, inner=inner, total=total):
+                rows = rows[data.valid[rows]]
+                self._n_global = global_count(self.dist, rows)
+                if self._n_global == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                passes = training_passes(rows, self.units, t.micro_batch_size, self.dist,
+                                         groups=data.group_ids if self.whole_groups else None)
+                yield (self._noised(p, times, inner) for p in passes)
+
+    def _noised(self, p, times: torch.Tensor, inner: int) -> ForwardBatch:
+        batch = _noised_batch(self.data, p.rows, times, p.unit, self.cfg.train.times, seed=self.cfg.run.seed,
+                              epoch=self.epoch, inner=inner, device=self.model.device)
+        batch.training_pass = p
+        return batch
+
+    def velocity(self, batch: ForwardBatch, *, snapshot=None, reference: bool | float = False) -> torch.Tensor:
+        """``[m, *S]`` float32 velocity at ``batch.x_t``: the policy's at the training guidance; with ``snapshot``
+        (a :class:`flowrl.rl.snapshots.ParamSnapshot`) that snapshot's; with ``reference`` the frozen reference's
+        (``True``: at the training guidance; a number: at that classifier-free guidance scale, CRD's teacher).
+        Call the non-policy ones under ``torch.no_grad()``."""
+        guidance = self.guidance if isinstance(reference, bool) else float(reference)
+        x_t = batch.x_t.to(self.model.dtype)
+        predict = self.model.velocity_fn(guidance)
+        if snapshot is not None:
+            with snapshot.active(self.model):
+                return predict(x_t, batch.t, batch.cond).float()
+        if reference is not False:
+            with self.model.reference():
+                return predict(x_t, batch.t, batch.cond).float()
+        return predict(x_t, batch.t, batch.cond).float()
+
+    def backward(self, loss: torch.Tensor, batch: ForwardBatch, **stats) -> None:
+        """Back-propagate ``loss`` (the mean over the batch's rows) scaled to its share of the minibatch's
+        global mean; ``stats`` (numbers or 0-d tensors) are averaged over the epoch, weighted by rows, and
+        reported as ``train/<name>`` beside ``train/loss``."""
+        from flowrl.rl.passes import pass_scale
+
+        p = batch.training_pass
+        self.dist.backward(loss * pass_scale(p, self._n_global, self.dist, len(self.units)), self.model.denoiser,
+                           sync=p.sync)
+        if p.weight:  # a padding pass's numbers do not count
+            values = {f"train/{k}": float(torch.as_tensor(v).detach()) for k, v in stats.items()}
+            self.stats.add(len(p.rows), **values, **{"train/loss": float(loss.detach())})
+            if self.progress is not None:
+                self.progress.update(len(p.rows))
+
+    def step(self) -> float:
+        """The minibatch's optimizer step (:func:`flowrl.updates.optimizer_step`); returns the gradient norm."""
+        from flowrl.updates import optimizer_step
+
+        norm = optimizer_step(self.optimizer, self.params, self.dist, grad_clip=self.cfg.optim.grad_clip,
+                              ema=self.ema, health=self.health)
+        self.grad_norms.add(1.0, **{"train/grad_norm": norm})
+        return norm
+
+    def metrics(self) -> dict[str, float]:
+        """``train/...`` means over the epoch: the recipe's stats, ``loss``, ``grad_norm``, ``optimizer_steps``,
+        ``lr``."""
+        norm = self.grad_norms.means().get("train/grad_norm", 0.0)
+        return {**self.stats.means(), "train/grad_norm": norm,
+                "train/optimizer_steps": int(self.grad_norms.weights.get("train/grad_norm", 0)),
+                "train/lr": self.optimizer.param_groups[0]["lr"]}
 
 
 @dataclass
@@ -354,23 +375,20 @@ def groups_stay_local(cfg, dist) -> None:
                           f"process must hold whole groups: make groups_per_epoch a multiple of {dist.world_size}")
 
 
-def forward_epoch(online, train_epoch: Callable, *, velocity_fn=None, **state) -> tuple[dict, object]:
-    """The collect-and-train half of a forward-process recipe's epoch.
+def forward_rows(data: ForwardData, cfg) -> int:
+    """Rows the epoch's passes process (valid samples x training times x inner epochs): a progress bar's total."""
+    return int(data.valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
 
-    Rolls out and scores the epoch (:meth:`flowrl.rl.online.OnlineLoop.collect`; ``velocity_fn``: sample with
-    e.g. a snapshot), computes one advantage per sample and, unless every reward is NaN, calls the recipe's
-    ``train_epoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=, health=, progress=, **state)`` on
-    the epoch's :class:`ForwardData` inside the update block.
+
+def collect_forward(online, *, velocity_fn=None):
+    """A forward-process recipe's collection: roll out and score the epoch with :class:`flowrl.rl.online.OnlineLoop`
+    (``velocity_fn``: sample with e.g. a snapshot), one advantage per sample, and the clean samples the update
+    trains on.
 
     Returns:
-        ``(metrics, rollouts)``: the epoch's metrics so far and its rollouts (for ``online.end_epoch``).
+        ``(rollouts, data, metrics)``: ``data`` is the epoch's :class:`ForwardData`, or None when this epoch does
+        not update the policy (:meth:`flowrl.rl.online.OnlineLoop.updates_policy`).
     """
-    cfg, run = online.cfg, online.run
-    rollouts, advantages, valid, metrics = online.collect(run.epoch, velocity_fn=velocity_fn)
-    if online.updates_policy(metrics):
-        passes = int(valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
-        with online.training(passes) as bar:
-            data = ForwardData.from_rollouts(rollouts, advantages, valid)
-            metrics.update(train_epoch(online.model, online.optimizer, data, online.sigmas, cfg, online.dist,
-                                       run.epoch, ema=online.ema, health=run.health, progress=bar, **state))
-    return metrics, rollouts
+    rollouts, advantages, valid, metrics = online.collect(online.run.epoch, velocity_fn=velocity_fn)
+    data = ForwardData.from_rollouts(rollouts, advantages, valid) if online.updates_policy(metrics) else None
+    return rollouts, data, metrics

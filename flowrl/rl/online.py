@@ -8,13 +8,13 @@ A recipe's ``main`` stays a readable loop (docs/architecture.md, "Adding a train
     with run:
         while run.next_epoch():
             rollouts, advantages, valid, metrics = online.collect(run.epoch)
-            if online.updates_policy(metrics):                       # run.check_rewards, reward.discriminator
+            if online.updates_policy(metrics):                # run.check_rewards, reward.discriminator
                 with online.training(passes) as bar:          # run.updating(), precision, progress
                     metrics.update(train_epoch(...))
             online.end_epoch(metrics, rollouts)               # scheduler, reward details, timings, log
     return run.finish()
 
-:class:`OnlineLoop` builds the run (:class:`flowrl.rl.run.OnlineRun`), the model, the training reward, the
+:class:`OnlineLoop` builds the run (:class:`flowrl.run.Run`), the model, the training reward, the
 group sampler, the evaluator (with its hacking panel), AdamW with its warm-up, the EMA and the per-prompt
 tracker, and checkpoints them under the names ``model``, ``optimizer``, ``scheduler``, ``ema``, ``tracker``;
 a trainable reward in the training reward (the adversarial discriminator) trains on the collected images on
@@ -38,11 +38,33 @@ from flowrl.models.config import ModelConfig
 from flowrl.rl.advantages import AdvantageConfig
 from flowrl.rl.evaluate import EvalConfig
 from flowrl.rl.optim import OptimConfig
-from flowrl.rl.run import CheckpointConfig, DataConfig, LogConfig
 from flowrl.rl.sampling import SamplingConfig
+from flowrl.run import CheckpointConfig, LogConfig
 from rewards.config import RewardConfig
 
-__all__ = ["OnlineConfig", "UpdateConfig", "OnlineLoop"]
+__all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "OnlineLoop", "IMAGE_PLOTS", "IMAGE_PLOT_UNITS"]
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = "shapes:train"  # txt, jsonl or a built-in set
+    eval_prompts: str = "shapes:eval"
+    num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1, le=100_000))
+
+
+# What tells a user whether an image trainer works, one unit per axis.
+IMAGE_PLOTS = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": ["train/grad_norm"],
+               "signal": ["train/zero_std_frac", "train/clip_frac"],
+               "policy": ["train/approx_kl", "train/kl_ref", "hack/kl_to_base"],
+               "hack_accuracy": ["hack/accuracy*", "hack/heldout/*"], "hack_objects": ["hack/extra_object*"],
+               "hack_pixels": ["hack/bg_shift", "hack/drift_pixel"], "hack_background": ["hack/bg_[rgb]*"],
+               "hack_features": ["hack/drift_feature", "hack/diversity"]}
+IMAGE_PLOT_UNITS = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
+                    "grad_norm": "gradient norm before clipping", "signal": "fraction",
+                    "policy": "KL (nats per element)", "hack_accuracy": "accuracy / held-out reward",
+                    "hack_objects": "extra objects per image (rate, mean count)",
+                    "hack_pixels": "RGB distance (0-255)", "hack_background": "mean background colour (0-255)",
+                    "hack_features": "feature cosine distance"}
 
 
 @dataclass
@@ -81,7 +103,7 @@ class OnlineLoop:
         recipe: the recipe's registry name.
         model / dist: injected model adapter and :class:`flowrl.dist.Dist` (tests, notebooks).
         ema_decay: decay of the evaluation EMA of the trained weights (None: no EMA).
-        plot_groups: extra plots, as for :class:`flowrl.rl.run.OnlineRun`.
+        plot_groups: extra plots beside :data:`IMAGE_PLOTS`, as for :class:`flowrl.run.Run`.
         per_sample: advantages are one per sample (``[n]``; trainers without denoising-step credit).
         rollouts: False for offline trainers (no training reward, group sampler or advantage tracker; the
             config then needs no ``advantage`` section and no training prompts).
@@ -100,12 +122,13 @@ class OnlineLoop:
         from flowrl.rl.evaluate import Evaluator
         from flowrl.rl.optim import build_ema, build_optimizer
         from flowrl.rl.reward_training import RewardTraining
-        from flowrl.rl.run import OnlineRun, TrainableWeights
+        from flowrl.run import Run, TrainableWeights
 
         self.cfg, self.recipe, self.per_sample = cfg, recipe, per_sample
-        self.run = run = OnlineRun(cfg, recipe, dist=dist, plot_groups=plot_groups)
+        self.run = run = Run(cfg, recipe, dist=dist, plots={**IMAGE_PLOTS, **(plot_groups or {})},
+                             units=IMAGE_PLOT_UNITS, counters=("images_sampled",))
         self.dist, s = run.dist, cfg.sampling
-        self.model = model = run.prepare_model(model)
+        self.model = model = self._prepare_model(model)
         self.reward = self.sampler = self.tracker = None
         if rollouts:
             self.reward = cfg.reward.build_train(self.dist.device)
@@ -138,6 +161,20 @@ class OnlineLoop:
                   tracker=self.tracker)
         run.evaluation(lambda epoch, should_stop: self.evaluator(model, epoch, self.ema, should_stop))
         self._train_start = time.perf_counter()
+
+    def _prepare_model(self, model=None):
+        """Build the model of ``cfg.model`` (unless one is given), move it to this process's device and
+        freeze the reference weights (full fine-tuning)."""
+        model_cfg = getattr(self.cfg, "model", None)
+        if isinstance(getattr(model_cfg, "dtype", None), str):
+            self.dist.check_model_dtype(model_cfg.dtype)  # the launch config's mixed precision must agree
+        if model is None:
+            from flowrl.models.config import build_model
+
+            model = build_model(self.cfg.model, self.dist.device)
+        model.to(self.dist.device)
+        model.freeze_reference()
+        return model
 
     def precision(self):
         """The ``sampling.precision`` autocast context (rollouts and training, never evaluation)."""
@@ -180,7 +217,7 @@ class OnlineLoop:
 
     def updates_policy(self, metrics: dict) -> bool:
         """Whether this epoch updates the policy: not on a discriminator-only epoch of ``reward.discriminator``,
-        nor when every reward is NaN (:meth:`flowrl.rl.run.OnlineRun.check_rewards`, which also stops a run
+        nor when every reward is NaN (:meth:`flowrl.run.Run.check_rewards`, which also stops a run
         whose rewards stay degenerate)."""
         if not self.reward_training.trains_policy(self.run.epoch):
             return False
@@ -197,7 +234,7 @@ class OnlineLoop:
 
     def end_epoch(self, metrics: dict, rollouts=None, *, images: int | None = None) -> None:
         """Step the learning-rate schedule, add the reward details and timings of ``rollouts``, and close
-        the epoch (:meth:`flowrl.rl.run.OnlineRun.end_epoch`: evaluate if due, log, checkpoint).
+        the epoch (:meth:`flowrl.run.Run.end_epoch`: evaluate if due, log, checkpoint).
 
         ``images``: images sampled this epoch (default ``sampling.samples_per_epoch``)."""
         self.scheduler.step()
@@ -210,4 +247,4 @@ class OnlineLoop:
                             "time/scoring_s": rollouts.timings["scoring"],
                             "time/scoring_wait_s": rollouts.timings["scoring_wait"]})
         metrics["time/training_s"] = time.perf_counter() - self._train_start
-        self.run.end_epoch(metrics, images=self.cfg.sampling.samples_per_epoch if images is None else images)
+        self.run.end_epoch(metrics, images_sampled=self.cfg.sampling.samples_per_epoch if images is None else images)

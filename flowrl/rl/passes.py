@@ -14,11 +14,12 @@ processes with accumulation ``a`` take the same optimizer step. Three rules make
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from flowrl.updates import UpdateHealth, optimizer_step  # noqa: F401  (re-exported: the trainers' loop)
 
 __all__ = ["minibatch_rows", "TrainingPass", "training_passes", "global_count", "pass_scale", "UpdateHealth",
            "optimizer_step", "MetricMeans"]
@@ -122,39 +123,6 @@ def pass_scale(p: TrainingPass, n_global: int, dist, units_per_sample: int = 1) 
     units each); ``world_size`` undoes DDP's averaging over processes.
     """
     return p.weight * len(p.rows) / n_global * dist.world_size / units_per_sample
-
-
-class UpdateHealth:
-    """Counts optimizer updates skipped for a non-finite loss or gradient, in total and in a row."""
-
-    def __init__(self) -> None:
-        self.skipped = 0
-        self.in_a_row = 0
-
-    def record(self, finite: bool) -> None:
-        self.skipped += not finite
-        self.in_a_row = 0 if finite else self.in_a_row + 1
-
-
-def optimizer_step(optimizer, params: list[torch.nn.Parameter], dist, *, grad_clip: float, ema=None,
-                   health: UpdateHealth | None = None) -> float:
-    """Clip the (all-reduced) gradients, step, update the EMA. Returns the gradient norm before clipping.
-
-    A non-finite gradient norm (a NaN or inf loss, an exploding step) skips the update: the weights, the
-    optimizer's moments and the EMA stay as they were, and ``health`` counts it. The norm is computed on the
-    all-reduced gradients, so every process takes the same decision.
-    """
-    grad_norm = float(dist.clip_grad_norm_(params, grad_clip))
-    finite = math.isfinite(grad_norm)
-    if health is not None:
-        health.record(finite)
-    if not finite:
-        optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-    optimizer.step()
-    if ema is not None:
-        ema.step(params)
-    return grad_norm
 
 
 class MetricMeans:

@@ -32,7 +32,8 @@ def test_defaults_and_repeated_flags():
     assert args.checkpoint == ["a=runs/x", "runs/y", "z=runs/z"]
     assert args.reward == ["shapes", "jpeg_compressibility"] and args.port == 7000
     assert _default_name(Path("runs/tuned")) == "tuned"
-    assert _default_name(Path("runs/tuned/checkpoints/step_0000040")) == "tuned@40"
+    assert _default_name(Path("runs/tuned/checkpoints/epoch_0000040")) == "tuned@40"
+    assert _default_name(Path("runs/tuned/checkpoints/step_0000040")) == "tuned@40"  # runs before epoch_ names
 
 
 def test_mistakes_exit_2_with_one_line(tmp_path, tiny_shapes_dir, finetuned_runs, capsys, monkeypatch):

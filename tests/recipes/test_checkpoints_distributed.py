@@ -69,6 +69,6 @@ def test_layout_old_checkpoints_and_a_corrupt_accelerate_part(tiny_shapes_dir, t
     bad = latest_checkpoint(corrupt)
     (bad / "accelerate" / "optimizer.bin").write_bytes(b"not a checkpoint")
     err = run(tiny_shapes_dir, corrupt, capsys, **{"run.max_epochs": 3, "run.resume": "true"})
-    assert f"warning: cannot restore checkpoint {bad}" in err and "resuming from" in err and "step_0000001" in err
+    assert f"warning: cannot restore checkpoint {bad}" in err and "resuming from" in err and "epoch_0000001" in err
     assert [r["epoch"] for r in read_metrics(corrupt / "metrics.jsonl")] == [1, 2, 3]
-    assert [p.name for p in checkpoints(corrupt)][0] == "step_0000003"
+    assert [p.name for p in checkpoints(corrupt)][0] == "epoch_0000003"

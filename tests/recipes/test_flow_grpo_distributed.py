@@ -140,7 +140,7 @@ def test_two_machines_on_loopback_train_stop_and_resume_exactly(tiny_shapes_dir,
     assert "flowrl: flow_grpo on ddp, 2 process(es)" in first.stdout and "2 machines" in first.stdout
     second = two_machines(overrides(tiny_shapes_dir, resumed, **RESUMABLE, **{"run.max_epochs": 2,
                                                                                "run.resume": "true"}))
-    assert f"flowrl: resumed from {resumed}/checkpoints/step_0000001 at epoch 1" in second.stdout
+    assert f"flowrl: resumed from {resumed}/checkpoints/epoch_0000001 at epoch 1" in second.stdout
     assert_same_weights(straight, resumed)  # bitwise: weights and EMA
     rows_straight, rows_resumed = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
     assert [r["epoch"] for r in rows_resumed] == [1, 2]

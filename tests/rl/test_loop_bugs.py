@@ -55,7 +55,7 @@ def test_a_failing_remote_reward_is_one_line_and_the_last_epoch_is_saved(tiny_sh
     assert err == (f"flowrl train: error: epoch 2: reward server http://127.0.0.1:9/score answered 500: model "
                    f"crashed (checkpoint of epoch 1 saved in {out}/checkpoints; resume with run.resume=true)")
     assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1]
-    assert (out / "checkpoints" / "step_0000001" / "state.pt").is_file()
+    assert (out / "checkpoints" / "epoch_0000001" / "state.pt").is_file()
 
 
 def test_every_step_takes_its_own_default_noise_level():
@@ -79,11 +79,11 @@ def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
 def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shapes_dir, tmp_path):
     """A failure inside the update leaves no checkpoint of half-updated weights, and says so."""
     from flowrl.errors import RunError
-    from flowrl.rl.run import OnlineRun
+    from flowrl.run import Run
     from flowrl.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={tmp_path}", "eval.at_start=false"])
-    run = OnlineRun(cfg, "test")
+    run = Run(cfg, "test")
     weights = {"w": torch.zeros(1)}
 
     class State:
@@ -100,5 +100,5 @@ def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shap
                 with run.updating():
                     weights["w"] += 1
                     raise RewardError("bad input")
-    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("step_*"))
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("epoch_*"))
     assert math.isfinite(float(weights["w"]))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import latest_checkpoint, load_state
+from flowrl.checkpoint import checkpoints, latest_checkpoint, load_state
 from flowrl.logging import read_metrics
 from rewards import RewardOutput
 from rewards.registry import REWARDS
@@ -60,6 +60,18 @@ class AllNaN:
 class WrongCount:
     def __call__(self, images, prompts, metadata=None):
         return RewardOutput(torch.zeros(len(prompts) + 1))
+
+
+def test_a_short_run_that_never_had_a_usable_reward_does_not_exit_0(tiny_shapes_dir, tmp_path, capsys):
+    """Before: a 2-epoch run with every reward NaN (fewer epochs than run.max_degenerate_epochs) printed
+    "finished" and exited 0, so a scheduler read a run that learned nothing as a success."""
+    register("all_nan", AllNaN)
+    code, err = train(capsys, *settings(tiny_shapes_dir, tmp_path / "short", **{"reward.train": "{all_nan: 1.0}"}))
+    assert code == 3
+    assert "none of the 2 epochs had a usable reward" in last_line(err)
+    # One usable epoch is enough for a normal exit.
+    code, _ = train(capsys, *settings(tiny_shapes_dir, tmp_path / "ok"))
+    assert code == 0
 
 
 def test_all_nan_rewards_warn_then_stop_with_an_error_and_a_checkpoint(tiny_shapes_dir, tmp_path, capsys):
@@ -130,14 +142,17 @@ def test_a_corrupt_or_partial_newest_checkpoint_falls_back_to_the_previous_one(t
     assert train(capsys, *settings(tiny_shapes_dir, out, **{"run.max_epochs": 2, "checkpoint.every_epochs": 1,
                                                             "checkpoint.keep": 3}))[0] == 0
     newest = latest_checkpoint(out)
-    assert newest.name == "step_0000002"
+    assert newest.name == "epoch_0000002"
     torch.save({"epoch": 2}, newest / "state.pt")  # partial: no model, no rng
     code, err = train(capsys, *settings(tiny_shapes_dir, out, **{"run.max_epochs": 3, "run.resume": "true"}))
     assert code == 0
     assert f"warning: checkpoint {newest}/state.pt is incomplete (no model" in err
-    assert "resuming from" in err and "step_0000001" in err
+    assert "resuming from" in err and "epoch_0000001" in err
+    # The bad one is set aside, out of resume and rotation (before, it stayed among the newest).
+    assert (out / "checkpoints" / "corrupt_epoch_0000002").is_dir()
+    assert [p.name for p in checkpoints(out)] == ["epoch_0000003", "epoch_0000001"]
     assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
-    for checkpoint in (out / "checkpoints").glob("step_*"):
+    for checkpoint in (out / "checkpoints").glob("epoch_*"):
         (checkpoint / "state.pt").write_bytes(b"")  # every checkpoint unreadable: one line, no KeyError
     code, err = train(capsys, *settings(tiny_shapes_dir, out, **{"run.max_epochs": 4, "run.resume": "true"}))
     assert code == 2 and "Traceback" not in err and "can be read" in last_line(err)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from flowrl.grid import HEADER, LINE_HEIGHT, PAD
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,13 +25,22 @@ def test_sample_grid_shows_base_and_current_and_the_plots_exist(tiny_shapes_dir,
             "reward.train={jpeg_incompressibility: 1.0}", "reward.eval=[jpeg_incompressibility, shapes]"]
     assert main(args) == 0
     grid = np.asarray(Image.open(out / "samples" / "epoch_0002.png").convert("RGB")).astype(np.float32)
-    cell, caption_lines = 128, 2  # 32 px images at 4x; one caption line per eval reward
-    assert grid.shape[0] == HEADER + 3 * (cell + caption_lines * LINE_HEIGHT + 4 + PAD) + PAD
-    assert grid.shape[1] == 170 + 2 * (cell + PAD) + PAD  # two columns: base, epoch 2
-    top = HEADER
-    left_tile = grid[top:top + cell, 170:170 + cell]
-    right_tile = grid[top:top + cell, 170 + cell + PAD:170 + 2 * cell + PAD]
-    assert left_tile.std() > 1 and right_tile.std() > 1  # drawn images, not blank cells
-    assert np.abs(left_tile - right_tile).mean() > 0.5  # lr 1e-2 for 2 epochs moved the model: base != current
+    # Where prompt_grid puts each tile for these prompts (the same layout code drew the file).
+    from flowrl.data.prompts import load_prompts
+    from flowrl.grid import prompt_grid
+
+    prompts = list(load_prompts("shapes:eval", 4).prompts)[:3]
+    boxes: dict = {}
+    blank = torch.zeros(3, 3, 32, 32)
+    layout = prompt_grid(prompts, {"base": blank, "epoch 2": blank}, {"base": ["a\nb"] * 3, "epoch 2": ["a\nb"] * 3},
+                         notes=["seed"] * 3, boxes=boxes)
+    assert grid.shape[:2] == (layout.size[1], layout.size[0])
+    assert layout.size[0] < 4 * 260 and layout.size[1] < 300  # three prompts in one row, not a tall strip
+    for i in range(3):
+        (l0, t0, r0, b0), (l1, t1, r1, b1) = boxes[(i, "base")], boxes[(i, "epoch 2")]
+        left_tile, right_tile = grid[t0:b0, l0:r0], grid[t1:b1, l1:r1]
+        assert left_tile.shape == (96, 96, 3)  # 32 px images at 3x
+        assert left_tile.std() > 1 and right_tile.std() > 1  # drawn images, not blank cells
+        assert np.abs(left_tile - right_tile).mean() > 0.5  # lr 1e-2 for 2 epochs moved the model: base != current
     for plot in ("reward", "grad_norm", "signal", "policy", "time_per_epoch", "time_total", "eval"):
         assert (out / "plots" / f"{plot}.png").is_file(), plot

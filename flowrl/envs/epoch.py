@@ -1,0 +1,204 @@
+"""One epoch of a VLM / LM agent recipe (``flowrl/recipes/vlm_grpo.py``): play each group's episodes, score them,
+and turn their rewards into per-turn advantages; the image side's counterpart is :mod:`flowrl.rl.collect`.
+
+``cfg`` is the recipe's config: its ``run.seed``, ``sampling``, ``env``, ``algorithm`` (``resolved()``: the
+variant's settings) and, for the answer rewards, the :class:`flowrl.envs.rewards.AnswerRewards` it built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["EpochBatch", "score_episodes", "collect_epoch", "turn_advantages", "epoch_metrics", "trained_conversation",
+           "rollout_logp_gap"]
+
+
+def _seed(*parts: int) -> int:
+    from flowrl.envs.rollout import sample_seed
+
+    return sample_seed(*parts)
+
+
+@dataclass
+class EpochBatch:
+    """The epoch's episodes (every process holds all of them) and their rewards.
+
+    Attributes:
+        episodes: ``N`` :class:`flowrl.envs.rollout.Episode`, groups contiguous.
+        group_ids: ``[N]`` group of each episode.
+        rewards: ``[N]`` episode reward (answer rewards + environment rewards + overlong penalty).
+        turn_rewards: ``[N, K]`` per-turn rewards (the answer reward and overlong penalty on the last turn).
+        turn_mask: ``[N, K]`` bool.
+        details: ``{name: [N]}`` reward components.
+        stats: sampling statistics for logging.
+    """
+
+    episodes: list
+    group_ids: torch.Tensor
+    rewards: torch.Tensor
+    turn_rewards: torch.Tensor
+    turn_mask: torch.Tensor
+    details: dict[str, torch.Tensor]
+    stats: dict[str, float]
+
+
+def score_episodes(episodes: list, answer_rewards, cfg, variant):
+    """Episode rewards, per-turn rewards and components."""
+    scores, details = answer_rewards([e.answer for e in episodes], [e.task for e in episodes],
+                                     [e.image for e in episodes])
+    answered = torch.tensor([float(e.answered) for e in episodes])
+    scores = scores * answered  # an episode that hit the turn limit answered nothing
+    details = {k: v * answered for k, v in details.items()}
+    K = max(e.num_turns for e in episodes)
+    turn_rewards = torch.zeros(len(episodes), K)
+    turn_mask = torch.zeros(len(episodes), K, dtype=torch.bool)
+    overlong = torch.zeros(len(episodes))
+    if variant.overlong_penalty:
+        # DAPO's soft overlong punishment on the episode's generated tokens, against the whole budget.
+        budget = cfg.sampling.max_new_tokens
+        cache = cfg.algorithm.overlong_cache or max(budget // 4, 1)
+        for i, e in enumerate(episodes):
+            length = max(e.action_lengths)
+            if length > budget - cache:
+                overlong[i] = max(-1.0, ((budget - cache) - length) / cache)
+        details["overlong_penalty"] = overlong
+    for i, e in enumerate(episodes):
+        n = e.num_turns
+        turn_rewards[i, :n] = torch.tensor(e.turn_rewards)
+        turn_rewards[i, n - 1] += scores[i] + overlong[i]
+        turn_mask[i, :n] = True
+    rewards = (turn_rewards * turn_mask).sum(1)
+    return rewards, turn_rewards, turn_mask, details
+
+
+def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, progress=None) -> EpochBatch:
+    """Play the epoch's episodes (sharded over processes, gathered), score them, and (DAPO) refill groups whose
+    rewards are all equal until ``groups_per_epoch`` informative groups are found."""
+    from flowrl.envs.rollout import SamplingSettings, play_episodes
+
+    variant = cfg.algorithm.resolved()
+    s = cfg.sampling
+    kinds = tuple(cfg.env.kinds or env_spec.kinds)
+    settings = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                stop_strings=tuple(s.stop_strings), batch_size=s.batch_size)
+    max_turns = cfg.env.max_turns or env_spec.max_turns
+    kept: list[list] = []
+    rounds, seen_groups, zero_std_groups = 0, 0, 0
+    stats = {"truncated": 0.0, "empty": 0.0, "malformed": 0.0, "tool_call": 0.0, "turn_limit": 0.0, "episodes": 0.0}
+    rounds_allowed = s.max_sampling_rounds if variant.dynamic_sampling else 1
+    all_played = []
+    while rounds < rounds_allowed and len(kept) < s.groups_per_epoch:
+        round_seed = _seed(cfg.run.seed, epoch, rounds)
+        tasks = env_spec.train_tasks("train", s.groups_per_epoch, seed=round_seed % (2**31), kinds=kinds)
+        flat = [t for t in tasks for _ in range(s.group_size)]
+        n = len(flat)
+        per = math.ceil(n / dist.world_size)
+        lo, hi = dist.rank * per, min((dist.rank + 1) * per, n)
+        mine = play_episodes(policy, env_spec.make, flat[lo:hi], list(range(lo, hi)), seed=round_seed,
+                             sampling=settings, max_turns=max_turns, system_prompt=cfg.env.system_prompt)
+        if progress is not None:
+            progress(len(mine))
+        episodes = dist.gather_object(mine) if dist.world_size > 1 else mine
+        groups = [episodes[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
+        seen_groups += len(groups)
+        if variant.dynamic_sampling:  # keep only groups whose rewards differ (scored here to decide)
+            rewards = score_episodes(episodes, answer_rewards, cfg, variant)[0]
+            for g, group in enumerate(groups):
+                r = rewards[g * s.group_size:(g + 1) * s.group_size]
+                if bool(r.max() == r.min()):
+                    zero_std_groups += 1
+                elif len(kept) < s.groups_per_epoch:
+                    kept.append(group)
+        else:
+            kept = groups
+        all_played += episodes
+        rounds += 1
+    if not kept:  # every group was constant in every round: train on the first round (zero advantages)
+        kept = [all_played[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
+    # Every process trains on an equal shard: keep a multiple of the world size of groups x group size.
+    while len(kept) > 1 and (len(kept) * s.group_size) % dist.world_size:
+        kept.pop()
+    episodes = [e for group in kept for e in group]
+    group_ids = torch.tensor([g for g, group in enumerate(kept) for _ in group])
+    rewards, turn_rewards, turn_mask, details = score_episodes(episodes, answer_rewards, cfg, variant)
+    if not variant.dynamic_sampling:
+        from flowrl.core.advantages import zero_std_fraction
+
+        zero_std_groups = round(zero_std_fraction(rewards, group_ids) * len(kept))
+    for e in all_played:
+        stats["episodes"] += 1
+        for key in ("truncated", "empty", "malformed", "tool_call", "turn_limit"):
+            stats[key] += e.counts[key]
+    stats.update({"rounds": float(rounds), "groups_seen": float(seen_groups), "groups_kept": float(len(kept)),
+                  "zero_std_frac_sampled": zero_std_groups / max(seen_groups, 1)})
+    return EpochBatch(episodes, group_ids, rewards, turn_rewards, turn_mask, details, stats)
+
+
+def turn_advantages(batch: EpochBatch, cfg) -> torch.Tensor:
+    """``[N, K]`` per-turn advantages from the estimator named by ``algorithm.turn_credit``
+    (:mod:`flowrl.core.estimators`: ``outcome`` repeats the episode's advantage on every turn it played,
+    ``gigpo`` and ``turn_return`` are turn-level credit)."""
+    from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
+    from flowrl.core.turn_credit import anchor_index
+
+    a, v = cfg.algorithm, cfg.algorithm.resolved()
+    estimator = ADVANTAGE_ESTIMATORS.get(a.turn_credit)
+    K = batch.turn_rewards.shape[1]
+    anchors = (anchor_index([e.anchors for e in batch.episodes], batch.group_ids.tolist())
+               if "anchor_ids" in estimator.needs else None)
+    credit = CreditBatch(rewards=batch.rewards, group_ids=batch.group_ids, steps=list(range(K)), num_steps=K,
+                         turn_rewards=batch.turn_rewards, turn_mask=batch.turn_mask, anchor_ids=anchors)
+    advantages, _ = estimator(credit, normalizer=v.estimator, std_scope=v.std_scope, eps=a.eps, clip=a.adv_clip,
+                              gamma=a.gamma, step_weight=a.step_weight)
+    return advantages
+
+
+def epoch_metrics(batch: EpochBatch, cfg) -> dict[str, float]:
+    from flowrl.core.advantages import zero_std_fraction
+
+    r = batch.rewards
+    eps = batch.episodes
+    n = max(batch.stats["episodes"], 1.0)
+    lengths = torch.tensor([float(sum(e.action_lengths)) for e in eps])
+    metrics = {"train/reward_mean": float(r.mean()), "train/reward_std": float(r.std(unbiased=False)),
+               "train/zero_std_frac": zero_std_fraction(r, batch.group_ids),
+               "train/nan_rewards": int((~torch.isfinite(r)).sum()),
+               "train/response_len": float(lengths.mean()), "train/turns": float(batch.turn_mask.sum(1).float().mean()),
+               "train/episodes": float(len(eps))}
+    for key in ("truncated", "empty", "malformed", "tool_call", "turn_limit"):
+        metrics[f"train/{key}_per_episode"] = batch.stats[key] / n
+    metrics.update({f"train/sampling_{k}": batch.stats[k] for k in ("rounds", "groups_kept", "zero_std_frac_sampled")})
+    for name, value in batch.details.items():
+        metrics[f"train/reward/{name}"] = float(value.mean())
+    if cfg.env.name == "shapes_zoom":
+        kinds = sorted({e.task.kind for e in eps})
+        for kind in kinds:
+            sel = [e for e in eps if e.task.kind == kind]
+            metrics[f"train/tool_calls/{kind}"] = sum(e.counts["tool_call"] for e in sel) / len(sel)
+    return metrics
+
+
+def trained_conversation(episode) -> list:
+    """The turns of ``episode`` up to its last assistant turn (what training scores)."""
+    last = max(i for i, t in enumerate(episode.conversation) if t.role == "assistant")
+    return episode.conversation[:last + 1]
+
+
+def rollout_logp_gap(episodes: list, rescored: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean ``|rollout log-prob - re-scored log-prob|`` over the trained tokens: the sampler / trainer mismatch.
+
+    Args:
+        episodes: the epoch's episodes (each keeps its rollout's per-action log-probs).
+        rescored: ``{episode ids: (loss mask [b, T], re-scored log-probs [b, T])}`` per micro-batch.
+    """
+    total = count = 0.0
+    for ids, (mask, logp) in rescored.items():
+        rollout = torch.cat([torch.cat(episodes[i].logprobs) for i in ids]) if ids else torch.zeros(0)
+        trained = logp.cpu()[mask > 0]
+        if rollout.numel() == trained.numel():
+            total += float((rollout - trained).abs().sum())
+            count += rollout.numel()
+    return total / max(count, 1.0)

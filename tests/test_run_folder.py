@@ -1,0 +1,136 @@
+"""The run-folder contract every recipe shares (flowrl/run_folder.py, flowrl/checkpoint.py): each case was a way a
+user's work got lost or mixed up before it (the security review's findings), reproduced here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.checkpoint import checkpoints, save_checkpoint
+from flowrl.config import ConfigError, RunConfig
+from flowrl.run_folder import MARKER, prepare_output_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class OneProcess:
+    """The parts of flowrl.dist.Dist the folder code uses, for one process."""
+
+    is_main, world_size, rank = True, 1, 0
+
+    def barrier(self):
+        pass
+
+    def any(self, flag):
+        return bool(flag)
+
+
+def test_rotation_orders_by_number_and_keeps_the_checkpoint_just_written(tmp_path):
+    """Before: rotation sorted names, so with step_0010000 and step_0020000 of an earlier run present a new
+    step_0001000 was deleted the moment it was written and `latest` pointed at nothing."""
+    for step in (10_000, 20_000):
+        save_checkpoint(tmp_path, step, {"x": torch.zeros(1)}, keep=5, unit="step")
+    written = save_checkpoint(tmp_path, 1_000, {"x": torch.ones(1)}, keep=2, unit="step")
+    assert written.is_dir() and (tmp_path / "checkpoints" / "latest").read_text() == written.name
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_0001000", "step_0020000"]
+    # Numbers, not names: step_0000100 is older than epoch_0000200 whatever their prefixes.
+    save_checkpoint(tmp_path / "b", 200, {"x": torch.zeros(1)}, keep=2)
+    save_checkpoint(tmp_path / "b", 100, {"x": torch.zeros(1)}, keep=3, unit="step")
+    save_checkpoint(tmp_path / "b", 300, {"x": torch.zeros(1)}, keep=2)
+    assert [p.name for p in checkpoints(tmp_path / "b")] == ["epoch_0000300", "epoch_0000200"]
+
+
+def test_checkpoint_files_are_flushed_before_the_rename(tmp_path, monkeypatch):
+    """Before: no fsync, so a power cut after the rename could leave an empty state.pt under a good name."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_checkpoint(tmp_path, 1, {"x": torch.zeros(1)})
+    assert any(path.endswith("state.pt") and ".tmp_step_" in path for path in synced)  # before the rename
+    assert any(path.endswith("/checkpoints") for path in synced)  # the rename itself
+
+
+def test_overwrite_empties_only_folders_flowrl_made(tmp_path):
+    """Before: run.overwrite=true treated any folder with a config.yaml as a run and removed samples/, plots/,
+    checkpoints/ ... of whatever was there."""
+    mine = tmp_path / "not_a_run"
+    (mine / "samples").mkdir(parents=True)
+    (mine / "samples" / "my_photo.png").write_bytes(b"precious")
+    (mine / "config.yaml").write_text("my: own config\n")
+    with pytest.raises(ConfigError, match="was not created by flowrl"):
+        prepare_output_dir(RunConfig(output_dir=str(mine), overwrite=True), OneProcess())
+    assert (mine / "samples" / "my_photo.png").read_bytes() == b"precious"
+    # A folder flowrl made is emptied of what a run writes, and only that.
+    run = tmp_path / "run"
+    _, lock = prepare_output_dir(RunConfig(output_dir=str(run)), OneProcess())
+    lock.release()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    _, lock = prepare_output_dir(RunConfig(output_dir=str(run), overwrite=True), OneProcess())
+    lock.release()
+    assert not (run / "metrics.jsonl").exists() and (run / "notes.txt").read_text() == "mine"
+    assert (run / MARKER).is_file()
+
+
+def test_a_second_job_on_the_same_folder_is_refused_naming_the_holder(tmp_path):
+    """Before: no lock: two jobs on one run folder (a scheduler's requeue) deleted each other's temporary
+    checkpoints and appended to the same metrics."""
+    _, lock = prepare_output_dir(RunConfig(output_dir=str(tmp_path / "run")), OneProcess())
+    try:
+        code = ("from flowrl.config import RunConfig; from flowrl.run_folder import prepare_output_dir\n"
+                "class D:\n is_main=True; world_size=1; rank=0\n def barrier(self): pass\n"
+                " def any(self, f): return bool(f)\n"
+                f"prepare_output_dir(RunConfig(output_dir={str(tmp_path / 'run')!r}, resume=False), D())")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode != 0 and f"is in use by process {os.getpid()}" in proc.stderr
+    finally:
+        lock.release()
+    # Released with the run: the folder can be used again (here: resumed would need a checkpoint; start over).
+    _, lock = prepare_output_dir(RunConfig(output_dir=str(tmp_path / "run")), OneProcess())
+    lock.release()
+
+
+SUPERVISED = {
+    "pretrain": (ROOT / "configs/shapes/pretrain.yaml", [
+        "model.block_out_channels=[8, 16]", "model.head_dim=8", "model.text_hidden_size=16", "model.text_layers=1",
+        "data.batch_size=4", "data.steps_per_epoch=2", "optim.warmup_steps=1", "eval.num_prompts=2", "eval.steps=2",
+        "run.max_epochs=1"]),
+    "vlm_sft": (ROOT / "configs/vlm/shapes_vqa_sft.yaml", [
+        "model.hidden_size=32", "model.layers=1", "model.heads=2", "model.kv_heads=1", "model.intermediate_size=64",
+        "model.vision_width=32", "model.vision_layers=1", "model.vision_heads=2", "data.batch_size=4",
+        "data.steps_per_epoch=2", "optim.warmup_steps=1", "eval.num_examples=2", "eval.num_zoom_examples=0",
+        "run.max_minutes=null", "run.max_epochs=1"]),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(SUPERVISED))
+def test_supervised_recipes_keep_the_folder_contract(recipe, tmp_path, capsys):
+    """Before: pretrain and vlm_sft skipped the guard: a fresh run into a used folder deleted its metrics and
+    overwrote its config and model; run.overwrite was accepted and ignored."""
+    from flowrl.logging import read_metrics
+    from flowrl.train import main
+
+    config, tiny = SUPERVISED[recipe]
+    out = tmp_path / recipe
+    assert main([str(config), f"run.output_dir={out}", *tiny]) == 0
+    before = (out / "metrics.jsonl").read_text()
+    assert main([str(config), f"run.output_dir={out}", *tiny]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == before
+    # Checkpoints count optimizer steps, and a resume continues at the exact step.
+    assert [p.name for p in checkpoints(out)] == ["step_0000002"]
+    assert main([str(config), f"run.output_dir={out}", *tiny, "run.max_epochs=2", "run.resume=true"]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 2, 4]
+    assert main([str(config), f"run.output_dir={out}", *tiny, "run.overwrite=true"]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 2]
