@@ -164,6 +164,6 @@ def decode_png(text: str):
     data = base64.b64decode(text, validate=True)
     if not data.startswith(b"\x89PNG\r\n\x1a\n"):
         raise ValueError("not a PNG image")
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data), formats=["PNG"])
     image.load()
     return image.convert("RGB")

@@ -167,10 +167,9 @@ class ArtifactReward(Reward):
 def images_from(spec: str, image_size: int, max_images: int = 100_000) -> torch.Tensor:
     """Images of a folder (``.png/.jpg/.jpeg/.webp``) or of webdataset shards, resized (bilinear, antialiased)
     to ``image_size`` x ``image_size``: ``[N, 3, S, S]`` float32 in [0, 1]."""
-    import io
-
     import numpy as np
-    from PIL import Image
+
+    from flowrl.untrusted import open_image
 
     from .adversarial_refs import IMAGE_SUFFIXES
 
@@ -195,8 +194,9 @@ def images_from(spec: str, image_size: int, max_images: int = 100_000) -> torch.
     out = []
     for index, blob in enumerate(blobs):
         try:
-            image = Image.open(io.BytesIO(blob)).convert("RGB")
-        except OSError as err:
+            with open_image(blob) as image:
+                image = image.convert("RGB")
+        except (OSError, ValueError) as err:
             raise RewardError(f"artifact: image {index} of {spec!r} is unreadable: {err}") from None
         tensor = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
         out.append(F.interpolate(tensor, size=(image_size, image_size), mode="bilinear", align_corners=False,

@@ -53,6 +53,9 @@ __all__ = ["score_main", "OneLineParser", "ArgumentError", "build_from_args", "p
            "iter_directory", "iter_shards", "summarise"]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# The decoders PIL may use: a file's contents decide its format, never its name, so an EPS file called
+# x.png is refused rather than handed to Ghostscript.
+SCORE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
 _SHARD_IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
 _SHARD_PROMPT_KEYS = ("txt", "prompt")
 
@@ -141,10 +144,12 @@ def _decode(source: bytes | Path, limit: ImageLimit | None = None):
     """An RGB PIL image from encoded bytes or a file; its size is checked from the header first."""
     from PIL import Image
 
+    from flowrl.untrusted import open_image
+
     with warnings.catch_warnings():
         # PIL warns above 89 MP; our own limit (checked before any pixel is decoded) is the one that matters.
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+        with open_image(source, SCORE_FORMATS) as image:
             if limit is not None:
                 limit.check(*image.size)
             image.load()
@@ -429,9 +434,12 @@ def score_main(argv: list[str]) -> int:
 
 def _short(err: BaseException) -> str:
     """Why an image was skipped: our own errors speak for themselves, others are named by type."""
+    from flowrl.untrusted import UntrustedImageError
+
     from .base import RewardError
 
-    text = str(err) if isinstance(err, (RewardError, ImageTooLarge)) else f"{type(err).__name__}: {err}"
+    text = (str(err) if isinstance(err, (RewardError, ImageTooLarge, UntrustedImageError))
+            else f"{type(err).__name__}: {err}")
     return one_line(text)[:300]
 
 
