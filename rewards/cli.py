@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flowrl.cli_args import OneLineParser, UsageError, device_arg, one_line, output_file, read_text_file
+from flowrl.untrusted import same_path
 
 __all__ = ["score_main", "OneLineParser", "ArgumentError", "build_from_args", "parse_reward_args",
            "iter_directory", "iter_shards", "summarise"]
@@ -408,6 +409,10 @@ def score_main(argv: list[str]) -> int:
             if args.prompts is not None:
                 raise ArgumentError("--prompts applies to an image folder; shards carry their prompts as txt/prompt "
                                     "entries")
+        if args.prompts is not None and same_path(out, args.prompts):
+            # (--out ends in .jsonl / .csv, so no image, sidecar or shard can be it; a .jsonl prompts file can)
+            raise ArgumentError(f"--out {args.out!r} is also the --prompts file; the scores would replace the "
+                                "prompts; choose another --out")
         reward = build_from_args(args.reward, args.reward_arg, args.device)
     except ArgumentError as err:
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
