@@ -185,3 +185,139 @@ def test_json_depth_counts_brackets_outside_strings_only():
     with pytest.raises(JSONNestingError):
         loads_json("[" * 65 + "]" * 65)
     assert loads_json("[" * 64 + "]" * 64, max_depth=64)
+
+
+# ----------------------------------------------------------------------------------------------- keys stay home
+
+
+class RecordingProxy(ThreadingHTTPServer):
+    """An HTTP proxy that records what reaches it (method, target, Authorization) and answers 502."""
+
+    def __init__(self):
+        self.seen = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _record(self):
+                proxy.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                self.send_response(502)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = do_CONNECT = _record
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def proxy(monkeypatch):
+    server = RecordingProxy()
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, server.url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_key_of_a_loopback_reward_server_never_reaches_a_proxy(proxy):
+    import torch
+
+    import rewards
+    from rewards.server import make_server
+
+    server = make_server("jpeg_compressibility", api_key="s3cret")
+    server.start_background()
+    try:
+        remote = rewards.load("remote", url=server.url, api_key="s3cret", retries=0)
+        images = torch.rand(2, 3, 16, 16)
+        try:
+            scores = remote(images, ["", ""]).scores
+        except rewards.RewardError:  # main: the proxy answered 502
+            scores = None
+        assert proxy.seen == []  # main: [('POST', 'http://127.0.0.1:<port>/score', 'Bearer s3cret')]
+        local = rewards.load("jpeg_compressibility")((images * 255).round() / 255, ["", ""]).scores
+        assert torch.equal(scores, local)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_key_of_a_loopback_judge_never_reaches_a_proxy(proxy, monkeypatch):
+    import torch
+
+    import rewards
+
+    answers = []
+
+    class Judge(BaseHTTPRequestHandler):
+        def do_POST(self):
+            answers.append(self.headers.get("Authorization"))
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"message": {"content": "yes"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    judge_server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    threading.Thread(target=judge_server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-local")
+    try:
+        judge = rewards.load("vlm_judge", endpoint=f"http://127.0.0.1:{judge_server.server_address[1]}", retries=0)
+        try:
+            scores = judge(torch.rand(1, 3, 8, 8), ["a cat"]).scores
+        except rewards.RewardError:
+            scores = None
+        assert proxy.seen == []
+        assert answers == ["Bearer sk-local"] and scores.tolist() == [1.0]
+    finally:
+        judge_server.shutdown()
+        judge_server.server_close()
+
+
+@pytest.mark.parametrize("name, variable, kwargs", [
+    ("vlm_judge", "OPENAI_API_KEY", {"endpoint": "https://collector.example.com"}),
+    ("remote", "FLOWRL_REWARD_API_KEY", {"url": "https://collector.example.com"}),
+])
+def test_an_environment_key_goes_only_to_hosts_approved_for_it(name, variable, kwargs, monkeypatch):
+    """A config shared by someone else names https://collector.example.com: the user's key must not go there."""
+    import rewards
+
+    monkeypatch.setenv(variable, "sk-users-own")
+    monkeypatch.delenv(f"{variable}_HOSTS", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    try:
+        reward = rewards.load(name, **kwargs)
+        sent = reward.headers if name == "vlm_judge" else reward._headers
+    except rewards.RewardError as err:
+        sent = str(err)
+    assert "sk-users-own" not in str(sent)  # main: {'Authorization': 'Bearer sk-users-own'}
+    assert f"not sending ${variable} to 'collector.example.com'" in sent and f"${variable}_HOSTS" in sent
+    monkeypatch.setenv(f"{variable}_HOSTS", "other.example.org, Collector.Example.com")  # the user approves it
+    reward = rewards.load(name, **kwargs)
+    assert (reward.headers if name == "vlm_judge" else reward._headers) == {"Authorization": "Bearer sk-users-own"}
+    no_key = rewards.load(name, api_key_env=None, **{k: "https://elsewhere.example.net" for k in kwargs})
+    assert (no_key.headers if name == "vlm_judge" else no_key._headers) == {}
+
+
+def test_the_openai_key_goes_to_its_own_service_and_base_url(monkeypatch):
+    import rewards
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    monkeypatch.delenv("OPENAI_API_KEY_HOSTS", raising=False)
+    monkeypatch.setenv("OPENAI_BASE_URL", "https://gateway.example.com/v1")
+    for endpoint in ("https://api.openai.com", "https://gateway.example.com/v1", "http://localhost:8000"):
+        assert rewards.load("vlm_judge", endpoint=endpoint).headers == {"Authorization": "Bearer sk-env"}
