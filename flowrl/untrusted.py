@@ -13,6 +13,8 @@ Each helper turns hostile input into data or a one-line error, never into code, 
 - :func:`defuse_special_tokens` and :func:`quote_untrusted`: text written by a model (or a user) pasted
   into another model's prompt cannot be read as chat markup (``<|im_end|>``, ``<image>``, ``[INST]``)
   and arrives quoted, escaped and capped.
+- :func:`pickle_only_weights`: a model folder whose weights exist only as pickles (``*.bin``, ``*.pt``),
+  which flowrl refuses to load (unpickling runs code); :func:`safetensors_conversion` says how to convert.
 
 docs/security.md lists where each is used and how it is tested.
 """
@@ -27,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["IMAGE_FORMATS", "UntrustedImageError", "open_image", "local_file", "JSONNestingError", "loads_json",
-           "json_depth", "MAX_JSON_DEPTH", "defuse_special_tokens", "quote_untrusted", "same_path"]
+           "json_depth", "MAX_JSON_DEPTH", "defuse_special_tokens", "quote_untrusted", "same_path",
+           "PICKLE_SUFFIXES", "pickle_only_weights", "safetensors_conversion"]
 
 #: The image formats flowrl decodes (``PIL.Image.open(formats=...)`` names). Shards and uploads hold PNG,
 #: JPEG or WebP; nothing else is ever handed to PIL.
@@ -145,3 +148,25 @@ def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return Path(a).resolve() == Path(b).resolve()
     except OSError:
         return False
+
+
+#: File endings of pickled weights (``torch.save``): loading one unpickles it.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def pickle_only_weights(folder: str | os.PathLike) -> list[str]:
+    """The pickled weight files directly in ``folder`` when it holds no ``*.safetensors`` (else ``[]``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    files = [p for p in folder.iterdir() if p.is_file()]
+    if any(p.suffix == ".safetensors" for p in files):
+        return []
+    return sorted(p.name for p in files if p.suffix.lower() in PICKLE_SUFFIXES)
+
+
+def safetensors_conversion(folder: str | os.PathLike, library: str, class_name: str) -> str:
+    """The one-line fix for a folder of pickled weights: convert it once, where the file is trusted."""
+    return (f"convert it once, on a machine where you trust the file, with `python -c \"from {library} import "
+            f"{class_name} as M; M.from_pretrained('{folder}').save_pretrained('{folder}', safe_serialization=True)\"` "
+            "(or download the model's safetensors weights)")

@@ -42,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ._http import encode_png, env_key, key_may_travel, post_json
-from ._loading import OFFLINE_HINT, load_errors, looks_like_path, require_dir, resolve_device, resolve_dtype
+from ._loading import (OFFLINE_HINT, load_errors, looks_like_path, refuse_pickle_only, require_dir, resolve_device,
+                       resolve_dtype)
 from .base import Reward, RewardError, RewardOutput, to_pil_images
 
 __all__ = ["VLMJudge", "YES_NO_QUESTION", "SCALE_QUESTION", "parse_scale", "parse_yes_no",
@@ -162,13 +163,14 @@ class VLMJudge(Reward):
                "(an image-text-to-text model such as LLaVA or Qwen2-VL).")
         if looks_like_path(model):
             require_dir(model, self.name, "VLM", fix)
+            refuse_pickle_only(model, self.name, "transformers", "AutoModelForImageTextToText")
         with load_errors(self.name, f"the VLM processor {model!r}", f"{fix} {OFFLINE_HINT}"):
             self.processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code,
                                                            local_files_only=local_files_only)
         with load_errors(self.name, f"the VLM {model!r}", f"{fix} {OFFLINE_HINT}"):
             self.model = AutoModelForImageTextToText.from_pretrained(
                 model, trust_remote_code=trust_remote_code, local_files_only=local_files_only,
-                dtype=resolve_dtype(dtype))
+                dtype=resolve_dtype(dtype), use_safetensors=True)
         self.model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
         if self.tokenizer is None:

@@ -321,3 +321,90 @@ def test_the_openai_key_goes_to_its_own_service_and_base_url(monkeypatch):
     monkeypatch.setenv("OPENAI_BASE_URL", "https://gateway.example.com/v1")
     for endpoint in ("https://api.openai.com", "https://gateway.example.com/v1", "http://localhost:8000"):
         assert rewards.load("vlm_judge", endpoint=endpoint).headers == {"Authorization": "Bearer sk-env"}
+
+
+# ----------------------------------------------------------------------------------------------- weights without code
+
+
+def pickle_weights(folder) -> list:
+    """Replace every ``*.safetensors`` under ``folder`` by the ``torch.save`` pickle other tools write
+    (``diffusion_pytorch_model.bin``, ``pytorch_model.bin``), with the same tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    done = []
+    for file in sorted(folder.rglob("*.safetensors")):
+        name = "pytorch_model.bin" if file.name == "model.safetensors" else file.name.replace(".safetensors", ".bin")
+        torch.save(load_file(str(file)), file.with_name(name))
+        file.unlink()
+        done.append(file.with_name(name))
+    return done
+
+
+@pytest.fixture
+def sd3_copy(tmp_path):
+    from flowrl.testing import build_tiny_sd3
+
+    folder = tmp_path / "sd3"
+    shutil.copytree(build_tiny_sd3(), folder)
+    return folder
+
+
+def test_a_pipeline_folder_with_only_pickled_weights_is_refused_with_the_conversion(sd3_copy):
+    from flowrl.models.base import ModelLoadError
+    from flowrl.models.sd3 import SD3Model
+
+    pickle_weights(sd3_copy / "transformer")
+    try:
+        SD3Model.from_pretrained(sd3_copy)
+        outcome = "loaded (the pickle was unpickled)"  # main
+    except ModelLoadError as err:
+        outcome = str(err)
+    assert "transformer/ holds only pickled weights (diffusion_pytorch_model.bin)" in outcome
+    assert "from diffusers import SD3Transformer2DModel as M" in outcome and "safe_serialization=True" in outcome
+
+
+def test_custom_component_code_in_a_pipeline_folder_is_refused_unless_trusted(sd3_copy):
+    from flowrl.models.base import ModelLoadError
+    from flowrl.models.sd3 import SD3Model
+
+    marker = sd3_copy.parent / "PWNED"
+    (sd3_copy / "transformer" / "my_transformer.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from diffusers import SD3Transformer2DModel\n\nclass MyTransformer(SD3Transformer2DModel):\n    pass\n")
+    index = json.loads((sd3_copy / "model_index.json").read_text())
+    index["transformer"] = ["my_transformer", "MyTransformer"]
+    (sd3_copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="names the component transformer as \\['my_transformer', "
+                                             "'MyTransformer'\\] and the folder ships transformer/my_transformer.py"):
+        SD3Model.from_pretrained(sd3_copy)
+    assert not marker.exists()
+    try:  # trust_remote_code=True hands the folder to diffusers, which imports the module
+        SD3Model.from_pretrained(sd3_copy, trust_remote_code=True)
+    except ModelLoadError:
+        pass
+    assert marker.exists()
+
+
+def test_policies_rewards_and_judges_refuse_pickle_only_folders(tmp_path):
+    from flowrl.policies.policy import PolicyLoadError, TokenPolicy
+    from flowrl.policies.testing import tiny_causal_lm
+    from rewards import RewardError, load
+    from rewards.testing import tiny_hf_clip, tiny_llava
+
+    policy = tiny_causal_lm(tmp_path / "policy")
+    clip_model, clip_processor = tiny_hf_clip(tmp_path / "clip")
+    judge = tiny_llava(tmp_path / "judge")
+    for folder in (policy, clip_model, judge):
+        assert [p.name for p in pickle_weights(tmp_path / folder)] == ["pytorch_model.bin"]
+    outcomes = []
+    for build, error in ((lambda: TokenPolicy.from_pretrained(policy), PolicyLoadError),
+                         (lambda: load("pickscore", model=clip_model, processor=clip_processor), RewardError),
+                         (lambda: load("vlm_judge", model=judge), RewardError)):
+        try:
+            build()
+            outcomes.append("loaded")  # main: each one unpickles pytorch_model.bin
+        except error as err:
+            outcomes.append(str(err))
+    for outcome in outcomes:
+        assert "holds only pickled weights (pytorch_model.bin)" in outcome and "safe_serialization=True" in outcome

@@ -172,6 +172,13 @@ class TokenPolicy:
         if (local.is_absolute() or path.startswith((".", "~")) or local.exists()) and not (local / "config.json").is_file():
             raise PolicyLoadError(f"no model at {path!r}: expected a folder with config.json, weights and the "
                                   "processor/tokenizer files (e.g. saved with save_pretrained)")
+        from flowrl.untrusted import pickle_only_weights, safetensors_conversion
+
+        pickles = pickle_only_weights(local)
+        if pickles:  # transformers would unpickle them (which can run code); use_safetensors=True refuses them
+            raise PolicyLoadError(f"{path!r} holds only pickled weights ({', '.join(pickles)}), which can run code "
+                                  "when loaded; flowrl reads safetensors only: "
+                                  f"{safetensors_conversion(local, 'transformers', 'AutoModel')}")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -179,7 +186,7 @@ class TokenPolicy:
             raise PolicyLoadError(f"cannot read the model config of {path!r}: {err}; give a local folder with "
                                   "config.json (set HF_HUB_OFFLINE=1 to skip hub look-ups)") from None
         vision = getattr(config, "vision_config", None) is not None
-        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "use_safetensors": True}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         try:
