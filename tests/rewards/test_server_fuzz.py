@@ -99,7 +99,8 @@ def malformed_requests(rng: random.Random) -> list[tuple[str, str, dict, bytes]]
     for i in range(N_MALFORMED):
         kind = kinds[i % len(kinds)]
         path = rng.choice(["/scor", "/score/x", "/", "/health/x"]) if kind == "wrong_path" else "/score"
-        headers = {"Content-Type": rng.choice(["application/json", "text/plain", "application/octet-stream"])}
+        # Mostly JSON, so that the bodies reach the parser; the others must be refused as 415 (see send()).
+        headers = {"Content-Type": rng.choice(["application/json"] * 6 + ["text/plain", "application/octet-stream"])}
         out.append((kind, path, headers, makers[kind]()))
     rng.shuffle(out)
     return out
@@ -213,7 +214,11 @@ def test_fuzz_no_5xx_health_stays_up_memory_bounded(server_process):
         if kind == "valid":
             answer = local.client.post(url + "/score", json=valid)
             return kind, answer.status_code, answer.json()
-        return kind, local.client.post(url + path, content=body, headers=headers).status_code, None
+        status = local.client.post(url + path, content=body, headers=headers).status_code
+        if headers["Content-Type"] != "application/json" and path == "/score":
+            assert status == 415, (kind, headers, status)  # not JSON: refused before the body is read
+            kind = "not_json_type"
+        return kind, status, None
 
     items = requests + [("valid", "/score", {}, b"")] * N_VALID
     rng.shuffle(items)
