@@ -143,7 +143,7 @@ class ImageReferences(ReferenceSource):
 
 
 def _from_folder(folder: Path, max_images: int) -> ImageReferences:
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    files = sorted(p for p in folder.absolute().iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not files:
         raise RewardError(f"adversarial: no images ({', '.join(IMAGE_SUFFIXES)}) in {str(folder)!r}")
     files = files[:max_images]

@@ -176,7 +176,8 @@ def images_from(spec: str, image_size: int, max_images: int = 100_000) -> torch.
     path = Path(spec).expanduser()
     blobs: list[bytes] = []
     if path.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in path.iterdir()):
-        blobs = [p.read_bytes() for p in sorted(path.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES][:max_images]
+        blobs = [p.read_bytes() for p in sorted(path.absolute().iterdir())
+                 if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()][:max_images]
     else:
         from flowrl.data.webdataset_io import IMAGE_KEYS, ShardError, iter_raw_samples, shard_paths
 

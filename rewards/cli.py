@@ -180,10 +180,13 @@ def _resolve_prompts(directory: Path, files: list[Path], prompts_file: str | Non
                 except (ValueError, KeyError, TypeError, RecursionError):
                     raise ArgumentError(f"{prompts_file}:{number}: expected a JSON object with 'file' and "
                                         f"'prompt'") from None
-            missing = [f.name for f in files if f.name not in table and str(f) not in table]
+            def key(f: Path) -> str | None:  # the name, the path as given with --images, or the absolute path
+                return next((k for k in (f.name, str(directory / f.name), str(f)) if k in table), None)
+
+            missing = [f.name for f in files if key(f) is None]
             if missing:
                 raise ArgumentError(f"{prompts_file} has no prompt for {len(missing)} image(s), e.g. {missing[0]!r}")
-            return [table.get(f.name, table.get(str(f), "")) for f in files]
+            return [table[key(f)] for f in files]
         lines = text.splitlines()
         while lines and not lines[-1].strip():
             lines.pop()
@@ -389,7 +392,8 @@ def score_main(argv: list[str]) -> int:
         out = output_file(args.out, suffixes=(".jsonl", ".csv"))  # writable? (before any scoring)
         source = args.images
         is_dir = os.path.isdir(source)
-        files = sorted(p for p in Path(source).iterdir()
+        # Absolute paths: a listed name is a local file whatever it is called (docs/security.md).
+        files = sorted(p for p in Path(source).absolute().iterdir()
                        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS) if is_dir else []
         shards: list[str] = []
         prompts: list[str] = []

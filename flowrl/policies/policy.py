@@ -150,7 +150,8 @@ class TokenPolicy:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                         lora: LoraSpec | None = None, gradient_checkpointing: bool = False,
-                        trust_remote_code: bool = False, attn_implementation: str | None = None) -> "TokenPolicy":
+                        trust_remote_code: bool = False, attn_implementation: str | None = None,
+                        inference: bool = False) -> "TokenPolicy":
         """Load a model and its processor from a local folder (or a hub id), offline-friendly.
 
         Args:
@@ -161,6 +162,8 @@ class TokenPolicy:
             gradient_checkpointing: recompute activations in the backward pass (saves memory).
             trust_remote_code: off unless you trust the folder's code.
             attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"`` (None: transformers' default).
+            inference: generate and score only (the demo, ``flowrl eval``): frozen weights and no reference
+                copy (a full fine-tuning policy otherwise keeps a second copy of the model for its KL).
 
         Raises:
             PolicyLoadError: the folder is missing or incomplete, or the model is not a supported family.
@@ -201,6 +204,9 @@ class TokenPolicy:
                                   f"{str(err).splitlines()[0] if str(err) else ''}); the folder needs weights "
                                   "(safetensors) and processor/tokenizer files") from None
         model.to(device)
+        if inference:
+            model.config.use_cache = False
+            return cls(model.eval().requires_grad_(False), processor)
         return cls.prepare(model, processor, lora=lora, gradient_checkpointing=gradient_checkpointing)
 
     @classmethod
