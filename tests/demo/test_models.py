@@ -96,7 +96,8 @@ def test_discover_runs_and_lazy_bank(finetuned_runs, tmp_path):
 def test_the_bank_keeps_a_bounded_number_of_models_loaded(finetuned_runs):
     """Visitors picking run after run: beyond ``max_loaded`` the least recently used model is unloaded (main
     kept every one); the base model always stays."""
-    bank = ModelBank(max_loaded=2)
+    bank = ModelBank()
+    bank.max_loaded = 2
     bank.add("base", lambda: torch.nn.Linear(1, 1), source="base", kind="base", load_now=True)
     loads = []
     for name in ("a", "b", "c"):

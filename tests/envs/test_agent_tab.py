@@ -54,7 +54,8 @@ def test_agent_models_load_for_inference_and_a_bounded_number_stay(runs_dir, tmp
 
     for name in ("second", "third"):
         shutil.copytree(runs_dir / "tiny_grpo", tmp_path / name)
-    models = AgentModels(str(tmp_path), max_loaded=2)
+    models = AgentModels(str(tmp_path))
+    models.max_loaded = 2
     policy = models.get("second")
     assert policy._reference is None and not any(p.requires_grad for p in policy.model.parameters())
     assert models.get("second") is policy
