@@ -184,7 +184,8 @@ def _check_out(args) -> None:
         raise UsageError(f"--out {args.out!r} is a file; give a directory")
     for flag in ("clean", "artifact"):
         source = getattr(args, flag, None)
-        if source and Path(source).exists() and (is_inside(out, source) or is_inside(source, out)):
+        # --out replaces its folder: it may not be an input or hold one (a folder inside an input is fine)
+        if source and Path(source).exists() and is_inside(source, out):
             raise UsageError(f"--out {args.out!r} is (or holds) the --{flag} input {source!r}; choose another "
                              "--out so that the input is never overwritten")
     others = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT_FILES) if out.is_dir() else []
