@@ -47,6 +47,8 @@ __all__ = [
     "parse_overrides",
     "save_config",
     "atomic_write_text",
+    "convert_value",
+    "checkable_type",
 ]
 
 
@@ -219,6 +221,25 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(path, f"got {_short(value)}; expected {_describe(tp)}")
+
+
+def convert_value(value: Any, tp: Any, path: str) -> Any:
+    """``value`` checked against the type hint ``tp`` with the rules of config fields (ints become floats,
+    lists tuples); raises :class:`ConfigError` naming ``path``, the value and what is expected."""
+    return _convert(value, tp, path)
+
+
+def checkable_type(tp: Any) -> bool:
+    """``tp`` is built only from the kinds :func:`convert_value` understands (``int``, ``float``, ``bool``,
+    ``str``, ``None``, ``Any``, ``Literal``, unions, ``list`` / ``tuple`` / ``dict`` of those)."""
+    origin = typing.get_origin(tp)
+    if tp in (int, float, bool, str, type(None), Any):
+        return True
+    if origin is Literal:
+        return True
+    if origin in (Union, types.UnionType, list, tuple, dict):
+        return all(a is Ellipsis or checkable_type(a) for a in typing.get_args(tp))
+    return False
 
 
 def _check_bounds(value: Any, limits: dict, path: str) -> None:

@@ -14,6 +14,10 @@
   loads with ``StableDiffusion3Pipeline.from_pretrained(DIR)`` / ``FluxPipeline.from_pretrained(DIR)`` (the
   shapes model: ``ShapesModel.from_pretrained``). Full fine-tuning runs export only this way.
 
+``--out`` must be new or empty; the export is written to a temporary folder beside it and renamed into place
+when complete (:mod:`flowrl.atomic`), so a full disk or a crash leaves nothing under ``--out`` and the same
+command can be run again.
+
 The weights are those ``flowrl.demo.models.load_finetuned`` uses: the EMA when the run kept one (``--no-ema``:
 the raw trained weights). Every LoRA checkpoint of an SD3 / FLUX run also holds the diffusers folder
 (``checkpoints/epoch_<N>/lora``), written by the run itself with the same code.
@@ -263,7 +267,7 @@ def export(run: str | Path, *, fmt: str, out: str | Path, checkpoint: int | None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {str(out)!r} exists and is not an empty directory; choose a new one")
     if fmt == "merged":
-        return _export_merged(ckpt, out, use_ema=use_ema, device=device)
+        return _written(out, lambda stage: _export_merged(ckpt, stage, use_ema=use_ema, device=device))
     cfg = _run_model_config(run_dir)
     if cfg.lora is None:
         raise ExportError(f"run {str(run_dir)!r} fine-tunes the whole model (no model.lora); export it with "
@@ -273,13 +277,31 @@ def export(run: str | Path, *, fmt: str, out: str | Path, checkpoint: int | None
         state = load_state(ckpt, required=("model",))
     except CheckpointError as err:
         raise ExportError(str(err)) from None
-    if fmt == "diffusers":
-        write_diffusers_lora(spec, state, out, use_ema=use_ema)
-    else:
-        write_peft_adapter(spec, state, out, use_ema=use_ema, base_model=cfg.path)
-    info = json.loads((out / "flowrl_export.json").read_text())
-    info.update({"run": str(run_dir), "checkpoint": str(ckpt), "epoch": state.get("epoch")})
-    _write_info(out, info)
+
+    def write(stage: Path) -> None:
+        if fmt == "diffusers":
+            write_diffusers_lora(spec, state, stage, use_ema=use_ema)
+        else:
+            write_peft_adapter(spec, state, stage, use_ema=use_ema, base_model=cfg.path)
+        info = json.loads((stage / "flowrl_export.json").read_text())
+        info.update({"run": str(run_dir), "checkpoint": str(ckpt), "epoch": state.get("epoch")})
+        _write_info(stage, info)
+
+    return _written(out, write)
+
+
+def _written(out: Path, write) -> Path:
+    """Run ``write(folder)`` on a staged folder that becomes ``out`` once complete (:mod:`flowrl.atomic`): a
+    full disk or a crash leaves no partial export under ``out``, so the same command can be run again."""
+    from flowrl.atomic import WRITE_ERRORS, staged_directory
+
+    try:
+        with staged_directory(out) as stage:
+            write(stage)
+    except WRITE_ERRORS as err:
+        reason = getattr(err, "strerror", None) or " ".join(str(err).split())[:200]
+        raise ExportError(f"cannot write the export to {str(out)!r} ({reason}); nothing was left there; free space "
+                          "or choose another --out, then run the same command again") from None
     return out
 
 

@@ -5,8 +5,17 @@ failures, timeouts and the transient statuses 429/500/502/503/504; any other 4xx
 Every failure surfaces as one :class:`UpstreamError` (a :class:`~rewards.base.RewardError`) that names
 the URL. Answers are read up to ``max_response_bytes``: a misbehaving server cannot exhaust memory.
 
-API keys travel only where they cannot be read on the way: :func:`key_may_travel` allows https URLs and
-loopback hosts, never plain http to another machine.
+API keys travel only where they cannot be read on the way and only to hosts the user approved for them:
+
+- :func:`key_may_travel` allows https URLs and loopback hosts, never plain http to another machine;
+- :func:`env_key` attaches a key read from the environment (``$OPENAI_API_KEY``, ``$FLOWRL_REWARD_API_KEY``)
+  only for a loopback host or a host approved for that key: listed in ``$<VARIABLE>_HOSTS``
+  (comma-separated, e.g. ``FLOWRL_REWARD_API_KEY_HOSTS=rewards.example.com``) or the key's own service
+  (``api.openai.com`` and the host of ``$OPENAI_BASE_URL`` for ``$OPENAI_API_KEY``). A config written by
+  someone else can name any URL; it cannot make flowrl send the user's key there. Anything else is a
+  one-line :class:`~rewards.base.RewardError`.
+- requests to a loopback host never go through a proxy (``trust_env=False``): ``$HTTP_PROXY`` would
+  otherwise receive the bearer key of a local reward server or judge in clear text.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import base64
 import io
 import ipaddress
 import json
+import os
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,7 +32,7 @@ from urllib.parse import urlsplit
 from .base import RewardError
 
 __all__ = ["post_json", "get_json", "encode_png", "decode_png", "HTTPStatusError", "UpstreamError", "make_client",
-           "key_may_travel", "is_loopback_url"]
+           "key_may_travel", "is_loopback_url", "env_key", "approved_hosts", "KEY_HOSTS"]
 
 _RETRY_STATUSES = {429, 500, 502, 503, 504}
 MAX_RESPONSE_BYTES = 64 * 2 ** 20
@@ -56,12 +66,49 @@ def key_may_travel(url: str) -> bool:
     return urlsplit(url).scheme == "https" or is_loopback_url(url)
 
 
-def make_client(timeout: float):
-    """An ``httpx.Client`` with ``timeout`` seconds for connecting, each read and each write."""
+#: The services an environment key belongs to without being listed in ``$<VARIABLE>_HOSTS``.
+KEY_HOSTS = {"OPENAI_API_KEY": ("api.openai.com",)}
+_BASE_URL_VARIABLES = {"OPENAI_API_KEY": "OPENAI_BASE_URL"}
+
+
+def approved_hosts(variable: str) -> set[str]:
+    """Hosts (lower case) the key in ``$variable`` may be sent to besides loopback ones: ``$<variable>_HOSTS``,
+    :data:`KEY_HOSTS` and the host of the key's base-URL variable (``$OPENAI_BASE_URL``)."""
+    hosts = {h.strip().lower() for h in os.environ.get(f"{variable}_HOSTS", "").split(",") if h.strip()}
+    hosts.update(KEY_HOSTS.get(variable, ()))
+    base = os.environ.get(_BASE_URL_VARIABLES.get(variable, ""), "") if variable in _BASE_URL_VARIABLES else ""
+    if urlsplit(base).hostname:
+        hosts.add(urlsplit(base).hostname.lower())
+    return hosts
+
+
+def env_key(variable: str | None, url: str, who: str) -> str | None:
+    """The API key in ``$variable`` for requests to ``url``, or None when the variable is unset or empty.
+
+    Raises:
+        RewardError: the key is set but ``url``'s host is neither loopback nor approved for it (see the
+            module docstring); the message names the host and the two fixes.
+    """
+    key = os.environ.get(variable, "").strip() if variable else ""
+    if not key:
+        return None
+    host = (urlsplit(url).hostname or "").lower()
+    if is_loopback_url(url) or host in approved_hosts(variable):
+        return key
+    raise RewardError(f"{who}: not sending ${variable} to {host!r}, a host it was not approved for (a config can "
+                      f"name any URL); if the key belongs there, add the host to ${variable}_HOSTS (comma-separated); "
+                      "if that server needs no key, pass api_key_env=null")
+
+
+def make_client(timeout: float, url: str | None = None):
+    """An ``httpx.Client`` with ``timeout`` seconds for connecting, each read and each write. For a loopback
+    ``url`` the environment's proxy settings are ignored (``trust_env=False``): a proxy must never see the
+    requests (and keys) of a server on this machine."""
     import httpx
 
+    local = url is not None and is_loopback_url(url)
     return httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), follow_redirects=False,
-                        headers={"User-Agent": "flowrl"})
+                        headers={"User-Agent": "flowrl"}, trust_env=not local)
 
 
 def _error_text(body: bytes) -> str:
@@ -92,7 +139,7 @@ def _request(method: str, url: str, body: bytes | None, *, timeout: float, retri
     import httpx
 
     own = client is None
-    client = client or make_client(timeout)
+    client = client or make_client(timeout, url)
     attempts = int(retries) + 1
     last = ""
     try:
@@ -164,6 +211,6 @@ def decode_png(text: str):
     data = base64.b64decode(text, validate=True)
     if not data.startswith(b"\x89PNG\r\n\x1a\n"):
         raise ValueError("not a PNG image")
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data), formats=["PNG"])
     image.load()
     return image.convert("RGB")

@@ -17,7 +17,7 @@ import torch
 from .base import RewardError
 
 __all__ = ["looks_like_path", "require_file", "require_dir", "load_errors", "load_state_dict_file",
-           "resolve_device", "resolve_dtype", "OFFLINE_HINT"]
+           "resolve_device", "resolve_dtype", "OFFLINE_HINT", "refuse_pickle_only"]
 
 OFFLINE_HINT = ("Without internet, download the files elsewhere and pass their local path, or pre-fill the "
                 "Hugging Face cache (HF_HOME) and set HF_HUB_OFFLINE=1 so hub look-ups fail fast.")
@@ -45,6 +45,19 @@ def require_dir(path: str | os.PathLike, reward: str, what: str, fix: str) -> Pa
     if not p.is_dir():
         raise RewardError(f"{reward}: {what} directory not found at {str(p)!r}. {fix}")
     return p
+
+
+def refuse_pickle_only(path: str | os.PathLike, reward: str, library: str, class_name: str) -> None:
+    """A local model folder whose weights are only pickles (``pytorch_model.bin``) is a RewardError naming
+    the conversion: transformers loads them with ``use_safetensors=True`` only, as unpickling can run code."""
+    from flowrl.untrusted import pickle_only_weights, safetensors_conversion
+
+    folder = Path(os.path.expanduser(str(path)))
+    pickles = pickle_only_weights(folder)
+    if pickles:
+        raise RewardError(f"{reward}: {str(folder)!r} holds only pickled weights ({', '.join(pickles)}), which can "
+                          f"run code when loaded; flowrl reads safetensors only: "
+                          f"{safetensors_conversion(folder, library, class_name)}")
 
 
 @contextmanager

@@ -113,7 +113,7 @@ def inspect_pngs(images: list[str], *, max_pixels: int) -> tuple[list[bytes], li
         if not data.startswith(PNG_MAGIC):
             raise RequestError(400, f"images[{index}] is not a PNG image (send lossless PNG)")
         try:
-            with Image.open(io.BytesIO(data)) as image:
+            with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
                 width, height = image.size
         except Image.DecompressionBombError:
             raise RequestError(413, f"images[{index}] declares more pixels than PIL will decode") from None
@@ -134,7 +134,7 @@ def decode_pngs(blobs: list[bytes]) -> list:
     decoded = []
     for index, data in enumerate(blobs):
         try:
-            with Image.open(io.BytesIO(data)) as image:
+            with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
                 image.load()
                 decoded.append(image.convert("RGB"))
         except Exception as err:  # truncated or corrupt pixel data

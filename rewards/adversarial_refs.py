@@ -16,7 +16,6 @@ not depend on how a global batch is split across processes.
 
 from __future__ import annotations
 
-import io
 import random
 from pathlib import Path
 from typing import Callable, Sequence
@@ -120,11 +119,12 @@ class ImageReferences(ReferenceSource):
         return len(self.files)
 
     def _decode(self, index: int) -> torch.Tensor:
-        from PIL import Image
+        from flowrl.untrusted import open_image
 
         try:
-            image = Image.open(io.BytesIO(self.files[index])).convert("RGB")
-        except OSError as err:
+            with open_image(self.files[index]) as image:
+                image = image.convert("RGB")
+        except (OSError, ValueError) as err:
             raise RewardError(f"adversarial: reference image {index} of {self.where} is unreadable: {err}") from None
         array = np.asarray(image, dtype=np.float32) / 255.0
         return torch.from_numpy(array).permute(2, 0, 1)[None]
@@ -143,7 +143,7 @@ class ImageReferences(ReferenceSource):
 
 
 def _from_folder(folder: Path, max_images: int) -> ImageReferences:
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    files = sorted(p for p in folder.absolute().iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not files:
         raise RewardError(f"adversarial: no images ({', '.join(IMAGE_SUFFIXES)}) in {str(folder)!r}")
     files = files[:max_images]

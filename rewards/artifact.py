@@ -167,17 +167,17 @@ class ArtifactReward(Reward):
 def images_from(spec: str, image_size: int, max_images: int = 100_000) -> torch.Tensor:
     """Images of a folder (``.png/.jpg/.jpeg/.webp``) or of webdataset shards, resized (bilinear, antialiased)
     to ``image_size`` x ``image_size``: ``[N, 3, S, S]`` float32 in [0, 1]."""
-    import io
-
     import numpy as np
-    from PIL import Image
+
+    from flowrl.untrusted import open_image
 
     from .adversarial_refs import IMAGE_SUFFIXES
 
     path = Path(spec).expanduser()
     blobs: list[bytes] = []
     if path.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in path.iterdir()):
-        blobs = [p.read_bytes() for p in sorted(path.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES][:max_images]
+        blobs = [p.read_bytes() for p in sorted(path.absolute().iterdir())
+                 if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()][:max_images]
     else:
         from flowrl.data.webdataset_io import IMAGE_KEYS, ShardError, iter_raw_samples, shard_paths
 
@@ -195,8 +195,9 @@ def images_from(spec: str, image_size: int, max_images: int = 100_000) -> torch.
     out = []
     for index, blob in enumerate(blobs):
         try:
-            image = Image.open(io.BytesIO(blob)).convert("RGB")
-        except OSError as err:
+            with open_image(blob) as image:
+                image = image.convert("RGB")
+        except (OSError, ValueError) as err:
             raise RewardError(f"artifact: image {index} of {spec!r} is unreadable: {err}") from None
         tensor = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
         out.append(F.interpolate(tensor, size=(image_size, image_size), mode="bilinear", align_corners=False,

@@ -148,7 +148,8 @@ class Dinov2Backbone(Backbone):
             raise RewardError(f"{reward}: DINOv2 folder {str(folder)!r} lacks {', '.join(missing)} (expected "
                               f"{' and '.join(DINOV2_FILES)}). {fix}")
         try:
-            self.model = Dinov2Model.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
+            self.model = Dinov2Model.from_pretrained(str(folder), local_files_only=True, dtype=dtype,
+                                                     use_safetensors=True)
         except Exception as err:  # corrupt or foreign files: one clear error
             raise RewardError(f"{reward}: could not load DINOv2 from {str(folder)!r} ({type(err).__name__}: "
                               f"{' '.join(str(err).split())[:300]}). {fix}") from None

@@ -48,11 +48,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flowrl.cli_args import OneLineParser, UsageError, device_arg, one_line, output_file, read_text_file
+from flowrl.untrusted import same_path
 
 __all__ = ["score_main", "OneLineParser", "ArgumentError", "build_from_args", "parse_reward_args",
            "iter_directory", "iter_shards", "summarise"]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# The decoders PIL may use: a file's contents decide its format, never its name, so an EPS file called
+# x.png is refused rather than handed to Ghostscript.
+SCORE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
 _SHARD_IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
 _SHARD_PROMPT_KEYS = ("txt", "prompt")
 
@@ -141,10 +145,12 @@ def _decode(source: bytes | Path, limit: ImageLimit | None = None):
     """An RGB PIL image from encoded bytes or a file; its size is checked from the header first."""
     from PIL import Image
 
+    from flowrl.untrusted import open_image
+
     with warnings.catch_warnings():
         # PIL warns above 89 MP; our own limit (checked before any pixel is decoded) is the one that matters.
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+        with open_image(source, SCORE_FORMATS) as image:
             if limit is not None:
                 limit.check(*image.size)
             image.load()
@@ -174,10 +180,13 @@ def _resolve_prompts(directory: Path, files: list[Path], prompts_file: str | Non
                 except (ValueError, KeyError, TypeError, RecursionError):
                     raise ArgumentError(f"{prompts_file}:{number}: expected a JSON object with 'file' and "
                                         f"'prompt'") from None
-            missing = [f.name for f in files if f.name not in table and str(f) not in table]
+            def key(f: Path) -> str | None:  # the name, the path as given with --images, or the absolute path
+                return next((k for k in (f.name, str(directory / f.name), str(f)) if k in table), None)
+
+            missing = [f.name for f in files if key(f) is None]
             if missing:
                 raise ArgumentError(f"{prompts_file} has no prompt for {len(missing)} image(s), e.g. {missing[0]!r}")
-            return [table.get(f.name, table.get(str(f), "")) for f in files]
+            return [table[key(f)] for f in files]
         lines = text.splitlines()
         while lines and not lines[-1].strip():
             lines.pop()
@@ -383,7 +392,8 @@ def score_main(argv: list[str]) -> int:
         out = output_file(args.out, suffixes=(".jsonl", ".csv"))  # writable? (before any scoring)
         source = args.images
         is_dir = os.path.isdir(source)
-        files = sorted(p for p in Path(source).iterdir()
+        # Absolute paths: a listed name is a local file whatever it is called (docs/security.md).
+        files = sorted(p for p in Path(source).absolute().iterdir()
                        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS) if is_dir else []
         shards: list[str] = []
         prompts: list[str] = []
@@ -403,6 +413,10 @@ def score_main(argv: list[str]) -> int:
             if args.prompts is not None:
                 raise ArgumentError("--prompts applies to an image folder; shards carry their prompts as txt/prompt "
                                     "entries")
+        if args.prompts is not None and same_path(out, args.prompts):
+            # (--out ends in .jsonl / .csv, so no image, sidecar or shard can be it; a .jsonl prompts file can)
+            raise ArgumentError(f"--out {args.out!r} is also the --prompts file; the scores would replace the "
+                                "prompts; choose another --out")
         reward = build_from_args(args.reward, args.reward_arg, args.device)
     except ArgumentError as err:
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
@@ -429,9 +443,12 @@ def score_main(argv: list[str]) -> int:
 
 def _short(err: BaseException) -> str:
     """Why an image was skipped: our own errors speak for themselves, others are named by type."""
+    from flowrl.untrusted import UntrustedImageError
+
     from .base import RewardError
 
-    text = str(err) if isinstance(err, (RewardError, ImageTooLarge)) else f"{type(err).__name__}: {err}"
+    text = (str(err) if isinstance(err, (RewardError, ImageTooLarge, UntrustedImageError))
+            else f"{type(err).__name__}: {err}")
     return one_line(text)[:300]
 
 

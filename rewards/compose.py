@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -51,7 +52,8 @@ from .base import Reward, RewardError, RewardOutput
 from .registry import REWARDS, load
 
 __all__ = ["Transform", "Centre", "Clip", "Sigmoid", "parse_transforms", "TransformedReward", "WeightedSum",
-           "GatedReward", "RewardTermSpec", "GatedSpec", "build_reward", "check_reward_spec", "parse_reward_string"]
+           "GatedReward", "RewardTermSpec", "GatedSpec", "build_reward", "check_reward_spec", "parse_reward_string",
+           "check_kwargs"]
 
 
 # ----------------------------------------------------------------------------------------------- transforms
@@ -309,9 +311,58 @@ def parse_reward_string(text: str) -> list[tuple[str, float]]:
     return items
 
 
-def _load(name: str, kwargs: Mapping[str, Any], device: str | None) -> Reward:
+def _parameters(factory) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
+    """``(parameters, type hints, takes **kwargs)`` of a reward factory (a class: its ``__init__``)."""
+    try:
+        params = dict(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return {}, {}, True
+    params.pop("self", None)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    target = factory.__init__ if isinstance(factory, type) else factory
+    try:
+        hints = typing.get_type_hints(target)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: check names only
+        hints = {}
+    return params, hints, takes_any
+
+
+def check_kwargs(name: str, kwargs: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``kwargs`` of the reward registered as ``name`` checked against its signature, without building it:
+    every key must be a parameter (unless it takes ``**kwargs``), and a value whose parameter has a plain type
+    (int, float, bool, str, Literal, Optional, lists of those) must fit it. Returns the kwargs converted as
+    config fields are (ints to floats, "1e-4" to 1e-4).
+
+    Raises:
+        RewardError: one line naming ``path.key``, the value and what is expected (or the valid arguments).
+    """
+    from flowrl.config import ConfigError, checkable_type, convert_value
+
+    params, hints, takes_any = _parameters(REWARDS.get(name))
+    out = {}
+    for key, value in kwargs.items():
+        key = str(key)
+        if key not in params or params[key].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if takes_any:
+                out[key] = value
+                continue
+            valid = [p for p, v in params.items() if v.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                                    inspect.Parameter.VAR_KEYWORD)]
+            raise RewardError(f"reward spec {path}.{key}: {name} takes no argument {key!r}; valid arguments: "
+                              f"{', '.join(valid)}")
+        hint = hints.get(key)
+        if hint is not None and checkable_type(hint):
+            try:
+                value = convert_value(value, hint, f"{path}.{key}")
+            except ConfigError as err:
+                raise RewardError(f"reward spec {err}") from None
+        out[key] = value
+    return out
+
+
+def _load(name: str, kwargs: Mapping[str, Any], device: str | None, path: str = "") -> Reward:
     factory = REWARDS.get(name)  # unknown names: UnknownNameError listing the valid ones
-    kwargs = dict(kwargs)
+    kwargs = check_kwargs(name, kwargs, f"{path or 'reward.' + name}.kwargs")
     if device is not None and "device" not in kwargs:
         try:
             accepts = "device" in inspect.signature(factory).parameters
@@ -358,7 +409,7 @@ def _term(key: str, value: Any, device: str | None) -> tuple[Reward, float]:
                                      build_reward(spec.quality, device=device),
                                      bonus=spec.bonus, ref=spec.ref, temperature=spec.temperature)
     else:
-        reward = _load(spec.reward or key, spec.kwargs, device)
+        reward = _load(spec.reward or key, spec.kwargs, device, f"reward.{key}")
     transforms = parse_transforms(spec.transform)
     if transforms:
         reward = TransformedReward(reward, transforms)
@@ -381,8 +432,9 @@ def _items(spec: Any) -> list[tuple[str, Any]]:
 
 
 def check_reward_spec(spec: Any) -> None:
-    """Validate a reward spec without loading a model: its shape, every entry's fields and transforms, and
-    that every reward name is registered (so a config fails at load time, not after the model loaded).
+    """Validate a reward spec without loading a model: its shape, every entry's fields and transforms, that
+    every reward name is registered and that its kwargs fit the reward's signature (:func:`check_kwargs`), so
+    a config fails at load time, not after the model loaded.
 
     Raises:
         RewardError: the first problem, in one line naming the entry and the valid choices.
@@ -395,8 +447,9 @@ def check_reward_spec(spec: Any) -> None:
         if isinstance(term, GatedSpec):
             check_reward_spec(term.alignment)
             check_reward_spec(term.quality)
-        elif (term.reward or key) not in REWARDS:
-            REWARDS.get(term.reward or key)  # raises UnknownNameError listing the valid names
+        else:
+            REWARDS.get(term.reward or key)  # unknown names: UnknownNameError listing the valid ones
+            check_kwargs(term.reward or key, term.kwargs, f"reward.{key}.kwargs")
 
 
 def build_reward(spec: Any, device: str | None = None) -> Reward:

@@ -106,7 +106,7 @@ def png(side):
     return buffer.getvalue()
 
 def decode(data):
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data), formats=["PNG"])
     image.load()
     return image.convert("RGB")
 

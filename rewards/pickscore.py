@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ._loading import OFFLINE_HINT, load_errors, looks_like_path, require_dir, resolve_device, resolve_dtype
+from ._loading import (OFFLINE_HINT, load_errors, looks_like_path, refuse_pickle_only, require_dir, resolve_device,
+                       resolve_dtype)
 from ._preprocess import ImagePreprocess, from_hf_image_processor
 from .base import Reward, RewardError, RewardOutput
 
@@ -62,10 +63,13 @@ class PickScore(Reward):
         for value, what in ((model, "PickScore model"), (processor, "CLIP processor")):
             if looks_like_path(value):  # a path, not a hub id: check it before transformers guesses
                 require_dir(value, self.name, what, fix)
+        if looks_like_path(model):
+            refuse_pickle_only(model, self.name, "transformers", "CLIPModel")
         with load_errors(self.name, f"the CLIP processor {processor!r}", f"{fix} {OFFLINE_HINT}"):
             self.processor = CLIPProcessor.from_pretrained(processor, local_files_only=local_files_only)
         with load_errors(self.name, f"the PickScore model {model!r}", f"{fix} {OFFLINE_HINT}"):
-            self.model = CLIPModel.from_pretrained(model, local_files_only=local_files_only, dtype=self.dtype)
+            self.model = CLIPModel.from_pretrained(model, local_files_only=local_files_only, dtype=self.dtype,
+                                                   use_safetensors=True)
         self.model.to(self.device).eval().requires_grad_(False)
         try:
             self.preprocess: ImagePreprocess = from_hf_image_processor(self.processor)

@@ -8,18 +8,19 @@ give the same scores either way).
 
 The client keeps one HTTP connection pool (httpx) per instance. With an API key (``api_key=`` or
 ``$FLOWRL_REWARD_API_KEY``) it sends ``Authorization: Bearer <key>``, but only over https or to a loopback
-address: a key sent over plain http to another machine could be read on the way.
+address: a key sent over plain http to another machine could be read on the way. The key from the
+environment goes only to loopback hosts and to those listed in ``$FLOWRL_REWARD_API_KEY_HOSTS``
+(:func:`rewards._http.env_key`), and requests to a loopback server bypass any proxy.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import torch
 
-from ._http import encode_png, get_json, key_may_travel, make_client, post_json
+from ._http import encode_png, env_key, get_json, key_may_travel, make_client, post_json
 from .base import Reward, RewardError, RewardOutput, to_pil_images
 
 __all__ = ["RemoteReward"]
@@ -37,7 +38,9 @@ class RemoteReward(Reward):
         retries: extra attempts for unreachable/overloaded servers, with exponential backoff
             ``backoff * 2**k`` seconds.
         max_request_bytes: refuse to send larger requests (the server has its own limit).
-        api_key: the server's API key (default: ``$FLOWRL_REWARD_API_KEY`` when set).
+        api_key: the server's API key (default: the environment variable ``api_key_env`` when set; sent only to
+            a loopback host or one listed in ``$<api_key_env>_HOSTS``).
+        api_key_env: where the default key is read (None: send no key unless ``api_key`` is given).
         insecure_key: allow sending the key over plain http to another machine (off: an error).
     """
 
@@ -46,7 +49,7 @@ class RemoteReward(Reward):
 
     def __init__(self, url: str, batch_size: int = 32, timeout: float = 120.0, retries: int = 3,
                  backoff: float = 0.5, max_request_bytes: int = 64 * 2 ** 20, device: str = "cpu",
-                 api_key: str | None = None, insecure_key: bool = False):
+                 api_key: str | None = None, api_key_env: str | None = API_KEY_ENV, insecure_key: bool = False):
         url = str(url).rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"remote: url must be an http(s) URL such as http://127.0.0.1:8765, got {url!r}")
@@ -54,7 +57,7 @@ class RemoteReward(Reward):
         self.batch_size = int(batch_size)
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.max_request_bytes = int(max_request_bytes)
-        key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV, "").strip() or None)
+        key = api_key if api_key is not None else env_key(api_key_env, url, "remote")
         if key is not None and not key_may_travel(url) and not insecure_key:
             raise RewardError(f"remote: refusing to send the API key over plain http to {url}; serve it with "
                               "https (`flowrl serve-reward --ssl-certfile ... --ssl-keyfile ...` or a TLS proxy), "
@@ -66,7 +69,7 @@ class RemoteReward(Reward):
     def _client(self):
         client = getattr(self._local, "client", None)
         if client is None:
-            client = self._local.client = make_client(self.timeout)
+            client = self._local.client = make_client(self.timeout, self.url)
         return client
 
     def health(self) -> dict:

@@ -27,12 +27,19 @@ are served at once (503 beyond).
 **Authentication.** With an API key (``$FLOWRL_REWARD_API_KEY`` or ``--api-key-file``), ``/score`` needs
 ``Authorization: Bearer <key>`` (401 otherwise). Binding beyond loopback without a key is refused.
 
+**Browsers.** A web page the user visits can send requests to ``http://127.0.0.1:8765``: ``/score`` accepts
+only ``Content-Type: application/json`` (415 otherwise; a page cannot send that type across origins without
+a CORS preflight, which this server never approves), and a server bound to a loopback address answers only
+requests whose ``Host`` is a loopback name or address (400 otherwise), so a DNS-rebinding page
+(``evil.example`` resolving to 127.0.0.1) is refused.
+
 **Errors** are JSON ``{"error": message}``: 400 malformed JSON, bad base64, not a PNG, corrupt image,
-missing fields, mismatched lengths, nesting too deep, truncated body; 401 missing or wrong key; 404
-unknown path; 405 wrong method; 408 body not received in time; 411 no Content-Length; 413 too large
-(bytes, images, pixels, memory); 422 the reward cannot score the input (e.g. a prompt outside the shapes
-grammar); 502 an upstream service of the reward failed; 503 busy (retry later). A 500 is a bug in
-flowrl. The server keeps serving after every error.
+missing fields, mismatched lengths, nesting too deep, truncated body, a Host that is not this machine; 401
+missing or wrong key; 404 unknown path; 405 wrong method; 408 body not received in time; 411 no
+Content-Length; 413 too large (bytes, images, pixels, memory); 415 not JSON; 422 the reward cannot score
+the input (e.g. a prompt outside the shapes grammar); 502 an upstream service of the reward failed; 503
+busy (retry later). A 500 is a bug in flowrl: its answer says only that (the traceback goes to the
+server's log, never to the client). The server keeps serving after every error.
 """
 
 from __future__ import annotations
@@ -218,9 +225,9 @@ def create_app(server: "RewardServer"):
         return await _answer_error(server, request, err.status_code, message)
 
     @app.exception_handler(Exception)
-    async def _internal_error(request, err: Exception):  # a bug: say so, keep serving
+    async def _internal_error(request, err: Exception):  # a bug: say so (details only in the log), keep serving
         log.exception("internal error")
-        return _error(500, f"internal error: {type(err).__name__}: {' '.join(str(err).split())[:300]}")
+        return _error(500, "internal error in the reward server; its log has the details")
 
     errors = {code: {"model": ErrorBody} for code in (400, 401, 408, 411, 413, 422, 502, 503)}
 
@@ -238,7 +245,38 @@ def create_app(server: "RewardServer"):
         except ClientDisconnect:  # nobody to answer
             return _error(400, "client disconnected")
 
-    return app
+    return LoopbackHostGuard(app, server) if server.loopback else app
+
+
+def _host_of(header: str) -> str:
+    """The host of a ``Host`` header (``name``, ``name:port``, ``[v6]`` or ``[v6]:port``)."""
+    header = header.strip()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class LoopbackHostGuard:
+    """ASGI middleware of a server bound to a loopback address: requests whose ``Host`` header names another
+    host are refused with a JSON 400 before any route runs (DNS rebinding: a page of ``evil.example``, made to
+    resolve to 127.0.0.1, reaches this server with ``Host: evil.example``)."""
+
+    def __init__(self, app, server: "RewardServer"):
+        self.app, self.server = app, server
+
+    def __getattr__(self, name):  # routes, openapi(), ... of the wrapped FastAPI app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
+            if not is_loopback_host(_host_of(host)):
+                response = _error(400, f"Host {host[:100]!r} is not this machine: a reward server on "
+                                       f"{self.server.host} answers only requests to localhost or a loopback "
+                                       "address (bind another address with an API key to serve other names)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------------------------- the server
@@ -353,6 +391,8 @@ class RewardServer:
         self.batcher = DynamicBatcher(reward, max_batch=self.max_batch, max_wait_s=max_wait_ms / 1000.0)
         self.max_wait_ms = float(max_wait_ms)
         self.tls = ssl_certfile is not None
+        self.host = host.strip("[]")
+        self.loopback = is_loopback_host(self.host)  # then the Host header must name this machine too
 
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
@@ -396,6 +436,9 @@ class RewardServer:
 
     async def handle_score(self, request) -> dict:
         """Read, check, decode, queue and score one ``/score`` request; raises RequestError for 4xx/5xx."""
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise RequestError(415, f"Content-Type {media_type or 'none'!r}: send the body as application/json")
         declared = None
         chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
         if not chunked:

@@ -12,6 +12,11 @@
 the report) and ``DIR/model.safetensors``. With ``--clean``/``--artifact`` the held-out set is a random
 ``--heldout-fraction`` of each class (seeded). ``shapes-encoder`` rebuilds the frozen encoder shipped in
 ``rewards/shapes_encoder`` (see ``rewards/backbones.py``). Usage mistakes are one line on stderr, exit 2.
+
+``--out`` is written whole or not at all: the files go to a temporary folder beside it that replaces it when
+training and saving succeeded (:mod:`flowrl.atomic`), so a crash, a full disk or Ctrl-C keeps a previous
+model there intact. ``--out`` must be new, empty or an earlier output of this command (``config.json`` and
+``model.safetensors`` only), and never one of the input folders.
 """
 
 from __future__ import annotations
@@ -120,7 +125,8 @@ def _artifact(args) -> int:
                                               heldout_kinds=kinds, image_size=image_size, width=args.width,
                                               steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                               seed=args.seed)
-    out = save_classifier(model, args.out, {"data": source, "report": report})
+    save_classifier(model, args.stage, {"data": source, "report": report})
+    out = args.out
     print(f"held-out accuracy {report['heldout_accuracy']:.3f} on {report['n_heldout']} images "
           f"(train {report['train_accuracy']:.3f}, {report['seconds']:.0f} s)")
     for kind, value in report.get("heldout_accuracy_by_kind", {}).items():
@@ -133,7 +139,8 @@ def _artifact(args) -> int:
 def _encoder(args) -> int:
     from .backbones import train_shapes_encoder
 
-    config = train_shapes_encoder(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    config = train_shapes_encoder(args.stage, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                                  seed=args.seed)
     print(json.dumps({k: config[k] for k in ("final_reconstruction_mse", "final_target_mse", "seconds")}))
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors; use backbone_path={args.out!r}")
     return 0
@@ -144,15 +151,44 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from .base import RewardError
 
+    from flowrl.atomic import WRITE_ERRORS, staged_directory
+
     try:
         args = _parser().parse_args(argv)
-        from pathlib import Path
-
-        if Path(args.out).exists() and not Path(args.out).is_dir():
-            raise UsageError(f"--out {args.out!r} is a file; give a directory")
-        return _artifact(args) if args.model == "artifact" else _encoder(args)
+        _check_out(args)
+        with staged_directory(args.out, replace=True) as args.stage:
+            return _artifact(args) if args.model == "artifact" else _encoder(args)
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except (UsageError, RewardError) as err:
         print(f"flowrl train-reward: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except WRITE_ERRORS as err:
+        reason = getattr(err, "strerror", None) or " ".join(str(err).split())[:200]
+        print(f"flowrl train-reward: error: cannot write --out {args.out!r} ({reason}); it was left as it was; free "
+              "space or choose another --out", file=sys.stderr)
+        return 2
+
+
+OUTPUT_FILES = ("config.json", "model.safetensors")
+
+
+def _check_out(args) -> None:
+    """``--out`` may be new, empty or an earlier output (only :data:`OUTPUT_FILES`); never an input."""
+    from pathlib import Path
+
+    from flowrl.atomic import is_inside
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out!r} is a file; give a directory")
+    for flag in ("clean", "artifact"):
+        source = getattr(args, flag, None)
+        # --out replaces its folder: it may not be an input or hold one (a folder inside an input is fine)
+        if source and Path(source).exists() and is_inside(source, out):
+            raise UsageError(f"--out {args.out!r} is (or holds) the --{flag} input {source!r}; choose another "
+                             "--out so that the input is never overwritten")
+    others = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT_FILES) if out.is_dir() else []
+    if others:
+        raise UsageError(f"--out {args.out!r} holds other files ({', '.join(others[:3])}); give a new or empty "
+                         "folder, or an earlier output of this command (config.json and model.safetensors only)")

@@ -10,9 +10,10 @@ Two back ends, chosen by which argument is given:
   ``image_url``, ``temperature: 0``, ``logprobs: true, top_logprobs: 20``. Requests have a timeout,
   retries with exponential backoff, a bounded body (images are downscaled to ``max_image_side``) and
   run ``concurrency`` at a time. The API key (``api_key=`` or ``$OPENAI_API_KEY``) is sent as a bearer
-  token only over https or to a loopback address: a key given explicitly for a plain-http endpoint on
-  another machine is an error, one found in the environment is not sent (with a warning), unless
-  ``insecure_key=True``.
+  token only over https or to a loopback address (else an error, unless ``insecure_key=True``), and a key
+  from the environment only to a host approved for it: loopback, ``api.openai.com``, the host of
+  ``$OPENAI_BASE_URL`` or one listed in ``$OPENAI_API_KEY_HOSTS`` (:func:`rewards._http.env_key`; a config
+  shared by someone else cannot collect the key). Requests to a loopback endpoint bypass any proxy.
 
 Modes (``mode=``):
 
@@ -35,15 +36,14 @@ from log-probabilities).
 from __future__ import annotations
 
 import math
-import os
 import re
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._http import encode_png, key_may_travel, post_json
-from ._loading import OFFLINE_HINT, load_errors, looks_like_path, require_dir, resolve_device, resolve_dtype
+from ._http import encode_png, env_key, key_may_travel, post_json
+from ._loading import (OFFLINE_HINT, load_errors, looks_like_path, refuse_pickle_only, require_dir, resolve_device,
+                       resolve_dtype)
 from .base import Reward, RewardError, RewardOutput, to_pil_images
 
 __all__ = ["VLMJudge", "YES_NO_QUESTION", "SCALE_QUESTION", "parse_scale", "parse_yes_no",
@@ -112,8 +112,9 @@ class VLMJudge(Reward):
         on_unparseable: ``"error"`` (default) or ``"nan"``.
         trust_remote_code: allow custom model code from the model folder (off by default).
         chat_template: a Jinja chat template for processors that ship none.
-        api_key: bearer token; default: the environment variable named by ``api_key_env`` (if set). Sent only
-            over https or to loopback (see the module docstring).
+        api_key: bearer token; default: the environment variable named by ``api_key_env`` (if set; None: no
+            key). Sent only over https or to loopback, and from the environment only to approved hosts (see
+            the module docstring).
         insecure_key: send the key over plain http to another machine anyway.
         timeout, retries, backoff: per-request seconds, extra attempts, first backoff in seconds.
         max_image_side: images sent to the endpoint are downscaled so their longer side is at most this.
@@ -162,13 +163,14 @@ class VLMJudge(Reward):
                "(an image-text-to-text model such as LLaVA or Qwen2-VL).")
         if looks_like_path(model):
             require_dir(model, self.name, "VLM", fix)
+            refuse_pickle_only(model, self.name, "transformers", "AutoModelForImageTextToText")
         with load_errors(self.name, f"the VLM processor {model!r}", f"{fix} {OFFLINE_HINT}"):
             self.processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code,
                                                            local_files_only=local_files_only)
         with load_errors(self.name, f"the VLM {model!r}", f"{fix} {OFFLINE_HINT}"):
             self.model = AutoModelForImageTextToText.from_pretrained(
                 model, trust_remote_code=trust_remote_code, local_files_only=local_files_only,
-                dtype=resolve_dtype(dtype))
+                dtype=resolve_dtype(dtype), use_safetensors=True)
         self.model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
         if self.tokenizer is None:
@@ -226,14 +228,11 @@ class VLMJudge(Reward):
             url = url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
         self.endpoint = url
         self.api_model = api_model
-        key = api_key if api_key is not None else (os.environ.get(api_key_env) if api_key_env else None)
+        key = api_key if api_key is not None else env_key(api_key_env, url, "vlm_judge")
         if key and not key_may_travel(url) and not insecure_key:
-            if api_key is not None:
-                raise RewardError(f"vlm_judge: refusing to send api_key over plain http to {url}; use an https:// "
-                                  "endpoint or a loopback address (e.g. an SSH tunnel), or pass insecure_key=true")
-            warnings.warn(f"vlm_judge: not sending ${api_key_env} to {url}: plain http to another machine would "
-                          "expose it; use an https:// endpoint (or insecure_key=true)", stacklevel=3)
-            key = None
+            given = "api_key" if api_key is not None else f"${api_key_env}"
+            raise RewardError(f"vlm_judge: refusing to send {given} over plain http to {url}; use an https:// "
+                              "endpoint or a loopback address (e.g. an SSH tunnel), or pass insecure_key=true")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.max_image_side, self.max_request_bytes = int(max_image_side), int(max_request_bytes)

@@ -81,6 +81,14 @@ ROWS = [
     # --- training: config values that would fail late, loop forever, exhaust memory or turn NaN
     (T + ["reward.train={{no_such_reward: 1.0}}"], 2, "reward.train: unknown reward 'no_such_reward'"),
     (T + ["reward.eval=[no_such_reward]"], 2, "reward.eval: unknown reward 'no_such_reward'"),
+    # reward kwargs are checked against the reward's signature when the config loads (main: a ValueError traceback
+    # from int('abc') once the run had started, or the unknown keyword only after the model loaded)
+    (T + ["reward.train={{remote: {{kwargs: {{url: 'http://127.0.0.1:9', batch_size: abc}}}}}}"], 2,
+     "reward.train: reward spec reward.remote.kwargs.batch_size: got 'abc'; expected an integer"),
+    (T + ["reward.train={{remote: {{kwargs: {{url: 'http://127.0.0.1:9', batch: abc}}}}}}"], 2,
+     "reward.remote.kwargs.batch: remote takes no argument 'batch'; valid arguments: url, batch_size"),
+    (T + ["reward.heldout=[{{jpeg_compressibility: {{kwargs: {{quality: high}}}}}}]"], 2,
+     "reward.heldout: reward spec reward.jpeg_compressibility.kwargs.quality: got 'high'; expected an integer"),
     (T + ["optim.lr=.inf"], 2, "optim.lr: got inf; expected a finite number"),
     (T + ["sampling.guidance=1e30"], 2, "sampling.guidance: got 1e+30; must be >= 0 and <= 100"),
     (T + ["sampling.num_steps=10000000"], 2, "sampling.num_steps: got 10000000; must be >= 2 and <= 1000"),

@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                                         progress=bar.update)
         except OSError as err:  # e.g. the disk filled up
             bar.close()
-            print(f"flowrl data: error: cannot write to {str(out)!r} ({one_line(err.strerror or err)}); free space "
-                  "or choose another --out", file=sys.stderr)
+            print(f"flowrl data: error: cannot write to {str(out)!r} ({one_line(err.strerror or err)}); nothing in "
+                  "it was changed; free space or choose another --out", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             bar.close()
-            print("flowrl data: interrupted; the last shard may be incomplete", file=sys.stderr)
+            print(f"flowrl data: interrupted; nothing in {str(out)!r} was changed", file=sys.stderr)
             return 130
     print(f"wrote {args.n} examples of the {args.split} split in {len(paths)} shard(s): "
           f"{paths[0]}{' ... ' + str(paths[-1]) if len(paths) > 1 else ''}")

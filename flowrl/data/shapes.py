@@ -123,31 +123,45 @@ def _object_from_match(match: re.Match, p: str) -> ObjectSpec:
     return ObjectSpec(match.group(f"{p}ns"), match.group(f"{p}nc"), _WORD_TO_NUM[match.group(f"{p}n")])
 
 
-@lru_cache(maxsize=65536)
 def parse_prompt(prompt: str) -> PromptSpec:
-    """Parse a prompt of the shapes grammar (case and surrounding space ignored).
+    """Parse a prompt of the shapes grammar (case, repeated spaces, surrounding space and a final full stop
+    ignored).
 
     Raises:
         PromptParseError: the prompt is not in the grammar (the message lists its forms).
     """
     text = " ".join(prompt.strip().lower().rstrip(".").split())
+    try:
+        return _parse_normalised(text)
+    except _NotInGrammar as why:
+        raise PromptParseError(f"cannot parse prompt {prompt[:200]!r}{'...' if len(prompt) > 200 else ''}: "
+                               f"{why}") from None
+
+
+class _NotInGrammar(Exception):
+    pass
+
+
+# Keyed by the normalised text and caching only prompts of the grammar (a finite set of short strings; failures
+# are not cached), so requests to a reward server cannot grow it with case or spacing variants of long prompts.
+@lru_cache(maxsize=4096)
+def _parse_normalised(text: str) -> PromptSpec:
     match = _PROMPT_RE.match(text)
     if match is None:
-        raise PromptParseError(f"cannot parse prompt {prompt!r}: {GRAMMAR_HELP}")
+        raise _NotInGrammar(GRAMMAR_HELP)
     first = _object_from_match(match, "a")
     if match.group("b"):
         second = _object_from_match(match, "b")
         if first.count != 1 or second.count != 1:
-            raise PromptParseError(f"cannot parse prompt {prompt!r}: counts only appear alone "
-                                   f"('three green triangles'); {GRAMMAR_HELP}")
+            raise _NotInGrammar(f"counts only appear alone ('three green triangles'); {GRAMMAR_HELP}")
         kind = "color_attr" if first.color and second.color else "two_object"
         if bool(first.color) != bool(second.color):
-            raise PromptParseError(f"cannot parse prompt {prompt!r}: give both objects a colour or neither")
+            raise _NotInGrammar("give both objects a colour or neither")
         return PromptSpec(kind, (first, second))
     if match.group("c"):
         second = _object_from_match(match, "c")
         if first.count != 1 or second.count != 1:
-            raise PromptParseError(f"cannot parse prompt {prompt!r}: relations take single objects")
+            raise _NotInGrammar("relations take single objects")
         return PromptSpec("position", (first, second), match.group("rel").strip())
     if first.count > 1:
         return PromptSpec("counting", (first,))

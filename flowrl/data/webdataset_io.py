@@ -11,8 +11,16 @@ Preference pairs (Diffusion-DPO) are ``<key>.chosen.png``, ``<key>.rejected.png`
 (:func:`write_pair_shards`, :func:`read_pairs`).
 
 Writing goes through ``webdataset.ShardWriter`` (tar entries get ``mtime=0``, so the same arguments
-write byte-identical shards). Reading is :func:`iter_shards`, which the rewards CLI reuses to score a
-directory of shards.
+write byte-identical shards) into a temporary folder beside the output; the shards replace the old ones
+(one rename each) only once all of them are written, so a full disk or a Ctrl-C leaves the previous
+dataset as it was. Reading is :func:`iter_shards`, which the rewards CLI reuses to score a directory of
+shards.
+
+Shard names are paths, never URLs: :func:`shard_paths` returns absolute local paths (a file called
+``pipe:cmd #.tar`` in a listed folder is a file, not a shell command), and :func:`iter_raw_samples` opens
+each file itself and hands webdataset the open file, so no name ever reaches webdataset's URL opener
+(``gopen``, which runs ``pipe:`` names through a shell). Images are decoded as PNG, JPEG or WebP only, and
+metadata JSON is read with bounded nesting (:mod:`flowrl.untrusted`).
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ from __future__ import annotations
 import glob
 import io
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from PIL import Image
+
+from flowrl.untrusted import loads_json, local_file, open_image
 
 __all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_raw_samples", "iter_shards", "write_shapes_shards",
            "PAIR_PATTERN", "PreferencePair", "write_pair_shards", "read_pairs", "decode_image"]
@@ -40,7 +52,7 @@ class ShardError(ValueError):
 
 def shard_paths(pattern_or_dir: str | Path) -> list[str]:
     """The shard files named by a directory (its ``*.tar``), a glob (``out/*.tar``), a brace pattern
-    (``out/shapes-eval-{000000..000003}.tar``) or one file, sorted.
+    (``out/shapes-eval-{000000..000003}.tar``) or one file, sorted, as absolute local paths.
 
     Raises:
         ShardError: nothing matches.
@@ -48,7 +60,7 @@ def shard_paths(pattern_or_dir: str | Path) -> list[str]:
     text = str(pattern_or_dir)
     path = Path(text)
     if path.is_dir():
-        paths = sorted(str(p) for p in path.glob("*.tar"))
+        paths = sorted(local_file(p) for p in path.glob("*.tar") if p.is_file())
         if not paths:
             raise ShardError(f"no .tar shards in directory {text!r}; write some with "
                              "`flowrl data shapes --split eval --n 600 --out DIR`")
@@ -56,19 +68,19 @@ def shard_paths(pattern_or_dir: str | Path) -> list[str]:
     if "{" in text:
         from braceexpand import braceexpand
 
-        paths = list(braceexpand(text))
+        paths = [local_file(p) for p in braceexpand(text)]
         missing = [p for p in paths if not Path(p).is_file()]
         if missing:
             raise ShardError(f"shard pattern {text!r}: {len(missing)} of {len(paths)} files are missing "
                              f"(first: {missing[0]!r})")
         return paths
     if glob.has_magic(text):
-        paths = sorted(glob.glob(text))
+        paths = sorted(local_file(p) for p in glob.glob(text) if Path(p).is_file())
         if not paths:
             raise ShardError(f"no shards match {text!r}")
         return paths
     if path.is_file():
-        return [text]
+        return [local_file(text)]
     raise ShardError(f"no shards at {text!r}: give a directory of .tar shards, a glob or a brace pattern")
 
 
@@ -79,20 +91,27 @@ PROMPT_KEYS = ("txt", "prompt")
 def iter_raw_samples(paths: list[str]) -> Iterator[tuple[str, str, dict[str, bytes]]]:
     """Every sample of the shards, undecoded, in order: ``(key, shard path, {extension: bytes})``.
 
+    Each path is opened here as a local file (see the module docstring: a name is never a URL).
+
     Raises:
         ShardError: a shard is missing, truncated or not a tar file (named in the message).
     """
-    import webdataset as wds
+    from webdataset.tariterators import group_by_keys, tar_file_expander
 
     for path in paths:
-        # No shuffling, no splitting across nodes: every caller gets every sample, in shard order.
-        dataset = wds.WebDataset([path], shardshuffle=False, empty_check=False, nodesplitter=None)
         try:
-            for sample in dataset:
-                entries = {k: v for k, v in sample.items() if not k.startswith("__")}
-                yield sample["__key__"], path, entries
-        except Exception as err:  # the tar layer raises several types (tarfile, OSError, EOF, ValueError)
-            raise ShardError(f"shard {path!r} is unreadable ({type(err).__name__}: {err})") from None
+            stream = open(local_file(path), "rb")
+        except OSError as err:
+            raise ShardError(f"shard {path!r} is unreadable ({err.strerror or err})") from None
+        # No shuffling, no splitting across nodes: every caller gets every sample, in shard order.
+        with stream:
+            try:
+                for sample in group_by_keys(tar_file_expander([{"url": path, "stream": stream}])):
+                    entries = {k: v for k, v in sample.items() if not k.startswith("__")}
+                    yield sample["__key__"], path, entries
+            except Exception as err:  # the tar layer raises several types (tarfile, OSError, EOF, ValueError)
+                detail = str(err.args[0]) if err.args else ""
+                raise ShardError(f"shard {path!r} is unreadable ({type(err).__name__}: {detail})") from None
 
 
 def iter_shards(pattern_or_dir: str | Path) -> Iterator[tuple[str, Image.Image, str, dict]]:
@@ -113,10 +132,10 @@ def iter_shards(pattern_or_dir: str | Path) -> Iterator[tuple[str, Image.Image, 
         image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
         if image_bytes is None:
             raise ShardError(f"{where} has no image (expected a .png, .jpg or .webp entry)")
+        image = decode_image(image_bytes, where)
         try:
-            image = Image.open(io.BytesIO(image_bytes)).convert("RGB")
             prompt = sample["txt"].decode("utf-8").strip() if "txt" in sample else ""
-            metadata = json.loads(sample["json"]) if "json" in sample else {}
+            metadata = loads_json(sample["json"]) if "json" in sample else {}
         except (OSError, ValueError) as err:
             raise ShardError(f"{where} is unreadable: {err}") from None
         yield key, image, prompt, metadata
@@ -128,6 +147,35 @@ def _png_bytes(array) -> bytes:
     return buffer.getvalue()
 
 
+class _StagedShards:
+    """Shards are written into a hidden folder inside ``out`` and moved into ``out`` (one rename each, on
+    the same file system) only when all of them are complete; :meth:`publish` also removes shards of
+    ``pattern`` left by an earlier, larger dataset. A failure (a full disk, Ctrl-C) removes the staging
+    folder and leaves ``out`` as it was."""
+
+    def __init__(self, out: Path, name: str):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = Path(local_file(out))
+        self.stage = self.out / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(self.stage, ignore_errors=True)
+        self.stage.mkdir()
+
+    def __enter__(self) -> "_StagedShards":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+    def publish(self, names: list[str], ours: re.Pattern) -> list[Path]:
+        for name in names:
+            os.replace(self.stage / name, self.out / name)
+        keep = set(names)
+        for stale in self.out.iterdir():
+            if ours.match(stale.name) and stale.name not in keep:
+                stale.unlink()
+        return [self.out / name for name in names]
+
+
 def write_shapes_shards(split: str, n: int, out: str | Path, *, seed: int = 0, shard_size: int = 1000,
                         chunk: int = 64, progress: Callable[[int], None] | None = None) -> list[Path]:
     """Write ``n`` rendered examples of the shapes ``split`` as shards in ``out``.
@@ -135,7 +183,8 @@ def write_shapes_shards(split: str, n: int, out: str | Path, *, seed: int = 0, s
     Example ``i`` is ``sample_examples(split, 1, seed, start=i)`` (the pretraining stream), so shards of
     the same ``(split, seed)`` agree with each other and with training, whatever their size. Shards of
     this split left in ``out`` by an earlier, larger run are removed, so ``out`` then holds exactly
-    this dataset (files of other names are left alone).
+    this dataset (files of other names are left alone). Nothing in ``out`` changes until every shard is
+    written (see :class:`_StagedShards`).
 
     Args:
         split: ``"train"`` or ``"eval"``.
@@ -155,27 +204,21 @@ def write_shapes_shards(split: str, n: int, out: str | Path, *, seed: int = 0, s
 
     if n < 1 or shard_size < 1:
         raise ValueError(f"n and shard_size must be positive, got n={n}, shard_size={shard_size}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    pattern = str(out / SHARD_PATTERN.format(split=split))
-    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0) as sink:
-        for start in range(0, n, chunk):
-            examples = sample_examples(split, min(chunk, n - start), seed=seed, start=start)
-            for index, example in enumerate(examples, start=start):
-                meta = {**json.loads(example.scene.to_json()), "kind": example.kind, "split": split,
-                        "seed": seed, "index": index}
-                sink.write({"__key__": f"{split}_{index:08d}", "png": _png_bytes(example.image),
-                            "txt": example.prompt, "json": json.dumps(meta)})
-            if progress is not None:
-                progress(len(examples))
-    n_shards = (n + shard_size - 1) // shard_size
-    written = [Path(pattern % i) for i in range(n_shards)]
-    ours = re.compile(rf"^shapes-{re.escape(split)}-(\d{{6}})\.tar$")
-    for stale in out.iterdir():
-        match = ours.match(stale.name)
-        if match and int(match.group(1)) >= n_shards:
-            stale.unlink()
-    return written
+    name = SHARD_PATTERN.format(split=split)
+    with _StagedShards(Path(out), f"shapes-{split}") as staged:
+        with wds.ShardWriter(str(staged.stage / name), maxcount=shard_size, verbose=0, mtime=0.0) as sink:
+            for start in range(0, n, chunk):
+                examples = sample_examples(split, min(chunk, n - start), seed=seed, start=start)
+                for index, example in enumerate(examples, start=start):
+                    meta = {**json.loads(example.scene.to_json()), "kind": example.kind, "split": split,
+                            "seed": seed, "index": index}
+                    sink.write({"__key__": f"{split}_{index:08d}", "png": _png_bytes(example.image),
+                                "txt": example.prompt, "json": json.dumps(meta)})
+                if progress is not None:
+                    progress(len(examples))
+        n_shards = (n + shard_size - 1) // shard_size
+        return staged.publish([name % i for i in range(n_shards)],
+                              re.compile(rf"^shapes-{re.escape(split)}-(\d{{6}})\.tar$"))
 
 
 # ---------------------------------------------------------------------------------------- preference pairs
@@ -198,7 +241,9 @@ class PreferencePair:
 
 
 def write_pair_shards(pairs, out: str | Path, *, shard_size: int = 1000) -> list[Path]:
-    """Write preference pairs as shards ``pairs-000000.tar, ...`` in ``out``.
+    """Write preference pairs as shards ``pairs-000000.tar, ...`` in ``out`` (staged like
+    :func:`write_shapes_shards`: ``out`` then holds exactly these pairs; pair shards of an earlier, larger
+    set are removed).
 
     Args:
         pairs: iterable of ``(chosen, rejected, prompt, metadata)``; images as ``uint8 [H, W, 3]`` arrays or
@@ -212,19 +257,19 @@ def write_pair_shards(pairs, out: str | Path, *, shard_size: int = 1000) -> list
     import numpy as np
     import webdataset as wds
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    pattern = str(out / PAIR_PATTERN)
     count = 0
-    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0) as sink:
-        for chosen, rejected, prompt, metadata in pairs:
-            sample = {"__key__": f"pair_{count:08d}", "chosen.png": _png_bytes(np.asarray(chosen, dtype=np.uint8)),
-                      "rejected.png": _png_bytes(np.asarray(rejected, dtype=np.uint8)), "txt": prompt}
-            if metadata:
-                sample["json"] = json.dumps(metadata)
-            sink.write(sample)
-            count += 1
-    return [Path(pattern % i) for i in range((count + shard_size - 1) // shard_size)]
+    with _StagedShards(Path(out), "pairs") as staged:
+        with wds.ShardWriter(str(staged.stage / PAIR_PATTERN), maxcount=shard_size, verbose=0, mtime=0.0) as sink:
+            for chosen, rejected, prompt, metadata in pairs:
+                sample = {"__key__": f"pair_{count:08d}",
+                          "chosen.png": _png_bytes(np.asarray(chosen, dtype=np.uint8)),
+                          "rejected.png": _png_bytes(np.asarray(rejected, dtype=np.uint8)), "txt": prompt}
+                if metadata:
+                    sample["json"] = json.dumps(metadata)
+                sink.write(sample)
+                count += 1
+        return staged.publish([PAIR_PATTERN % i for i in range((count + shard_size - 1) // shard_size)],
+                              re.compile(r"^pairs-(\d{6})\.tar$"))
 
 
 def read_pairs(pattern_or_dir: str | Path) -> list[PreferencePair]:
@@ -245,7 +290,7 @@ def read_pairs(pattern_or_dir: str | Path) -> list[PreferencePair]:
         if not prompt:
             raise ShardError(f"sample {key!r} of {path!r} has no prompt (expected <key>.txt)")
         try:
-            metadata = json.loads(sample["json"]) if "json" in sample else {}
+            metadata = loads_json(sample["json"]) if "json" in sample else {}
         except ValueError as err:
             raise ShardError(f"sample {key!r} of {path!r} has unreadable metadata: {err}") from None
         pairs.append(PreferencePair(key, images["chosen"], images["rejected"], prompt, metadata))
@@ -255,12 +300,13 @@ def read_pairs(pattern_or_dir: str | Path) -> list[PreferencePair]:
 
 
 def decode_image(data: bytes, where: str = "image") -> Image.Image:
-    """An RGB PIL image from PNG / JPEG / WebP bytes.
+    """An RGB PIL image from PNG / JPEG / WebP bytes (no other format is tried).
 
     Raises:
-        ShardError: the bytes are not a readable image (``where`` names it).
+        ShardError: the bytes are not a readable image of those formats (``where`` names it).
     """
     try:
-        return Image.open(io.BytesIO(data)).convert("RGB")
-    except OSError as err:
+        with open_image(data) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise ShardError(f"{where} is unreadable: {err}") from None

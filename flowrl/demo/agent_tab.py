@@ -26,10 +26,12 @@ MAX_MODELS = 4
 
 @dataclass
 class AgentModels:
-    """VLM policies by name, loaded once on first use."""
+    """VLM policies by name, loaded on first use for inference (frozen, no reference copy); at most
+    ``max_loaded`` stay loaded, the least recently used is unloaded first."""
 
     runs_dir: str | None = "runs"
-    _loaded: dict = field(default_factory=dict)
+    max_loaded: int = MAX_MODELS
+    _loaded: dict = field(default_factory=dict)  # name -> policy, least recently used first
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def sources(self) -> dict[str, str]:
@@ -61,9 +63,13 @@ class AgentModels:
 
             raise DemoInputError(f"unknown agent model {name!r}; choose one of {', '.join(sources)}")
         with self._lock:
-            if name not in self._loaded:
-                self._loaded[name] = TokenPolicy.from_pretrained(sources[name]).eval()
-            return self._loaded[name]
+            policy = self._loaded.pop(name, None)
+            if policy is None:
+                policy = TokenPolicy.from_pretrained(sources[name], inference=True)
+            self._loaded[name] = policy  # most recently used last
+            while len(self._loaded) > max(1, self.max_loaded):
+                self._loaded.pop(next(iter(self._loaded)))
+            return policy
 
 
 def _caption(turn) -> str:

@@ -1,7 +1,7 @@
 """Command line of the demo::
 
     python app.py [--model shapes|PATH] [--checkpoint NAME=PATH ...] [--reward NAME ...]
-                  [--host 127.0.0.1] [--port P] [--runs-dir runs] [--device cpu|cuda] [--no-ema]
+                  [--host 127.0.0.1] [--port P] [--auth FILE] [--runs-dir runs] [--device cpu|cuda] [--no-ema]
 
 - ``--model``: the base model, ``shapes`` (the shipped checkpoint, default), a saved shapes-model
   directory (a pretraining run directory works too) or a diffusers SD3 / FLUX pipeline directory. It is the row
@@ -14,8 +14,11 @@
   are offered too and load when first selected; ``--runs-dir none`` turns this off.
 - ``--reward NAME`` (or ``NAME:key=value,...``): rewards to score with (default ``shapes``); those that do
   not load (missing weights) are listed in the app with the reason, and the app starts with the rest.
-- ``--host``: the address to bind, 127.0.0.1 (this machine only) unless told otherwise; the demo has no
-  authentication, so binding another address lets anyone who can reach it generate on your machine.
+- ``--host``: the address to bind, 127.0.0.1 (this machine only) unless told otherwise. Any other address
+  needs ``--auth``.
+- ``--auth FILE``: Gradio's login (``launch(auth=...)``) with the ``user:password`` lines of FILE (a file,
+  so that no password appears in ``ps`` or the shell history). Required beyond loopback; a missing,
+  unreadable or empty file is a one-line error.
 
 Mistakes (a missing model or checkpoint, a bad flag, no reward that loads) exit with code 2 and one line
 on stderr, never a traceback.
@@ -61,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the demo to the network)")
     parser.add_argument("--port", type=_port, default=None,
                         help="port (default: the first free one from 7860)")
+    parser.add_argument("--auth", default=None, metavar="FILE",
+                        help="log-in with the user:password lines of FILE (required for any --host but loopback)")
     parser.add_argument("--runs-dir", default="runs",
                         help="offer the runs found in this directory (default runs; `none` to disable)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
@@ -73,7 +78,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     for spec in args.checkpoint:
         _split_checkpoint(spec)
+    args.credentials = read_auth_file(args.auth) if args.auth else None
+    if args.credentials is None and not _is_loopback(args.host):
+        raise UsageError(f"--host {args.host} lets anyone who can reach it generate on this machine; give --auth FILE "
+                         "(user:password lines) to require a log-in, or bind 127.0.0.1")
     return args
+
+
+def read_auth_file(path: str) -> list[tuple[str, str]]:
+    """The ``(user, password)`` pairs of an ``--auth`` file: one ``user:password`` per line (blank lines and
+    ``#`` comments skipped).
+
+    Raises:
+        UsageError: the file is missing, unreadable, not text, holds no pair or a line without ``:``.
+    """
+    from flowrl.cli_args import read_text_file
+
+    text = read_text_file(path, what=f"--auth {path!r}", fix="give a text file of user:password lines")
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        user, colon, password = line.partition(":")
+        if not colon or not user.strip() or not password:
+            raise UsageError(f"--auth {path!r} line {number} is not user:password; write one user:password per line")
+        pairs.append((user.strip(), password))
+    if not pairs:
+        raise UsageError(f"--auth {path!r} holds no user:password line; write one per user")
+    return pairs
 
 
 def _split_checkpoint(spec: str) -> tuple[str | None, str]:
@@ -132,7 +165,8 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
 
     log = log or (lambda message: print(f"{PROG}: {message}", file=sys.stderr))
     device = device_arg(device) if not hasattr(device, "type") else device
-    bank = ModelBank()
+    limits = limits or Limits()
+    bank = ModelBank(max_loaded=max(limits.max_loaded_models, limits.max_models))
     bank.add_model("base", load_base(model, device=device), source=model, kind="base")
     explicit = ["base"]
     given_paths = set()
@@ -162,24 +196,35 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
     # Rows preselected in Compare: the base and the named checkpoints; without any, the first discovered
     # fine-tuning runs.
     defaults = explicit if len(explicit) > 1 else explicit + discovered[:2]
-    return DemoState(bank=bank, rewards=reward_set, limits=limits or Limits(), default_models=defaults)
+    return DemoState(bank=bank, rewards=reward_set, limits=limits, default_models=defaults)
 
 
-def launch(state, *, host: str = "127.0.0.1", port: int | None = None, block: bool = True, quiet: bool = False):
-    """Build and start the app; returns ``(blocks, local_url)`` (``block=False`` returns at once)."""
+def launch(state, *, host: str = "127.0.0.1", port: int | None = None, block: bool = True, quiet: bool = False,
+           auth: list[tuple[str, str]] | None = None):
+    """Build and start the app; returns ``(blocks, local_url)`` (``block=False`` returns at once).
+
+    Args:
+        auth: ``(user, password)`` pairs for Gradio's log-in (None: none; then ``host`` must be loopback).
+
+    Raises:
+        UsageError: a non-loopback ``host`` without ``auth``.
+    """
     from flowrl.demo.ui import CSS, build_app, theme
 
+    if auth is None and not _is_loopback(host):
+        raise UsageError(f"host {host} without a log-in: pass auth=[(user, password)] (python app.py --auth FILE)")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     demo = build_app(state)
     demo.queue(default_concurrency_limit=1, max_size=32)
     _, url, _ = demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet,
                             show_error=False, theme=theme(), css=CSS, max_file_size=f"{state.limits.max_upload_mb}mb",
-                            footer_links=["api", "gradio"], share=False)
+                            footer_links=["api", "gradio"], share=False, auth=auth,
+                            auth_message="flowrl demo: log in with a user:password of the --auth file" if auth else None)
     return demo, url
 
 
 def _is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def _run(argv: list[str]) -> int:
@@ -190,11 +235,11 @@ def _run(argv: list[str]) -> int:
     state = make_state(model=args.model, checkpoints=args.checkpoint, rewards=args.reward,
                        runs_dir=args.runs_dir, device=args.device, use_ema=not args.no_ema)
     if not _is_loopback(args.host):
-        print(f"{PROG}: warning: binding {args.host}: the demo has no authentication; anyone who can reach this "
-              "address can run generations on this machine", file=sys.stderr)
+        print(f"{PROG}: note: binding {args.host} with a log-in ({len(args.credentials)} user(s)); serve it "
+              "behind HTTPS (a TLS proxy) so that passwords do not travel in clear text", file=sys.stderr)
     names = ", ".join(state.bank.names())
     print(f"{PROG}: models: {names}; rewards: {', '.join(state.rewards.names)}", file=sys.stderr)
-    launch(state, host=args.host, port=args.port, block=True)
+    launch(state, host=args.host, port=args.port, block=True, auth=args.credentials)
     return 0
 
 

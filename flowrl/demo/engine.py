@@ -437,6 +437,8 @@ class ScoreResult:
 def _open_image(path: str | Path, limits: Limits):
     from PIL import Image, UnidentifiedImageError
 
+    from flowrl.untrusted import open_image
+
     name = Path(path).name
     try:
         size = Path(path).stat().st_size
@@ -445,7 +447,7 @@ def _open_image(path: str | Path, limits: Limits):
     if size > limits.max_upload_mb * 2**20:
         raise DemoInputError(f"{name} is {size / 2**20:.1f} MB; at most {limits.max_upload_mb} MB per image")
     try:
-        with Image.open(path) as image:
+        with open_image(path) as image:  # PNG, JPEG or WebP only: an EPS renamed x.png never reaches Ghostscript
             width, height = image.size
             if max(width, height) > limits.max_image_side:
                 raise DemoInputError(f"{name} is {width}x{height} px; at most {limits.max_image_side} px per side")

@@ -9,10 +9,11 @@ what was given and what is allowed; the UI shows it with ``gr.Error``.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 __all__ = ["DemoInputError", "Limits", "SAMPLERS", "parse_prompt_list", "parse_seed_list", "check_int",
-           "check_float", "check_choice"]
+           "check_float", "check_choice", "public_text"]
 
 #: Samplers offered by the demo (``samplers`` registry names).
 SAMPLERS = ("ode", "flow_sde", "dance_sde", "cps")
@@ -39,6 +40,12 @@ class Limits:
     max_image_side: int = 2048  # Score: pixels on the longer side
     max_upload_mb: int = 20  # Score: per file (enforced by the server too)
     max_cosine_window: int = 50
+    # Uploads and generated images are deleted from Gradio's cache this many seconds after they were written
+    # (checked every min(600, cache_seconds) s), so a public demo's disk does not fill up.
+    cache_seconds: int = 3600
+    # Fine-tuned models kept loaded at once (the base model stays); selecting another unloads the least
+    # recently used. At least max_models, so one request's models fit.
+    max_loaded_models: int = 6
 
 
 def parse_prompt_list(text: str | None, limits: Limits) -> list[str]:
@@ -119,3 +126,18 @@ def check_choice(value, name: str, choices) -> str:
     if value not in choices:
         raise DemoInputError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
     return value
+
+
+# An absolute path: "/" not preceded by a word character, a dot, a colon or another slash (so URLs and
+# "a/b" stay), up to a quote, a space or punctuation that cannot end a file name in a message.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"`,;()\[\]{}<>|]*")
+
+
+def public_text(text: str) -> str:
+    """``text`` for a page a visitor sees: every absolute server path replaced by ``.../<its last part>`` (a
+    run's or a file's name says what went wrong; where the server keeps it is nobody's business)."""
+    def short(match: re.Match) -> str:
+        name = match.group(0).rstrip("/").rsplit("/", 1)[-1]
+        return f".../{name}" if name else "/"
+
+    return _ABSOLUTE_PATH.sub(short, str(text))

@@ -214,15 +214,19 @@ class _Entry:
 
 
 class ModelBank:
-    """Named models, loaded on first use and kept (a model never loads twice).
+    """Named models, loaded on first use; at most ``max_loaded`` of them (besides the base) stay loaded.
 
     The base model and the checkpoints given on the command line are loaded at start-up (so a wrong path
-    fails at once); runs discovered on disk load when first selected.
+    fails at once); runs discovered on disk load when first selected. When a load would exceed
+    ``max_loaded``, the least recently used model is unloaded (it loads again when selected), so visitors
+    picking run after run cannot exhaust the machine's memory.
     """
 
-    def __init__(self):
+    def __init__(self, max_loaded: int | None = None):
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        self.max_loaded = max_loaded
+        self._recent: list[str] = []  # loaded non-base models, least recently used first
 
     def add(self, name: str, loader: Callable[[], FlowModel], *, source: str, kind: str,
             load_now: bool = False) -> None:
@@ -264,13 +268,35 @@ class ModelBank:
                 entry.error = None
                 entry.model.eval()
                 entry.info = dict(getattr(entry.model, "finetune_info", {}) or {})
-        return entry.model
+            model = entry.model
+            if entry.kind != "base":
+                if name in self._recent:
+                    self._recent.remove(name)
+                self._recent.append(name)
+                self._unload_beyond_limit()
+        return model
+
+    def _unload_beyond_limit(self) -> None:
+        if self.max_loaded is None:
+            return
+        freed = False
+        while len(self._recent) > max(1, self.max_loaded):
+            entry = self._entries[self._recent.pop(0)]
+            entry.model = None  # the caller's references keep a model alive until its request is done
+            freed = True
+        if freed:
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def describe(self) -> list[dict]:
         """One row per model for display: name, kind, source, state."""
         rows = []
         for e in self._entries.values():
-            state = "loaded" if e.model is not None else (f"failed: {e.error}" if e.error else "loads on first use")
+            state = "loaded" if e.model is not None else (f"failed: {e.error}" if e.error else
+                                                          "loads when selected")
             extra = []
             if e.info.get("epoch") is not None:
                 extra.append(f"epoch {e.info['epoch']}")

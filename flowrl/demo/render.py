@@ -104,4 +104,4 @@ def trajectory_plot(result, *, width_px: int = 900):
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     buffer.seek(0)
-    return Image.open(buffer).convert("RGB")
+    return Image.open(buffer, formats=["PNG"]).convert("RGB")

@@ -10,7 +10,13 @@ scripted with ``gradio_client``::
 
 Every handler turns a user's mistake (bad seeds, too many prompts, a missing checkpoint, a reward that
 cannot read the prompt...) into a one-line ``gr.Error`` or ``gr.Warning``; an unexpected failure shows its
-type and message in the UI and the traceback only on the server's console, never in the page.
+type in the UI and the traceback only on the server's console, never in the page.
+
+What a visitor can reach is bounded (docs/security.md, "The demo"): messages and the Models tab show no
+server paths (:func:`flowrl.demo.limits.public_text`), uploads and outputs leave Gradio's cache after
+``Limits.cache_seconds``, the Score tab takes uploaded files only (file data naming a URL, which Gradio
+would fetch from the server, is refused), and at most ``Limits.max_loaded_models`` fine-tuned models stay
+loaded (:class:`flowrl.demo.models.ModelBank`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from flowrl.demo.limits import (
     check_int,
     parse_prompt_list,
     parse_seed_list,
+    public_text,
 )
 from flowrl.demo.models import ModelBank
 
@@ -90,7 +97,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
+    return public_text(" ".join(str(err).split())) or type(err).__name__
 
 
 def guarded(fn):
@@ -112,8 +119,8 @@ def guarded(fn):
                            print_exception=False) from None
         except Exception as err:  # a bug: the page gets one line, the console the traceback
             log.exception("demo handler %s failed", fn.__name__)
-            raise gr.Error(f"internal error ({type(err).__name__}: {_one_line(err)}); the server's console has "
-                           "the details", print_exception=False) from None
+            raise gr.Error(f"internal error ({type(err).__name__}); the server's console has the details",
+                           print_exception=False) from None
 
     return wrapper
 
@@ -138,7 +145,7 @@ def _warn(messages) -> None:
     import gradio as gr
 
     for message in messages:
-        gr.Warning(message)
+        gr.Warning(public_text(message))
 
 
 # ============================================================================ handlers
@@ -330,6 +337,29 @@ def handle_score(state: DemoState, files, prompt, reward_names, resize):
 # ============================================================================ layout
 
 
+def _upload_only_file():
+    import gradio as gr
+    from gradio_client.utils import is_http_url_like
+
+    class UploadOnlyFile(gr.File):
+        """``gr.File`` that takes uploads only. Gradio downloads file data that names an ``http(s)`` URL (an
+        API client can send ``{"path": "https://...", "meta": {"_type": "gradio.FileData"}}``) from the
+        server before any handler runs; this component refuses it instead, so the demo never fetches a URL
+        on a visitor's behalf."""
+
+        async def async_move_resource_to_block_cache(self, url_or_file_path):
+            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
+                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
+            return await super().async_move_resource_to_block_cache(url_or_file_path)
+
+        def move_resource_to_block_cache(self, url_or_file_path):
+            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
+                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
+            return super().move_resource_to_block_cache(url_or_file_path)
+
+    return UploadOnlyFile
+
+
 def theme():
     """The Soft theme with system fonts: the page loads nothing from the internet (offline machines)."""
     import gradio as gr
@@ -340,13 +370,14 @@ def theme():
 
 
 def _models_markdown(state: DemoState) -> str:
-    lines = ["| model | kind | source | state |", "|---|---|---|---|"]
+    """The Models tab: names, kinds and states (no server paths: the command line has those)."""
+    lines = ["| model | kind | state |", "|---|---|---|"]
     for row in state.bank.describe():
-        lines.append(f"| {row['name']} | {row['kind']} | `{row['source']}` | {row['state']} |")
+        lines.append(f"| {row['name']} | {row['kind']} | {public_text(row['state'])} |")
     lines += ["", "**Rewards loaded:** " + (", ".join(state.rewards.loaded) or "none")]
     if state.rewards.failed:
         lines += ["", "**Rewards not available** (start with `--reward NAME` once the weights are present):"]
-        lines += [f"- `{name}`: {reason}" for name, reason in state.rewards.failed.items()]
+        lines += [f"- `{name}`: {public_text(reason)}" for name, reason in state.rewards.failed.items()]
     from rewards import available
 
     others = [n for n in available() if n not in state.rewards.loaded and n not in state.rewards.failed]
@@ -360,6 +391,7 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
     """The ``gr.Blocks`` of the demo (not launched)."""
     import gradio as gr
 
+    UploadOnlyFile = _upload_only_file()
     limits = state.limits
     names = state.bank.names()
     base = state.base_model()
@@ -383,7 +415,8 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
     def run_score(files, prompt, rewards_, resize):
         return handle_score(state, files, prompt, rewards_, resize)
 
-    with gr.Blocks(title="flowrl demo", analytics_enabled=False) as demo:
+    cache = max(1, int(limits.cache_seconds))
+    with gr.Blocks(title="flowrl demo", analytics_enabled=False, delete_cache=(min(600, cache), cache)) as demo:
         gr.Markdown(f"## {title}\nSame prompts, same seeds, same noise: one row per model, one column per seed, "
                     "each image with its rewards. The **Trajectory** tab shows where along the denoising a model "
                     "changes its mind.")
@@ -465,9 +498,9 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
             with gr.Tab("Score", id="score"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=300):
-                        s_files = gr.File(file_count="multiple", file_types=["image"], type="filepath",
-                                          label=f"Images (at most {limits.max_uploads}, "
-                                                f"{limits.max_image_side} px per side)")
+                        s_files = UploadOnlyFile(file_count="multiple", file_types=["image"], type="filepath",
+                                                 label=f"Images (at most {limits.max_uploads}, "
+                                                       f"{limits.max_image_side} px per side)")
                         s_prompt = gr.Textbox("a red circle", lines=2, label="Prompt",
                                               info="one for every image, or one per image (one per line)")
                         s_rewards = gr.CheckboxGroup(reward_names, value=reward_names, label="Rewards")

@@ -116,7 +116,7 @@ def vqa_eval_main(argv: list[str]) -> int:
 
         device = device_arg(args.device)
         try:
-            policy = TokenPolicy.from_pretrained(_model_arg(args.model), device=device)
+            policy = TokenPolicy.from_pretrained(_model_arg(args.model), device=device, inference=True)
         except PolicyLoadError as err:
             raise UsageError(str(err)) from None
     except UsageError as err:

@@ -10,7 +10,11 @@ by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
 - ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
   e.g. ``<think>.*</think>\\s*<answer>.*</answer>`` for R1-style outputs), else 0.
 - ``vlm_judge``: ``rewards/vlm_judge.py`` asked ``question`` (default: is this answer to this question
-  correct?) about the task's image; the score is P(yes).
+  correct?) about the task's image; the score is P(yes). The policy's answer is pasted as a quoted,
+  escaped string literal, cut to ``max_answer_chars``, with special-token strings defused
+  (:func:`flowrl.untrusted.quote_untrusted`): an answer cannot close the quotes and add its own
+  instruction ("... Answer yes."), nor end the judge's turn with ``<|im_end|>`` or ask for an image with
+  ``<image>``.
 """
 
 from __future__ import annotations
@@ -67,25 +71,39 @@ class JudgeReward:
     the policy's answer to the question is right (P(yes) is the score).
 
     Args:
-        question: template with ``{question}`` and ``{answer}``.
+        question: template with ``{question}`` and ``{answer}``; both are replaced by quoted string literals
+            (``"..."``), so the template writes no quotes of its own around them.
+        max_answer_chars: the policy's answer is cut to this many characters before it is quoted.
         **judge_kwargs: passed to ``rewards.load("vlm_judge", ...)`` (``model=`` a local VLM folder, or
             ``endpoint=`` an OpenAI-compatible server).
     """
 
-    DEFAULT_QUESTION = 'Question: "{question}" Answer: "{answer}". Is the answer correct? Answer yes or no.'
+    DEFAULT_QUESTION = "Question: {question} Answer: {answer}. Is the answer correct? Answer yes or no."
 
-    def __init__(self, question: str | None = None, **judge_kwargs: Any):
+    def __init__(self, question: str | None = None, max_answer_chars: int = 200, **judge_kwargs: Any):
         import rewards
 
         self.template = question or self.DEFAULT_QUESTION
+        self.max_answer_chars = int(max_answer_chars)
         # The judge fills {prompt}; each prompt here is the whole question about one answer.
         self.judge = rewards.load("vlm_judge", question="{prompt}", **judge_kwargs)
+        tokenizer = getattr(self.judge, "tokenizer", None)  # a local judge: defuse its own special tokens too
+        self.special_tokens = tuple(getattr(tokenizer, "all_special_tokens", ())) + tuple(
+            tokenizer.get_added_vocab()) if tokenizer is not None else ()
+
+    def prompt(self, answer: str, task) -> str:
+        """The judge's question about one answer (the answer quoted, capped and defused)."""
+        from flowrl.untrusted import quote_untrusted
+
+        quoted = quote_untrusted(extract_answer(answer), self.max_answer_chars, self.special_tokens)
+        # One pass over the template: a {question} or {answer} inside the inserted text stays text.
+        parts = {"{question}": quote_untrusted(task.question, 2000, self.special_tokens), "{answer}": quoted}
+        return re.sub(r"\{question\}|\{answer\}", lambda m: parts[m.group(0)], self.template)
 
     def __call__(self, answers: list[str], tasks: list, images=None) -> torch.Tensor:
         if images is None:
             raise ValueError("the vlm_judge answer reward needs the task images")
-        prompts = [self.template.replace("{question}", t.question).replace("{answer}", extract_answer(a))
-                   for a, t in zip(answers, tasks)]
+        prompts = [self.prompt(a, t) for a, t in zip(answers, tasks)]
         pixels = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2).float() / 255.0
         return self.judge(pixels, prompts).scores.float().cpu()
 

@@ -11,14 +11,20 @@ so word-level tokenizers that decode with spaces work too):
 Anything else inside the tags (bad JSON, an unknown tool, a missing or unknown argument, a value outside
 the allowed ones, an unclosed tag) raises :class:`ToolCallError`, whose message is written for the policy:
 the environment returns it as the next turn, so the episode goes on and the error is counted.
+
+The message never repeats the policy's text, except a tool or argument name that is a plain identifier
+(``[A-Za-z_][A-Za-z0-9_]*``, at most 32 characters): the error turn is rendered and tokenized as an
+environment turn, where an echoed ``{image}`` would ask for an image that is not there and an echoed
+``<|im_end|>`` would be read as a special token. JSON calls are parsed with bounded nesting.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from flowrl.untrusted import loads_json
 
 __all__ = ["ToolSpec", "ToolCall", "ToolCallError", "parse_tool_calls", "extract_answer", "has_tool_call"]
 
@@ -26,6 +32,8 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*\((.*)\)\s*$", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _THINK = re.compile(r"<think>.*?</think>", re.S)
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+MAX_CALL_DEPTH = 8  # {"name": ..., "arguments": {...}} is 2 deep
 
 
 class ToolCallError(ValueError):
@@ -59,23 +67,30 @@ def _squash(text: str) -> str:
     return re.sub(r"\s+", "", text)
 
 
+def _named(text: Any) -> str:
+    """``text`` for an error turn when it is a plain identifier, else nothing (the policy's text is never echoed)."""
+    text = str(text)
+    return f" {text}" if _IDENTIFIER.fullmatch(text) else ""
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return loads_json(text, max_depth=MAX_CALL_DEPTH)
+    except ValueError:  # invalid, or nested deeper than any tool call
+        raise ToolCallError(f"error : {what} not valid json") from None
+
+
 def _parse_one(body: str, tools: dict[str, ToolSpec]) -> ToolCall:
     body = body.strip()
     if not body:
         raise ToolCallError("error : empty tool call")
     if body.startswith("{"):
-        try:
-            data = json.loads(body)
-        except json.JSONDecodeError:
-            raise ToolCallError("error : the tool call is not valid json") from None
+        data = _json(body, "the tool call is")
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             raise ToolCallError("error : a json tool call needs a name")
         name, arguments = data["name"], data.get("arguments", {})
         if isinstance(arguments, str):  # some templates send the arguments JSON-encoded
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                raise ToolCallError("error : the tool arguments are not valid json") from None
+            arguments = _json(arguments, "the tool arguments are")
         if not isinstance(arguments, dict):
             raise ToolCallError("error : tool arguments must be a mapping")
         arguments = {str(k): v for k, v in arguments.items()}
@@ -100,10 +115,11 @@ def _parse_one(body: str, tools: dict[str, ToolSpec]) -> ToolCall:
                 arguments.setdefault(param, value)
     spec = tools.get(name)
     if spec is None:
-        raise ToolCallError(f"error : unknown tool {name} ; tools : {' , '.join(t.usage() for t in tools.values())}")
+        raise ToolCallError(f"error : unknown tool{_named(name)} ; tools : "
+                            f"{' , '.join(t.usage() for t in tools.values())}")
     unknown = [k for k in arguments if k not in spec.params]
     if unknown:
-        raise ToolCallError(f"error : unknown argument {unknown[0]} ; use {spec.usage()}")
+        raise ToolCallError(f"error : unknown argument{_named(unknown[0])} ; use {spec.usage()}")
     missing = [p for p in spec.params if p not in arguments]
     if missing:
         raise ToolCallError(f"error : missing argument {missing[0]} ; use {spec.usage()}")

@@ -113,7 +113,7 @@ class FluxModel(FlowModel):
                         lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                         resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                         guidance_scale: float = 3.5, revision: str | None = None, variant: str | None = None,
-                        cache_dir: str | None = None) -> "FluxModel":
+                        cache_dir: str | None = None, trust_remote_code: bool = False) -> "FluxModel":
         """Load from a local pipeline directory or a hub id (``FluxPipeline.from_pretrained``).
 
         Args:
@@ -123,6 +123,8 @@ class FluxModel(FlowModel):
             device: where to put every component (default: CPU).
             lora, gradient_checkpointing, resolution, max_sequence_length, guidance_scale: see the class.
             revision, variant, cache_dir: hub options.
+            trust_remote_code: load component code a local pipeline folder ships (off: such a folder is
+                refused; only for code you have read).
 
         Raises:
             ModelLoadError: weights missing (offline, wrong path, gated repo) or unreadable.
@@ -131,7 +133,8 @@ class FluxModel(FlowModel):
 
         dtype = resolve_dtype(dtype)
         pipeline = load_pipeline(FluxPipeline, path, components=_COMPONENTS, hub_id=FLUX_DEFAULT_MODEL,
-                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir)
+                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
+                                 trust_remote_code=trust_remote_code)
         if device is not None:
             pipeline.to(device)
         cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))

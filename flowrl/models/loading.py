@@ -1,9 +1,13 @@
 """Shared helpers of the diffusers adapters (SD3, FLUX): loading a pipeline with clear errors, dtypes,
 freezing, LoRA upcasting, VAE decoding and the schedule of a diffusers flow-matching scheduler.
 
-Loading never runs code from a model repository (``trust_remote_code`` stays False, no custom
-pipelines), and every failure to find or read weights becomes a :class:`ModelLoadError` whose message
-names the model, the files that are needed and how to get them.
+Loading never runs code from a model repository: weights are read from safetensors only
+(``use_safetensors=True``; a component folder holding only pickled ``*.bin`` weights is a one-line error
+naming the conversion), and a local pipeline folder whose ``model_index.json`` names a component outside
+diffusers and transformers, or ships ``<component>/<module>.py``, is refused before diffusers sees it
+unless ``trust_remote_code=True`` is passed (diffusers releases before 0.38 imported such modules even with
+``trust_remote_code=False``). Every failure to find or read weights becomes a :class:`ModelLoadError` whose
+message names the model, the files that are needed and how to get them.
 """
 
 from __future__ import annotations
@@ -75,9 +79,35 @@ def _fix_hint(model: str) -> str:
             f"Hugging Face cache are searched.")
 
 
+#: Libraries a pipeline component may come from without running code of the model folder.
+COMPONENT_LIBRARIES = ("diffusers", "transformers")
+
+
+def _check_components(local: Path, listed: dict, what: str, trust_remote_code: bool) -> None:
+    """Refuse custom component code (unless trusted) and pickle-only weights in a local pipeline folder."""
+    from flowrl.untrusted import pickle_only_weights, safetensors_conversion
+
+    for component, entry in listed.items():
+        if component.startswith("_") or not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] is None:
+            continue
+        library, class_name = str(entry[0]), str(entry[1])
+        modules = sorted(p.name for p in (local / component).glob("*.py")) if (local / component).is_dir() else []
+        if (library not in COMPONENT_LIBRARIES or modules) and not trust_remote_code:
+            code = f"{component}/{modules[0]}" if modules else f"the module {library!r}"
+            raise ModelLoadError(f"cannot load {what}: model_index.json names the component {component} as "
+                                 f"[{library!r}, {class_name!r}] and the folder ships {code}; loading it would run "
+                                 "code from the model folder, which flowrl never does unless trust_remote_code=True "
+                                 "is passed (only for a folder whose code you have read)")
+        pickles = pickle_only_weights(local / component)
+        if pickles:
+            raise ModelLoadError(f"cannot load {what}: {component}/ holds only pickled weights ({', '.join(pickles)}), "
+                                 f"which can run code when loaded; flowrl reads safetensors only: "
+                                 f"{safetensors_conversion(local / component, library, class_name)}")
+
+
 def load_pipeline(pipeline_cls: type, path: str | os.PathLike, *, components: list[str], hub_id: str,
                   dtype: torch.dtype = torch.float32, revision: str | None = None, variant: str | None = None,
-                  cache_dir: str | None = None, **kwargs: Any):
+                  cache_dir: str | None = None, trust_remote_code: bool = False, **kwargs: Any):
     """``pipeline_cls.from_pretrained`` on a local directory or a hub id, with clear errors.
 
     Args:
@@ -88,6 +118,7 @@ def load_pipeline(pipeline_cls: type, path: str | os.PathLike, *, components: li
         hub_id: the model's usual hub id, named in the fix for a missing local directory.
         dtype: ``torch_dtype`` for every component.
         revision, variant, cache_dir: passed to ``from_pretrained`` (hub ids).
+        trust_remote_code: allow component code shipped in the folder (off: such a folder is refused).
         **kwargs: further ``from_pretrained`` keywords.
 
     Raises:
@@ -107,6 +138,9 @@ def load_pipeline(pipeline_cls: type, path: str | os.PathLike, *, components: li
             listed = json.loads(index.read_text())
         except ValueError as err:
             raise ModelLoadError(f"cannot load {what}: {index} is not valid JSON ({err})") from None
+        if not isinstance(listed, dict):
+            raise ModelLoadError(f"cannot load {what}: {index} is not a JSON object of components")
+        _check_components(local, listed, what, trust_remote_code)
         missing = [c for c in components if not (local / c).is_dir()
                    or listed.get(c) in (None, [None, None])]
         if missing:
@@ -129,7 +163,8 @@ def load_pipeline(pipeline_cls: type, path: str | os.PathLike, *, components: li
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
             return pipeline_cls.from_pretrained(
                 source, torch_dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
-                local_files_only=True if offline else None, trust_remote_code=False, **kwargs)
+                local_files_only=True if offline else None, use_safetensors=True,
+                trust_remote_code=trust_remote_code, **kwargs)
     except Exception as err:  # noqa: BLE001 - every loading failure becomes one ModelLoadError
         first_line = (str(err).strip().splitlines() or [""])[0][:300]
         cause = f"{type(err).__name__}: {first_line}"

@@ -109,7 +109,7 @@ class SD3Model(FlowModel):
                         lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                         resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 256,
                         guidance_scale: float = 4.5, revision: str | None = None, variant: str | None = None,
-                        cache_dir: str | None = None) -> "SD3Model":
+                        cache_dir: str | None = None, trust_remote_code: bool = False) -> "SD3Model":
         """Load from a local pipeline directory or a hub id (``StableDiffusion3Pipeline.from_pretrained``).
 
         Args:
@@ -119,6 +119,8 @@ class SD3Model(FlowModel):
             device: where to put every component (default: CPU).
             lora, gradient_checkpointing, resolution, max_sequence_length, guidance_scale: see the class.
             revision, variant, cache_dir: hub options (``variant="fp16"`` picks half-precision files).
+            trust_remote_code: load component code a local pipeline folder ships (off: such a folder is
+                refused; only for code you have read).
 
         Raises:
             ModelLoadError: weights missing (offline, wrong path) or unreadable; the message says the fix.
@@ -127,7 +129,8 @@ class SD3Model(FlowModel):
 
         dtype = resolve_dtype(dtype)
         pipeline = load_pipeline(StableDiffusion3Pipeline, path, components=_COMPONENTS, hub_id=SD3_DEFAULT_MODEL,
-                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir)
+                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
+                                 trust_remote_code=trust_remote_code)
         if device is not None:
             pipeline.to(device)
         cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))

@@ -98,11 +98,16 @@ def _apply_lora_folder(model: FlowModel, folder: Path) -> str:
         if pipeline is None:
             raise ModelLoadError(f"{folder} is a diffusers LoRA folder; it loads into an SD3 / FLUX pipeline, not "
                                  f"the {type(model).__name__}")
-        pipeline.load_lora_weights(str(folder))
+        # The safetensors file by name: diffusers would otherwise also accept a pickled .bin.
+        pipeline.load_lora_weights(str(folder), weight_name="pytorch_lora_weights.safetensors", use_safetensors=True)
         return "diffusers LoRA"
     if (folder / "adapter_config.json").is_file():
         from peft import PeftModel
 
+        if not (folder / "adapter_model.safetensors").is_file():
+            raise ModelLoadError(f"--lora {str(folder)!r} has no adapter_model.safetensors (a pickled adapter_model.bin "
+                                 "can run code when loaded, so flowrl reads safetensors only); convert it once where "
+                                 "you trust it: load it with peft and save_pretrained(DIR, safe_serialization=True)")
         PeftModel.from_pretrained(unwrap(model.denoiser), str(folder))  # injects the adapter in place
         return "PEFT adapter"
     raise ModelLoadError(f"--lora {str(folder)!r} is neither a run directory (config.yaml, checkpoints/) nor an "

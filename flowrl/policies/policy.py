@@ -150,7 +150,8 @@ class TokenPolicy:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                         lora: LoraSpec | None = None, gradient_checkpointing: bool = False,
-                        trust_remote_code: bool = False, attn_implementation: str | None = None) -> "TokenPolicy":
+                        trust_remote_code: bool = False, attn_implementation: str | None = None,
+                        inference: bool = False) -> "TokenPolicy":
         """Load a model and its processor from a local folder (or a hub id), offline-friendly.
 
         Args:
@@ -161,6 +162,8 @@ class TokenPolicy:
             gradient_checkpointing: recompute activations in the backward pass (saves memory).
             trust_remote_code: off unless you trust the folder's code.
             attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"`` (None: transformers' default).
+            inference: generate and score only (the demo, ``flowrl eval``): frozen weights and no reference
+                copy (a full fine-tuning policy otherwise keeps a second copy of the model for its KL).
 
         Raises:
             PolicyLoadError: the folder is missing or incomplete, or the model is not a supported family.
@@ -172,6 +175,13 @@ class TokenPolicy:
         if (local.is_absolute() or path.startswith((".", "~")) or local.exists()) and not (local / "config.json").is_file():
             raise PolicyLoadError(f"no model at {path!r}: expected a folder with config.json, weights and the "
                                   "processor/tokenizer files (e.g. saved with save_pretrained)")
+        from flowrl.untrusted import pickle_only_weights, safetensors_conversion
+
+        pickles = pickle_only_weights(local)
+        if pickles:  # transformers would unpickle them (which can run code); use_safetensors=True refuses them
+            raise PolicyLoadError(f"{path!r} holds only pickled weights ({', '.join(pickles)}), which can run code "
+                                  "when loaded; flowrl reads safetensors only: "
+                                  f"{safetensors_conversion(local, 'transformers', 'AutoModel')}")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -179,7 +189,7 @@ class TokenPolicy:
             raise PolicyLoadError(f"cannot read the model config of {path!r}: {err}; give a local folder with "
                                   "config.json (set HF_HUB_OFFLINE=1 to skip hub look-ups)") from None
         vision = getattr(config, "vision_config", None) is not None
-        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "use_safetensors": True}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         try:
@@ -194,6 +204,9 @@ class TokenPolicy:
                                   f"{str(err).splitlines()[0] if str(err) else ''}); the folder needs weights "
                                   "(safetensors) and processor/tokenizer files") from None
         model.to(device)
+        if inference:
+            model.config.use_cache = False
+            return cls(model.eval().requires_grad_(False), processor)
         return cls.prepare(model, processor, lora=lora, gradient_checkpointing=gradient_checkpointing)
 
     @classmethod

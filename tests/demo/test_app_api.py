@@ -2,6 +2,7 @@
 images and scores come back; mistakes come back as one-line messages, never a traceback."""
 
 import re
+from pathlib import Path
 
 import gradio_client  # a dev dependency (pyproject [dev])
 import pytest
@@ -108,3 +109,84 @@ def test_a_file_that_is_not_an_image_is_a_message(client, tmp_path):
     with pytest.raises(Exception, match="broken.png is not a readable image") as info:
         client.predict([gradio_client.handle_file(str(bad))], "a red circle", ["shapes"], False, api_name="/score")
     assert "Traceback" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------- what a visitor can reach
+
+
+def test_file_data_naming_a_url_is_never_fetched_by_the_server(client, monkeypatch, tmp_path):
+    """An API client may send file data that names a URL; Gradio would download it on the server (main did).
+    Gradio's downloader is replaced by a recorder: the Score tab must never call it."""
+    fetched = []
+
+    async def download(url, cache_dir):
+        fetched.append(url)
+        path = tmp_path / "fetched.png"
+        Image.new("RGB", (32, 32), "red").save(path)
+        return str(path)
+
+    monkeypatch.setattr("gradio.processing_utils.async_ssrf_protected_download", download)
+    try:
+        client.predict([gradio_client.handle_file("https://images.example.com/x.png")], "a red circle", ["shapes"],
+                       False, api_name="/score")
+        outcome = "scored"
+    except Exception as err:  # noqa: BLE001 - gradio_client raises AppError
+        outcome = str(err)
+    assert fetched == []
+    assert "does not fetch URLs" in outcome
+
+
+def test_no_server_path_reaches_the_page(demo_state):
+    import gradio as gr
+
+    from flowrl.demo.ui import _models_markdown, guarded
+    from flowrl.models.base import ModelLoadError
+
+    page = _models_markdown(demo_state)
+    assert "flow_grpo" in page and "lora" in page
+    assert not re.search(r"(?<![\w.:/])/(tmp|root|home|work|srv)\b", page), page  # main: a `source` column of paths
+
+    @guarded
+    def fails():
+        raise ModelLoadError("model 'x' (/srv/models/secret-run): no checkpoint at '/srv/models/secret-run/ckpt'")
+
+    with pytest.raises(gr.Error) as info:
+        fails()
+    assert "/srv" not in info.value.message and ".../secret-run" in info.value.message
+
+    @guarded
+    def bug():
+        raise RuntimeError("cannot open /srv/models/secret-run/state.pt")
+
+    with pytest.raises(gr.Error) as info:
+        bug()
+    assert info.value.message == "internal error (RuntimeError); the server's console has the details"
+
+
+def test_uploads_leave_the_cache(demo_state, tmp_path):
+    """With ``Limits.cache_seconds`` = 1 an uploaded image is gone from Gradio's cache a few seconds later
+    (main kept every upload and output until the server stopped)."""
+    import dataclasses
+    import time
+    import uuid
+
+    from gradio.utils import get_upload_folder
+
+    from flowrl.demo.cli import launch
+    from flowrl.demo.limits import Limits
+
+    state = dataclasses.replace(demo_state, limits=Limits(cache_seconds=1))
+    demo, url = launch(state, host="127.0.0.1", port=None, block=False, quiet=True)
+    try:
+        name = f"probe-{uuid.uuid4().hex}.png"
+        Image.new("RGB", (32, 32), "red").save(tmp_path / name)
+        gradio_client.Client(url, verbose=False).predict([gradio_client.handle_file(str(tmp_path / name))],
+                                                         "a red circle", ["shapes"], False, api_name="/score")
+        cached = lambda: list(Path(get_upload_folder()).rglob(name))  # noqa: E731
+        assert cached()  # the upload was stored ...
+        deadline = time.monotonic() + 8
+        while cached() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert not cached()  # ... and removed
+    finally:
+        demo.close()

@@ -77,3 +77,42 @@ def test_loopback(host, loopback):
     from flowrl.demo.cli import _is_loopback
 
     assert _is_loopback(host) is loopback
+
+
+def test_binding_beyond_loopback_needs_auth(tmp_path, tiny_shapes_dir, capsys, monkeypatch):
+    """main warned and served 0.0.0.0 to anyone; now --auth FILE (Gradio's log-in) is required there."""
+    launched = []
+    monkeypatch.setattr("flowrl.demo.cli.launch", lambda state, **kwargs: launched.append(kwargs))
+    monkeypatch.setattr("transformers.utils.logging.disable_progress_bar", lambda: None)
+    base = ["--model", str(tiny_shapes_dir), "--runs-dir", "none", "--host", "0.0.0.0"]
+    assert main(base) == 2 and launched == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--host 0.0.0.0" in err[0] and "--auth FILE" in err[0]
+    (tmp_path / "empty").write_text("# nobody\n")
+    (tmp_path / "bad").write_text("alice\n")
+    for name, message in (("missing", "does not exist"), ("empty", "holds no user:password line"),
+                          ("bad", "line 1 is not user:password")):
+        assert main(base + ["--auth", str(tmp_path / name)]) == 2 and launched == []
+        assert message in capsys.readouterr().err
+    (tmp_path / "users").write_text("alice:s3cret:with:colons\nbob: pw\n")
+    assert main(base + ["--auth", str(tmp_path / "users")]) == 0
+    assert launched[0]["auth"] == [("alice", "s3cret:with:colons"), ("bob", " pw")]
+    assert launched[0]["host"] == "0.0.0.0"
+
+
+def test_the_log_in_is_gradios_own(demo_state):
+    """A launched app with auth: the API refuses an anonymous client and serves a logged-in one."""
+    import gradio_client
+
+    from flowrl.demo.cli import launch
+
+    with pytest.raises(Exception):
+        launch(demo_state, host="0.0.0.0", port=None, block=False, quiet=True)  # no auth: refused
+    demo, url = launch(demo_state, host="127.0.0.1", port=None, block=False, quiet=True, auth=[("alice", "pw")])
+    try:
+        with pytest.raises(Exception):
+            gradio_client.Client(url, verbose=False)
+        client = gradio_client.Client(url, auth=("alice", "pw"), verbose=False)
+        assert "/compare" in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    finally:
+        demo.close()

@@ -91,3 +91,23 @@ def test_discover_runs_and_lazy_bank(finetuned_runs, tmp_path):
     assert "LoRA" in bank.describe()[0]["state"]
     with pytest.raises(ModelLoadError, match="unknown model 'nope'"):
         bank.get("nope")
+
+
+def test_the_bank_keeps_a_bounded_number_of_models_loaded(finetuned_runs):
+    """Visitors picking run after run: beyond ``max_loaded`` the least recently used model is unloaded (main
+    kept every one); the base model always stays."""
+    bank = ModelBank()
+    bank.max_loaded = 2
+    bank.add("base", lambda: torch.nn.Linear(1, 1), source="base", kind="base", load_now=True)
+    loads = []
+    for name in ("a", "b", "c"):
+        bank.add(name, lambda n=name: loads.append(n) or load_finetuned(finetuned_runs["lora"]), source=name,
+                 kind="run")
+    first = bank.get("a")
+    bank.get("b")
+    assert bank.get("a") is first  # still loaded; now the most recent
+    bank.get("c")
+    assert [n for n in bank.names() if bank.is_loaded(n)] == ["base", "a", "c"]  # "b" was unloaded
+    assert "loads when selected" in {row["name"]: row["state"] for row in bank.describe()}["b"]
+    bank.get("b")
+    assert loads == ["a", "b", "c", "b"] and not bank.is_loaded("a")

@@ -45,3 +45,21 @@ def test_agent_tab_rejects_bad_input(runs_dir):
         handle_agent(models, ["tiny_grpo"], "shapes_vqa", 10_000)
     with pytest.raises(DemoInputError, match="unknown agent model"):
         handle_agent(models, ["nope"], "shapes_vqa", 0)
+
+
+def test_agent_models_load_for_inference_and_a_bounded_number_stay(runs_dir, tmp_path):
+    """Each policy is loaded once, frozen and without the reference copy of training (main deep-copied every
+    policy); picking more than ``max_loaded`` unloads the least recently used."""
+    import shutil
+
+    for name in ("second", "third"):
+        shutil.copytree(runs_dir / "tiny_grpo", tmp_path / name)
+    models = AgentModels(str(tmp_path))
+    models.max_loaded = 2
+    policy = models.get("second")
+    assert policy._reference is None and not any(p.requires_grad for p in policy.model.parameters())
+    assert models.get("second") is policy
+    models.get("third")
+    models.get("base")
+    assert list(models._loaded) == ["third", "base"]  # "second", the least recently used, was unloaded
+    assert models.get("second") is not policy  # loads again when chosen again

@@ -68,11 +68,12 @@ def test_ocr_reads_verified_copies_of_a_user_folder(tmp_path, ocr_reward):
 
 def test_vlm_judge_sends_keys_only_over_https_or_loopback(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    monkeypatch.setenv("OPENAI_API_KEY_HOSTS", "10.1.2.3,api.example.com")  # approved hosts (tests/test_security.py)
     with pytest.raises(RewardError, match="refusing to send api_key over plain http to http://10.1.2.3:8000"):
         rewards.load("vlm_judge", endpoint="http://10.1.2.3:8000", api_key="sk-explicit")
-    with pytest.warns(UserWarning, match=r"not sending \$OPENAI_API_KEY to http://10.1.2.3:8000"):
-        judge = rewards.load("vlm_judge", endpoint="http://10.1.2.3:8000")
-    assert judge.headers == {}
+    with pytest.raises(RewardError, match=r"refusing to send \$OPENAI_API_KEY over plain http to http://10.1.2.3:8000"):
+        rewards.load("vlm_judge", endpoint="http://10.1.2.3:8000")
+    assert rewards.load("vlm_judge", endpoint="http://10.1.2.3:8000", api_key_env=None).headers == {}
     assert rewards.load("vlm_judge", endpoint="https://api.example.com").headers == {"Authorization": "Bearer sk-env"}
     assert rewards.load("vlm_judge", endpoint="http://127.0.0.1:8000").headers == {"Authorization": "Bearer sk-env"}
     assert rewards.load("vlm_judge", endpoint="http://localhost:8000").headers == {"Authorization": "Bearer sk-env"}

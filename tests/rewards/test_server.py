@@ -49,7 +49,7 @@ def raw_request(server, data: bytes, shutdown_write: bool = False) -> tuple[int,
 
 def post(server, payload: bytes, length: int | None = None, shutdown_write: bool = False):
     length = len(payload) if length is None else length
-    head = (f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n"
+    head = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n"
             f"Connection: close\r\n\r\n").encode()
     return raw_request(server, head + payload, shutdown_write=shutdown_write)
 
@@ -151,11 +151,12 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, case, status, nee
     elif case == "prompt_not_string":
         got = post(server, json.dumps({"images": [png_b64(Image.new("RGB", (8, 8)))], "prompts": [7]}).encode())
     elif case == "wrong_method":
-        got = raw_request(server, b"GET /score HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = raw_request(server, b"GET /score HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     elif case == "no_length":
-        got = raw_request(server, b"POST /score HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = raw_request(server, b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                  b"Connection: close\r\n\r\n")
     else:
-        got = raw_request(server, b"GET /nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = raw_request(server, b"GET /nothing HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     if status is None:
         assert got is None
     else:

@@ -164,7 +164,7 @@ def test_slow_headers_are_cut_off_while_others_are_served():
     try:
         host, port = server.server_address[:2]
         with socket.create_connection((host, port), timeout=10) as slow:
-            slow.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # ... and never finishes its headers
+            slow.sendall(b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # ... and never finishes its headers
             body = {"images": [png_b64(Image.new("RGB", (8, 8)))], "prompts": [""]}
             assert httpx.post(server.url + "/score", json=body).status_code == 200
             time.sleep(0.7)
@@ -185,7 +185,7 @@ def test_a_body_that_does_not_arrive_in_time_is_408():
     try:
         host, port = server.server_address[:2]
         with socket.create_connection((host, port), timeout=10) as sock:
-            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n{\"images\": ")
             answer = b""
             while chunk := sock.recv(4096):  # until the server closes: the head and the body may come apart
@@ -214,3 +214,76 @@ def test_openapi_schema_documents_the_contract():
     assert {"200", "400", "401", "413", "422", "503"} <= set(score["responses"])
     assert score["security"] == [{"HTTPBearer": []}]
     assert "get" in schema["paths"]["/health"]
+
+
+# ----------------------------------------------------------------------------------------------- browsers (CSRF, DNS rebinding)
+
+
+def _body() -> bytes:
+    import json
+
+    return json.dumps({"images": [png_b64(Image.new("RGB", (8, 8), "red"))], "prompts": ["a red circle"]}).encode()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          None])
+def test_score_accepts_only_json_so_a_web_page_cannot_post_to_a_keyless_loopback_server(shapes_server, content_type):
+    """A page on any site can send these three types to http://127.0.0.1:<port> without a CORS preflight."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    answer = httpx.post(shapes_server.url + "/score", content=_body(), headers=headers)
+    assert answer.status_code == 415 and "send the body as application/json" in answer.json()["error"]
+    ok = httpx.post(shapes_server.url + "/score", content=_body(),
+                    headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200 and len(ok.json()["scores"]) == 1
+
+
+def test_a_loopback_server_refuses_requests_addressed_to_another_host(shapes_server):
+    """DNS rebinding: evil.example resolves to 127.0.0.1, so its page reaches the server with that Host."""
+    port = shapes_server.server_address[1]
+    for host in ("evil.example", f"evil.example:{port}", "10.0.0.8", "127.0.0.1.evil.example"):
+        answer = httpx.post(shapes_server.url + "/score", content=_body(),
+                            headers={"Content-Type": "application/json", "Host": host})
+        assert answer.status_code == 400 and "is not this machine" in answer.json()["error"], host
+        assert httpx.get(shapes_server.url + "/health", headers={"Host": host}).status_code == 400
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}", "127.0.0.5"):
+        answer = httpx.post(shapes_server.url + "/score", content=_body(),
+                            headers={"Content-Type": "application/json", "Host": host})
+        assert answer.status_code == 200, host
+
+
+def test_a_500_says_nothing_of_the_servers_internals():
+    from rewards.base import Reward
+
+    class Broken(Reward):
+        name = "broken"
+
+        def score(self, images, prompts, metadata):
+            raise KeyError("/home/alice/secret/weights.safetensors")  # a bug, its message full of internals
+
+    server = make_server(Broken())
+    server.start_background()
+    try:
+        answer = httpx.post(server.url + "/score", content=_body(), headers={"Content-Type": "application/json"})
+        assert answer.status_code == 500
+        assert answer.json() == {"error": "internal error in the reward server; its log has the details"}
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_shapes_prompt_cache_stays_bounded_under_prompt_variants():
+    """Requests may send up to 64k distinct prompts of 10k characters; case and spacing variants of one
+    grammar prompt must not each keep their text in the parser's cache."""
+    from flowrl.data import shapes
+
+    parse = shapes._parse_normalised if hasattr(shapes, "_parse_normalised") else shapes.parse_prompt
+    parse.cache_clear()
+    spec = shapes.parse_prompt("a red circle")
+    for k in range(2000):
+        variant = "A Red Circle" + " " * (k % 50) + ("." if k % 2 else "") + " " * (k // 50)
+        assert shapes.parse_prompt(variant) == spec
+    for k in range(200):
+        with pytest.raises(shapes.PromptParseError):
+            shapes.parse_prompt("x" * 9000 + str(k))
+    assert parse.cache_info().currsize == 1  # main: 2000 entries, each keyed by its padded text
