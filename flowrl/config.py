@@ -425,34 +425,40 @@ def merge_config(base: dict, override: dict, cls: type | None, *, source: str = 
     return out
 
 
-def _base_chain(path: Path) -> list[tuple[Path, dict]]:
-    """``[(file, its own keys), ...]`` from the root ``base:`` down to ``path`` itself."""
+def _base_chain(path: Path, _stack: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """``[(file, its own keys), ...]`` in merge order: ``path``'s bases (each with its own bases first), then
+    ``path`` itself. ``base:`` is one file or a list of files, merged left to right; a file reached twice (two
+    bases sharing a base) is merged once, at its first place, so a later base never resets what an earlier
+    one changed."""
+    resolved = path.resolve()
+    if resolved in _stack:
+        cycle = " -> ".join(str(p) for p in _stack + (resolved,))
+        raise ConfigError("base", f"the base chain of {_stack[0]} loops: {cycle}; remove one of the base: keys")
+    data = load_yaml(path)
+    raw = data.pop("base", None)
+    bases = [] if raw is None else [raw] if isinstance(raw, str) else raw
+    if not isinstance(bases, list) or (raw is not None and not bases) or not all(
+            isinstance(b, str) and b.strip() for b in bases):
+        raise ConfigError("base", f"{path}: base must be a path to a YAML file (relative to the file) or a list "
+                          f"of them, got {_short(bases)}")
     chain: list[tuple[Path, dict]] = []
-    current = path
-    while True:
-        resolved = current.resolve()
-        if any(resolved == p.resolve() for p, _ in chain):
-            cycle = " -> ".join(str(p) for p, _ in chain) + f" -> {current}"
-            raise ConfigError("base", f"the base chain of {path} loops: {cycle}; remove one of the base: keys")
-        data = load_yaml(current)
-        base = data.pop("base", None)
-        chain.append((current, data))
-        if base is None:
-            return list(reversed(chain))
-        if not isinstance(base, str) or not base.strip():
-            raise ConfigError("base", f"{current}: base must be a path to a YAML file (relative to the file), "
-                              f"got {_short(base)}")
-        nxt = current.parent / base
+    seen: set[Path] = set()
+    for base in bases:
+        nxt = path.parent / base
         if not nxt.is_file():
-            raise ConfigError("base", f"{current}: base file {base!r} does not exist (looked for {nxt})")
-        current = nxt
+            raise ConfigError("base", f"{path}: base file {base!r} does not exist (looked for {nxt})")
+        for file, own in _base_chain(nxt, _stack + (resolved,)):
+            if file.resolve() not in seen:
+                seen.add(file.resolve())
+                chain.append((file, own))
+    return chain + [(path, data)]
 
 
 def load_config_data(path: str | Path, cls: type | None = None, *, extra_keys: tuple[str, ...] = ()) -> dict:
     """The YAML mapping of ``path`` with its ``base:`` files merged underneath (:func:`merge_config`).
 
-    A config may name ``base: other.yaml`` (relative to itself) and keep only what differs; bases may
-    have bases. A missing base, a cycle, or a key the config ``cls`` does not have is a one-line
+    A config may name ``base: other.yaml`` or ``base: [a.yaml, b.yaml]`` (relative to itself, merged left to
+    right) and keep only what differs; bases may have bases. A missing base, a cycle, or a key the config ``cls`` does not have is a one-line
     :class:`ConfigError`. ``extra_keys`` are top-level keys outside ``cls`` (e.g. ``recipe``).
     """
     data: dict = {}

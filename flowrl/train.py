@@ -12,6 +12,7 @@ runs on every process.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 
 from flowrl.config import ConfigError
@@ -40,6 +41,9 @@ def load_recipe_config(path: str, overrides: list[str]):
         if keys == ["recipe"]:
             name = value
     if name is None:
+        if Path(path).parent.name in ("base", "tasks"):
+            raise ConfigError("recipe", f"{path} is a base that training configs compose (their `base:` key), not "
+                              "a config to run; run a config that names it, e.g. configs/shapes/flow_grpo.yaml")
         raise ConfigError("recipe", f"{path} has no 'recipe' key; add e.g. `recipe: flow_grpo` "
                           f"(valid: {', '.join(RECIPES.names())})")
     try:

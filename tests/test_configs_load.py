@@ -4,12 +4,17 @@ unknown keys and bad values), accelerate configs through accelerate's own loader
 from pathlib import Path
 
 import pytest
+import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from flowrl.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[1]
-YAMLS = sorted((ROOT / "configs").rglob("*.yaml"))
+# Fragments that configs compose (`base:`): model bases under <family>/base/, task bases under tasks/.
+FRAGMENT_DIRS = ("base", "tasks")
+ALL_YAMLS = sorted((ROOT / "configs").rglob("*.yaml"))
+YAMLS = [p for p in ALL_YAMLS if p.parent.name not in FRAGMENT_DIRS]
+FRAGMENTS = [p for p in ALL_YAMLS if p.parent.name in FRAGMENT_DIRS]
 
 
 def test_there_are_configs_of_every_kind():
@@ -73,3 +78,29 @@ def test_base_errors_are_one_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("base: [1, 2]\n")
     with pytest.raises(ConfigError, match="base must be a path to a YAML file"):
         load_recipe_config(str(tmp_path / "bad.yaml"), [])
+
+
+def test_every_fragment_is_a_base_of_some_config_and_runs_nothing_alone():
+    """Fragments hold settings shared by several configs; they name no recipe (nothing runs them alone) and each
+    is composed into at least one config, so none is dead."""
+    from flowrl.config import _base_chain
+
+    used = {file.resolve() for path in YAMLS if path.parent.name != "accelerate" for file, _ in _base_chain(path)}
+    assert len(FRAGMENTS) >= 6
+    for fragment in FRAGMENTS:
+        assert "recipe" not in (yaml.safe_load(fragment.read_text()) or {}), fragment
+        assert fragment.resolve() in used, f"{fragment} is named by no config"
+
+
+def test_list_bases_merge_left_to_right_and_a_shared_base_once(tmp_path):
+    """``base: [a, b]``: b's values win over a's; a file both bases build on is merged once, at its first place,
+    so b does not reset what a changed."""
+    from flowrl.config import load_config_data
+    from flowrl.recipes.flow_grpo import Config
+
+    (tmp_path / "m.yaml").write_text("sampling: {group_size: 2, batch_size: 4}\n")
+    (tmp_path / "a.yaml").write_text("base: m.yaml\nsampling: {group_size: 6}\n")
+    (tmp_path / "b.yaml").write_text("base: m.yaml\nsampling: {num_steps: 7}\n")
+    (tmp_path / "c.yaml").write_text("base: [a.yaml, b.yaml]\nsampling: {batch_size: 12}\n")
+    data = load_config_data(tmp_path / "c.yaml", Config)
+    assert data["sampling"] == {"group_size": 6, "batch_size": 12, "num_steps": 7}

@@ -13,7 +13,7 @@ import torch
 from flowrl.logging import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "accelerate")
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name not in ("accelerate", "base", "tasks"))
 
 
 @pytest.fixture(scope="module", autouse=True)
