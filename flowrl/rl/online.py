@@ -128,7 +128,7 @@ class OnlineLoop:
                                    steps=s.eval_num_steps, guidance=s.guidance if s.eval_guidance is None
                                    else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
                                    logger=run.logger, heldout=cfg.reward.build_heldout(self.dist.device),
-                                   kl_step=self.step, kl_guidance=s.guidance)
+                                   kl_step=self.step, kl_guidance=s.guidance, fm_sigmas=model.sigmas(s.num_steps))
         self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
         # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
         model.denoiser, self.optimizer = self.dist.prepare_training(
