@@ -40,8 +40,10 @@ from benchmarks.runs import clean, fmt, launch, mean_std, read_curve, save_figur
 
 METRIC = "eval/shapes/accuracy"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+# hack/kl_to_base is logged for SDE rollouts only (the main job, the adversarial and artifact variants);
+# hack/fm_to_base for every trainer, CRD's ODE rollouts included.
 PANEL = ("hack/accuracy_strict", "hack/extra_object_rate", "hack/bg_shift", "hack/drift_pixel", "hack/drift_feature",
-         "hack/diversity", "hack/kl_to_base")
+         "hack/diversity", "hack/kl_to_base", "hack/fm_to_base")
 VARIANTS = ("main", "adversarial", "artifact", "crd")
 COLORS = {"main": "tab:blue", "adversarial": "tab:red", "artifact": "tab:green", "crd": "tab:orange"}
 
@@ -175,7 +177,9 @@ def plot(runs: dict[tuple[str, int], dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     keys = (METRIC, *PANEL)
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
+    fig, axes = plt.subplots(2, 5, figsize=(21, 7.5))
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
     for ax, key in zip(axes.flat, keys):
         for (variant, seed), r in sorted(runs.items()):
             ax.plot(r["minutes"], r["series"][key], color=COLORS[variant], marker=".", linewidth=1.2,

@@ -1,9 +1,10 @@
-"""Which trainer learns fastest here: Flow-GRPO (the main job) against CRD, DiffusionNFT, AWM, DGPO,
-Diffusion-DPO and D3PO on the shapes model, under the same training-time budget, seeds and eval set.
+"""Which trainer learns fastest here: Flow-GRPO (the main job) and its GRPO-Guard (RatioNorm) and Flow-DPPO
+variants against CRD, DiffusionNFT, AWM, DGPO, Diffusion-DPO and D3PO on the shapes model, under the same
+training-time budget, seeds and eval set.
 
 Each trainer runs its shipped config (``configs/shapes/<trainer>.yaml``) with the benchmark's common overrides
-(``--set``, e.g. ``sampling.precision=bfloat16``), Flow-GRPO with the strict-count training reward the others
-use. Runs are launched one after another (``--parallel 2`` runs two at a time, each with one thread) by
+(``--set``, e.g. ``sampling.precision=bfloat16``), Flow-GRPO and its variants with the strict-count training
+reward the others use. Runs are launched one after another (``--parallel 2`` runs two at a time, each with one thread) by
 
     python -m flowrl train configs/shapes/<trainer>.yaml run.output_dir=benchmarks/out/trainers/<trainer>_s<seed>
         run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null eval.at_start=false
@@ -46,17 +47,21 @@ if str(ROOT) not in sys.path:  # runnable from anywhere without installing the p
 from benchmarks.runs import (clean, curve_mean, fmt, interp, launch, mean_std, read_curve,  # noqa: E402
                              save_figure)
 
-TRAINERS = ("flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
+TRAINERS = ("flow_grpo", "grpo_guard", "flow_dppo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
 METRIC = "eval/shapes/accuracy"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 STRICT = "reward.train={shapes: {weight: 1.0, kwargs: {count_mode: strict}}}"
 # What every trainer's run gets on top of its config (the main job's config trains on the partial-count reward).
-TRAINER_OVERRIDES = {"flow_grpo": [STRICT]}
-COLORS = {"flow_grpo": "tab:blue", "crd": "tab:orange", "nft": "tab:green", "awm": "tab:red", "dgpo": "tab:purple",
-          "dpo": "tab:brown", "d3po": "tab:pink"}
+TRAINER_OVERRIDES = {"flow_grpo": [STRICT], "grpo_guard": [STRICT], "flow_dppo": [STRICT]}
+COLORS = {"flow_grpo": "tab:blue", "grpo_guard": "tab:cyan", "flow_dppo": "tab:olive", "crd": "tab:orange",
+          "nft": "tab:green", "awm": "tab:red", "dgpo": "tab:purple", "dpo": "tab:brown", "d3po": "tab:pink"}
 # The sweep: each trainer's learning rate, then its main coefficient, one at a time around the shipped config.
 SWEEP = {
     "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4, 1e-2]},
+    # RatioNorm's clip acts on the normalised ratio: 2e-5 is the authors' 1/50 of Flow-GRPO's range, 4e-3 ten times
+    # the shipped 4e-4.
+    "grpo_guard": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [2e-5, 4e-3]},
+    "flow_dppo": {"optim.lr": [2.5e-5, 1e-4], "train.dppo_threshold": [1e-6, 1e-4]},
     "crd": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.3, 3.0]},
     "nft": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.1, 0.3]},
     "awm": {"optim.lr": [1e-5, 1e-4], "train.ema_kl_coef": [0.1, 3.0]},

@@ -274,6 +274,7 @@ def crd_loss(
     adaptive: bool = True,
     adv_clip: float = 5.0,
     implicit_group_mean: Tensor | None = None,
+    reward_group_mean: Tensor | None = None,
     reduction: str = "mean",
 ) -> ForwardLossOutput:
     """Centered Reward Distillation (docs/trainers.md, "CRD").
@@ -296,15 +297,20 @@ def crd_loss(
             ``None`` when ``kl_coef == 0``.
         target: ``[B, ...]`` ``u = eps - x0``.
         advantages: ``[B]`` group advantages.
-        group_ids: ``[B]`` prompt group of each row.
+        group_ids: ``[B]`` prompt group of each row (unused when both group means are given).
         beta: > 0, the implicit reward's inverse temperature. Default 1.0.
         kl_coef: ``kappa >= 0``. Default 0.1.
         kl_floor: KL weight at reward 0, in ``[0, kappa]``. Default 1e-4.
         reward_adaptive: weight the KL by the reward (above) or by ``kappa`` alone. Default True.
         adaptive: adaptive normalisers in the implicit reward. Default True.
         adv_clip: advantage clip inside ``r`` and the loss scale. Default 5.
-        implicit_group_mean: ``[B]`` precomputed ``mean_{g(i)} r_theta`` for groups that span processes
-            (gather ``r_theta`` detached, average per group); ``None`` computes it from this call's rows.
+        implicit_group_mean: ``[B]`` precomputed ``mean_{g(i)} r_theta`` over the whole group, for a group whose
+            rows are split across calls or processes (gather ``r_theta`` detached, average per group); ``None``
+            computes it from this call's rows. Pass ``reward_group_mean`` with it.
+        reward_group_mean: ``[B]`` precomputed ``mean_{g(i)} r`` over the whole group (``r = reward_weights(A,
+            adv_clip=adv_clip)`` of every sample of the group); required with ``implicit_group_mean`` and only
+            with it. With both, the calls' ``reduction="sum"`` losses add up to the whole group's, and so do
+            their gradients.
         reduction: ``"mean"`` (default) or ``"sum"`` over rows.
 
     Returns:
@@ -323,12 +329,16 @@ def crd_loss(
     advantages = _per_row("advantages", advantages, batch, v.device)
     r = reward_weights(advantages, adv_clip=adv_clip).double()
 
+    if (implicit_group_mean is None) != (reward_group_mean is None):
+        raise ValueError("implicit_group_mean and reward_group_mean go together: a group split across calls needs "
+                         "both of its whole-group means (of r_theta and of the reward weights); pass both or neither")
     r_theta = implicit_reward(v, v_old, target, adaptive=adaptive)
     if implicit_group_mean is None:
         center = group_mean(r_theta.detach(), group_ids)
+        r_centred = r - group_mean(r, group_ids)
     else:
         center = _per_row("implicit_group_mean", implicit_group_mean, batch, v.device).detach().double()
-    r_centred = r - group_mean(r, group_ids)
+        r_centred = r - _per_row("reward_group_mean", reward_group_mean, batch, v.device).detach().double()
     policy = (beta * (r_theta - center) - r_centred) ** 2 * adv_clip / beta
 
     if v_ref_cfg is not None:

@@ -26,9 +26,11 @@ __all__ = [
     "aggregate",
     "clipped_policy_loss",
     "dpo_loss",
+    "dppo_policy_loss",
     "gaussian_kl",
     "ipo_loss",
     "kl_estimate",
+    "ratio_norm_policy_loss",
     "simpo_loss",
 ]
 
@@ -98,6 +100,36 @@ def _check_same_shape(**tensors: Tensor) -> None:
 def _check_positive(name: str, value: Any) -> None:
     if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{name} must be a number > 0; received {value!r}")
+
+
+def _check_clip_ranges(eps_low: Any, eps_high: Any, dual_clip: Any) -> float:
+    """Validate PPO's clip arguments; returns ``eps_high`` (``None`` means ``eps_low``)."""
+    if not (isinstance(eps_low, (int, float)) and 0.0 <= eps_low < 1.0):
+        raise ValueError(f"eps_low must be a number in [0, 1); received {eps_low!r}")
+    if eps_high is None:
+        eps_high = eps_low
+    if not (isinstance(eps_high, (int, float)) and eps_high >= 0.0):
+        raise ValueError(f"eps_high must be a number >= 0 or None (= eps_low); received {eps_high!r}")
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
+        raise ValueError(f"dual_clip must be a number > 1 or None to disable; received {dual_clip!r}")
+    return eps_high
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
+                       dual_clip: float | None) -> tuple[Tensor, Tensor]:
+    """Per element ``max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`` (dual clip: for ``A < 0`` at most
+    ``-A c``) and where a clip changed the objective."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    # torch.where instead of max: the clipped branch is exactly constant, and ties get the plain gradient.
+    is_clipped = clipped > unclipped
+    loss = torch.where(is_clipped, clipped.detach(), unclipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        is_dual = (adv < 0) & (loss > cap)
+        loss = torch.where(is_dual, cap, loss)
+        is_clipped = is_clipped | is_dual
+    return loss, is_clipped
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,14 +226,7 @@ def clipped_policy_loss(
         :class:`LossOutput`.
     """
     _check_choice("aggregation", aggregation, AGGREGATIONS)
-    if not (isinstance(eps_low, (int, float)) and 0.0 <= eps_low < 1.0):
-        raise ValueError(f"eps_low must be a number in [0, 1); received {eps_low!r}")
-    if eps_high is None:
-        eps_high = eps_low
-    if not (isinstance(eps_high, (int, float)) and eps_high >= 0.0):
-        raise ValueError(f"eps_high must be a number >= 0 or None (= eps_low); received {eps_high!r}")
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip must be a number > 1 or None to disable; received {dual_clip!r}")
+    eps_high = _check_clip_ranges(eps_low, eps_high, dual_clip)
     logp2 = _as_2d(logp, "logp")
     if tuple(old_logp.shape) != tuple(logp.shape):
         raise ValueError(
@@ -227,16 +252,7 @@ def clipped_policy_loss(
     # gradient through exp.
     log_ratio = torch.where(m != 0, log_ratio, torch.zeros_like(log_ratio))
     ratio = log_ratio.exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    # torch.where instead of max: the clipped branch is exactly constant, and ties get the plain gradient.
-    is_clipped = clipped > unclipped
-    loss = torch.where(is_clipped, clipped.detach(), unclipped)
-    if dual_clip is not None:
-        cap = -adv * dual_clip
-        is_dual = (adv < 0) & (loss > cap)
-        loss = torch.where(is_dual, cap, loss)
-        is_clipped = is_clipped | is_dual
+    loss, is_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
 
     with torch.no_grad():
         ratio_mean = _masked_token_mean(ratio, m)
@@ -246,6 +262,156 @@ def clipped_policy_loss(
 
 
 POLICY_LOSSES.register("clipped", clipped_policy_loss)
+
+
+# --------------------------------------------------------------------------------------------------
+# policy losses of one Gaussian denoising step (docs/algorithms.md, section 5)
+#
+# Both variants know that a stochastic step's policy is a Gaussian N(mean, std^2 I) whose std does not
+# depend on the weights, so the old and the new transition differ only by their means and their KL is
+# exact: ||mean - old_mean||^2 / (2 std^2) (gaussian_kl). One row is one (sample, step) pair.
+
+
+def _per_row_value(name: str, value: float | Tensor, logp: Tensor) -> Tensor:
+    """A float or one value per row (``[B]`` or ``[B, 1, ...]``) as ``[B]`` in ``logp``'s working dtype."""
+    batch = logp.shape[0]
+    x = torch.as_tensor(value, device=logp.device).to(torch.promote_types(logp.dtype, torch.float32))
+    if x.numel() == 1:
+        return x.reshape(1).expand(batch)
+    if x.numel() == batch and all(n == 1 for n in x.shape[1:]):
+        return x.reshape(batch)
+    raise ValueError(f"{name} must be a float or hold one value per row ([B] or [B, 1, ...] with B = {batch}); "
+                     f"received shape {list(x.shape)}")
+
+
+def _step_rows(logp: Tensor, old_logp: Tensor, advantages: Tensor, mean: Tensor, old_mean: Tensor,
+               std: float | Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Checked ``[B]`` log-probs, advantages and std and ``[B, ...]`` means, in at least float32."""
+    if logp.ndim != 1:
+        raise ValueError(f"logp must have shape [B] (one row per sample and step); received {list(logp.shape)}")
+    _check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages)
+    _check_same_shape(mean=mean, old_mean=old_mean)
+    if mean.ndim < 1 or mean.shape[0] != logp.shape[0]:
+        raise ValueError(f"mean must have shape [B, ...] with B = {logp.shape[0]}; received {list(mean.shape)}")
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    s = _per_row_value("std", std, logp)
+    if not bool((s > 0).all()):
+        raise ValueError("std must be > 0: these losses need a stochastic step (an ODE step has no policy ratio)")
+    return (logp.to(dtype), old_logp.detach().to(dtype), advantages.detach().to(dtype), mean.to(dtype),
+            old_mean.detach().to(dtype), s)
+
+
+def ratio_norm_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mean: Tensor,
+    old_mean: Tensor,
+    std: float | Tensor,
+    dt: float | Tensor,
+    *,
+    eps_low: float,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+    reduction: str = "mean",
+) -> LossOutput:
+    """GRPO-Guard's clipped surrogate with RatioNorm and its per-step gradient reweighting.
+
+    Per row ``i`` (one sample at one denoising step), with ``kl_i = gaussian_kl(mean, old_mean, std)`` (the
+    exact KL between the old and the new transition, differentiable through ``mean``)::
+
+        log_rho_norm_i = (logp_i - old_logp_i + kl_i) * std_i
+        L_i            = max(-A_i rho_i, -A_i clip(rho_i, 1 - eps_low, 1 + eps_high)) / |dt_i|,
+                         rho_i = exp(log_rho_norm_i)
+
+    and the loss is ``mean_i L_i``. Adding ``kl`` centres the log-ratio (its mean over the old transition's
+    samples is ``-kl``) and multiplying by ``std`` makes its spread the same at every step (for a Gaussian
+    step ``log_rho_norm = mean_d((x_next - old_mean) (mean - old_mean)) / std`` with ``mean`` reduction);
+    dividing by ``|dt|`` evens the steps' gradient sizes. Source and departures: docs/algorithms.md,
+    section 5 ("RatioNorm").
+
+    Args:
+        logp: ``[B]`` log-probs of the stored transitions under the current policy (``reduction`` as below).
+        old_logp: ``[B]`` the same under the policy that sampled them.
+        advantages: ``[B]``.
+        mean: ``[B, ...]`` the current policy's transition mean.
+        old_mean: ``[B, ...]`` the sampling policy's transition mean (recorded at rollout).
+        std: the transition's per-element std: a float or one value per row (``[B]`` or ``[B, 1, ...]``), > 0.
+        dt: the step length ``sigma_t - sigma_{t+1}`` (its sign is ignored): a float or ``[B]``, != 0.
+        eps_low / eps_high / dual_clip: as :func:`clipped_policy_loss`, applied to the normalised ratio.
+        reduction: the reduction of the log-probs (``mean``: divided by ``D``, Flow-GRPO's and GRPO-Guard's;
+            ``sum``), used for ``kl`` too.
+
+    Returns:
+        :class:`LossOutput`; ``ratio_mean`` and ``clip_frac`` are of the normalised ratio, ``approx_kl`` the
+        k3 estimate from the raw ratio ``exp(logp - old_logp)``.
+    """
+    _check_choice("reduction", reduction, ("mean", "sum"))
+    eps_high = _check_clip_ranges(eps_low, eps_high, dual_clip)
+    logp, old_logp, adv, mean, old_mean, s = _step_rows(logp, old_logp, advantages, mean, old_mean, std)
+    step = _per_row_value("dt", dt, logp).abs()
+    if not bool((step > 0).all()):
+        raise ValueError("dt must be non-zero (the step length sigma_t - sigma_{t+1})")
+    bias = gaussian_kl(mean, old_mean, s, reduction=reduction)  # the ratio's mean bias: KL(old || new)
+    raw = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = ((logp - old_logp + bias) * s).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    elems, is_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
+    loss = (elems / step).mean()
+    with torch.no_grad():
+        approx_kl = (torch.expm1(raw) - raw).mean()
+        return LossOutput(loss, ratio.mean(), is_clipped.to(logp.dtype).mean(), approx_kl)
+
+
+def dppo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mean: Tensor,
+    old_mean: Tensor,
+    std: float | Tensor,
+    *,
+    threshold: float,
+    reduction: str = "mean",
+) -> LossOutput:
+    """Flow-DPPO's surrogate: no ratio clip, a divergence mask instead.
+
+    Per row ``i`` with ``rho_i = exp(logp_i - old_logp_i)`` and ``kl_i = gaussian_kl(mean, old_mean, std)``
+    (the exact KL between the old and the new transition, no gradient)::
+
+        drop_i = kl_i >= threshold  and  ((rho_i > 1 and A_i > 0) or (rho_i < 1 and A_i < 0))
+        L_i    = 0 if drop_i else -A_i rho_i
+
+    and the loss is ``mean_i L_i``. A row is masked only when the policy has moved far from the sampling
+    policy *and* keeps moving in the direction its advantage pushes; a corrective move (e.g. ``A > 0``,
+    ``rho < 1``) always passes. Source: docs/algorithms.md, section 5 ("Flow-DPPO").
+
+    Args:
+        logp / old_logp / advantages / mean / old_mean / std: as :func:`ratio_norm_policy_loss`.
+        threshold: ``> 0``, the KL (in ``reduction`` units: per element with ``mean``) beyond which the
+            mask applies.
+        reduction: the log-probs' reduction, used for ``kl`` too.
+
+    Returns:
+        :class:`LossOutput`; ``clip_frac`` is the fraction of masked rows.
+    """
+    _check_choice("reduction", reduction, ("mean", "sum"))
+    _check_positive("threshold", threshold)
+    logp, old_logp, adv, mean, old_mean, s = _step_rows(logp, old_logp, advantages, mean, old_mean, std)
+    with torch.no_grad():
+        kl = gaussian_kl(mean.detach(), old_mean, s, reduction=reduction)
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    drop = (kl >= threshold) & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0)))
+    # where, not a product: an overflowing ratio times a zero mask would be NaN.
+    loss = torch.where(drop, torch.zeros_like(ratio), -adv * ratio).mean()
+    with torch.no_grad():
+        approx_kl = (torch.expm1(log_ratio) - log_ratio).mean()
+        return LossOutput(loss, ratio.mean(), drop.to(logp.dtype).mean(), approx_kl)
+
+
+POLICY_LOSSES.register("grpo_guard", ratio_norm_policy_loss)
+POLICY_LOSSES.register("flow_dppo", dppo_policy_loss)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ Distillation" (arXiv 2603.14128); formula and sources in docs/trainers.md, "CRD"
    schedules (``train.old``: ``min(0.25 + 0.005 s, 0.999)``; ``train.sampler``: a copy for 75 optimizer
    steps, then ``min(0.0075 (s - 75), 0.999)``). Both are checkpointed, so resume is exact.
 
-Where flowrl departs from the code we could read (Flow-Factory's reimplementation, which follows the
-authors'): centring is per prompt group at a shared ``(t, eps)``, as the method states, not over a gathered
+Where flowrl departs from the authors' code (Flow-Factory's ``trainers/crd.py``, written by the paper's first
+author): centring is per prompt group at a shared ``(t, eps)``, as the method states, not over a gathered
 micro-batch that pools prompts and times (docs/trainers.md explains why); every group's samples are kept on
 one process and in one pass, so no gathered group means are needed. Samples whose reward is NaN are left
 out and counted.

@@ -2,7 +2,10 @@
 
 Paper: Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL" (2025), with its "Fast"
 variant (train a window of the denoising steps), MixGRPO's sliding window and DanceGRPO's constant-noise
-SDE as options. One epoch (docs/architecture.md, "One RL step"):
+SDE as options, and two changes of the surrogate (docs/algorithms.md, section 5): GRPO-Guard's RatioNorm
+(``train.ratio_norm``, Wang et al. 2025, adopted in Flow-GRPO's code) and Flow-DPPO's divergence mask in place
+of the ratio clip (``train.trust_region=dppo``); both compare each step's transition mean with the one
+recorded at rollout. One epoch (docs/architecture.md, "One RL step"):
 
 1. the group sampler picks ``groups_per_epoch`` prompts, each ``group_size`` times, with per-sample seeds;
 2. ``collect_epoch``: each process rolls out its shard with the configured SDE step inside the training
@@ -61,6 +64,19 @@ class TrainConfig:
     minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
     micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # samples per backward, per process
     ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # None: no EMA
+    # GRPO-Guard's RatioNorm: clip exp((log rho + KL(old, new)) std) instead of rho, and divide each step's policy
+    # loss by |dt| (docs/algorithms.md, section 5). Its published clip ranges are ~1/50 of Flow-GRPO's.
+    ratio_norm: bool = False
+    # clip: PPO's ratio clip (clip_range, clip_range_high, dual_clip); dppo: Flow-DPPO's divergence mask, no clip.
+    trust_region: Literal["clip", "dppo"] = "clip"
+    # Flow-DPPO: the exact KL(old || new) of a step (per element with sampling.reduction=mean) beyond which a row
+    # that keeps moving the way its advantage pushes is masked.
+    dppo_threshold: float = field(default=1e-5, metadata=bounds(gt=0))
+
+    @property
+    def needs_old_means(self) -> bool:
+        """RatioNorm and Flow-DPPO compare the new transition mean with the one recorded at rollout."""
+        return self.ratio_norm or self.trust_region == "dppo"
 
 
 @dataclass
@@ -73,6 +89,13 @@ class Config(OnlineConfig):
             fail("sampling.step", "Flow-GRPO trains stochastic steps; choose flow_sde, dance_sde or cps")
         if self.train.minibatches > self.sampling.samples_per_epoch:
             fail("train.minibatches", "more minibatches than samples per epoch")
+        if self.train.trust_region == "dppo":
+            if self.train.ratio_norm:
+                fail("train.ratio_norm", "GRPO-Guard's RatioNorm normalises the clipped ratio and Flow-DPPO has no "
+                     "ratio clip; choose one (train.trust_region=clip with ratio_norm, or dppo without)")
+            for name in ("clip_range_high", "dual_clip"):
+                if getattr(self.train, name) is not None:
+                    fail(f"train.{name}", "Flow-DPPO (train.trust_region=dppo) has no ratio clip; unset it")
 
 
 def _kl_weights(cfg: TrainConfig, sigmas: torch.Tensor) -> torch.Tensor:
@@ -82,12 +105,39 @@ def _kl_weights(cfg: TrainConfig, sigmas: torch.Tensor) -> torch.Tensor:
     return torch.full((sigmas.numel() - 1,), cfg.kl_beta, dtype=torch.float64)
 
 
+def _policy_loss(t_cfg: TrainConfig, out, traj, rows, t: int, advantages: torch.Tensor, reduction: str):
+    """The policy term of one pass (rows ``rows`` at trained step ``t``) and, for RatioNorm and Flow-DPPO, the
+    exact KL between the rollout's and the current transition (``train/kl_old``; None otherwise).
+
+    ``out`` is the current policy's ``StepOutput`` of the stored transitions; ``advantages`` ``[b]``."""
+    from flowrl.core.losses import clipped_policy_loss, dppo_policy_loss, gaussian_kl, ratio_norm_policy_loss
+
+    device = out.log_prob.device
+    old_logp = traj.log_probs[rows, t].to(device)
+    if not t_cfg.needs_old_means:
+        return clipped_policy_loss(out.log_prob[:, None], old_logp[:, None], advantages[:, None], None,
+                                   eps_low=t_cfg.clip_range, eps_high=t_cfg.clip_range_high,
+                                   dual_clip=t_cfg.dual_clip, aggregation="token_mean"), None
+    old_mean = traj.means[rows, t].to(device)
+    with torch.no_grad():
+        kl_old = gaussian_kl(out.mean, old_mean, out.std, reduction=reduction).mean()
+    if t_cfg.trust_region == "dppo":
+        return dppo_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std,
+                                threshold=t_cfg.dppo_threshold, reduction=reduction), kl_old
+    dt = float(traj.sigmas[t] - traj.sigmas[t + 1])
+    return ratio_norm_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std, dt,
+                                  eps_low=t_cfg.clip_range, eps_high=t_cfg.clip_range_high, dual_clip=t_cfg.dual_clip,
+                                  reduction=reduction), kl_old
+
+
 def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: torch.Tensor, cfg: Config, dist,
                 epoch: int, *, ema=None, health=None, progress=None) -> dict[str, float]:
-    """Clipped policy loss + KL over the trained steps; one optimizer step per minibatch.
+    """Clipped policy loss (or its RatioNorm / Flow-DPPO variant) + KL over the trained steps; one optimizer step
+    per minibatch.
 
     Args:
-        rollouts: the epoch's :class:`flowrl.rl.collect.EpochRollouts` (this process's samples).
+        rollouts: the epoch's :class:`flowrl.rl.collect.EpochRollouts` (this process's samples; with
+            ``train.ratio_norm`` or ``trust_region=dppo`` collected with ``store_means=True``).
         advantages: ``[n, T]`` (only trained steps are read).
         valid: ``[n]`` bool, samples that take part (finite reward).
         health: a :class:`flowrl.rl.passes.UpdateHealth` that counts updates skipped for non-finite values.
@@ -96,7 +146,7 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
     Returns:
         Means over the epoch of the loss statistics (``train/...``).
     """
-    from flowrl.core.losses import clipped_policy_loss, gaussian_kl
+    from flowrl.core.losses import gaussian_kl
     from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_scale,
                                   training_passes)
 
@@ -107,6 +157,9 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
     velocity = model.velocity_fn(cfg.sampling.guidance, detach_uncond=t_cfg.cfg_grad == "cond_only")
     kl_weights = _kl_weights(t_cfg, traj.sigmas)
     params = model.trainable_parameters()
+    if t_cfg.needs_old_means and traj.means is None:
+        raise ValueError("train.ratio_norm / trust_region=dppo need the rollout's transition means: collect the "
+                         "epoch with store_means=True")
     take_part = valid.clone()
     if t_cfg.drop_zero_advantage and steps:
         take_part &= (advantages[:, steps] != 0).any(dim=1)
@@ -124,10 +177,8 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                 x = traj.state(t, m).to(device)
                 sigma, cond = traj.sigmas[t].to(device).expand(len(m)), rollouts.cond_rows(m, device)
                 out = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m)
-                policy = clipped_policy_loss(out.log_prob[:, None], traj.log_probs[m, t].to(device)[:, None],
-                                             advantages[m, t].to(device)[:, None], None,
-                                             eps_low=t_cfg.clip_range, eps_high=t_cfg.clip_range_high,
-                                             dual_clip=t_cfg.dual_clip, aggregation="token_mean")
+                policy, kl_old = _policy_loss(t_cfg, out, traj, m, t, advantages[m, t].to(device),
+                                              cfg.sampling.reduction)
                 loss, kl = policy.loss, torch.zeros((), device=device)
                 if t_cfg.kl_beta > 0:
                     with torch.no_grad(), model.reference():
@@ -139,7 +190,8 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                 if p.weight:
                     stats.add(len(m), **{"train/loss": float(loss.detach()), "train/ratio_mean": float(policy.ratio_mean),
                                          "train/clip_frac": float(policy.clip_frac),
-                                         "train/approx_kl": float(policy.approx_kl), "train/kl_ref": float(kl.detach())})
+                                         "train/approx_kl": float(policy.approx_kl), "train/kl_ref": float(kl.detach()),
+                                         **({} if kl_old is None else {"train/kl_old": float(kl_old)})})
                     if progress is not None:
                         progress.update(len(m))
             grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist,
@@ -162,7 +214,8 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     with run:
         while run.next_epoch():
             epoch = run.epoch
-            rollouts, advantages, valid, metrics = online.collect(epoch, store_x0="step_weights" in cfg.advantage.needs)
+            rollouts, advantages, valid, metrics = online.collect(epoch, store_x0="step_weights" in cfg.advantage.needs,
+                                                                  store_means=cfg.train.needs_old_means)
             if online.updates_policy(metrics):  # False: every reward NaN, or a discriminator-only epoch
                 # One tick per (sample, trained step) forward-backward pass.
                 passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs

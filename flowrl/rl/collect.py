@@ -27,7 +27,8 @@ class EpochRollouts:
 
     Attributes:
         trajectory: the rollout (``latents [n, T + 1, C, H, W]``, ``log_probs [n, T]``, the ``Step`` and
-            ``train_mask [T]``; ``x0_preds [n, T, ...]`` when collected with ``store_x0``).
+            ``train_mask [T]``; ``x0_preds [n, T, ...]`` when collected with ``store_x0``, ``means [n, T, ...]`` with
+            ``store_means``).
         rewards: ``[n]`` float32 training rewards (NaN where the reward failed).
         details: ``{name: [n]}`` reward details.
         prompts / metadata: ``n`` prompts and their metadata.
@@ -89,7 +90,8 @@ def checked_reward(reward: Callable, images: torch.Tensor, prompts: list[str], m
 
 
 def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: Callable, guidance: float,
-                  batch_size: int, store_x0: bool = False, velocity_fn=None, progress=None) -> EpochRollouts:
+                  batch_size: int, store_x0: bool = False, store_means: bool = False, velocity_fn=None,
+                  progress=None) -> EpochRollouts:
     """Roll out, decode and score this process's shard of an epoch.
 
     Args:
@@ -102,6 +104,7 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
         guidance: classifier-free guidance scale of the rollout.
         batch_size: samples per rollout call.
         store_x0: record the predicted clean latents (cosine credit needs them).
+        store_means: record every step's transition mean (GRPO-Guard's RatioNorm and Flow-DPPO need them).
         velocity_fn: sample with this velocity instead of ``model.velocity_fn(guidance)`` (e.g. a snapshot).
         progress: optional tqdm bar advanced by the number of samples of each rollout call.
 
@@ -137,7 +140,7 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
                 x_init = initial_noise(model.latent_shape, batch.sample_seeds[rows], device=model.device)
                 traj = rollout(velocity, x_init, step.sigmas, cond=cond, step=step, window=window, iteration=epoch,
                                seed=seed, sample_seeds=batch.sample_seeds[rows], store_x0=store_x0,
-                               model_dtype=model.dtype)
+                               store_means=store_means, model_dtype=model.dtype)
                 decoded = model.decode(traj.x0).cpu()
                 futures.append(pool.submit(score, decoded, prompts, batch.metadata[rows]))
                 parts.append(traj.to("cpu"))

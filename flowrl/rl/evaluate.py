@@ -46,17 +46,19 @@ class Evaluator:
         logger: the run's :class:`flowrl.logging.MetricsLogger` (grids also go to TensorBoard / wandb).
         heldout: ``{name: reward}`` of ``reward.heldout``, scored in the hacking panel.
         kl_step / kl_guidance: the training rollout's ``samplers.Step`` and guidance (``hack/kl_to_base``).
+        fm_sigmas: the schedule of the policy's samples for ``hack/fm_to_base`` (default ``kl_step``'s).
     """
 
     def __init__(self, cfg: EvalConfig, rewards: dict, prompt_set, *, steps: int, guidance: float, dist,
                  output_dir: Path, logger=None, heldout: dict | None = None, kl_step=None,
-                 kl_guidance: float | None = None):
+                 kl_guidance: float | None = None, fm_sigmas: torch.Tensor | None = None):
         self.cfg, self.rewards, self.prompt_set = cfg, rewards, prompt_set
         self.steps, self.guidance, self.dist, self.output_dir = steps, guidance, dist, Path(output_dir)
         self.logger = logger
         self._base: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
         self.panel = HackingPanel(cfg.hacking, list(prompt_set.prompts), list(prompt_set.metadata),
-                                  heldout=heldout or {}, kl_step=kl_step, kl_guidance=kl_guidance, steps=steps,
+                                  heldout=heldout or {}, kl_step=kl_step, kl_guidance=kl_guidance,
+                                  fm_sigmas=fm_sigmas, steps=steps,
                                   guidance=guidance, batch_size=cfg.batch_size, dist=dist) \
             if cfg.hacking.enabled else None
 

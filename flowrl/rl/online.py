@@ -151,7 +151,7 @@ class OnlineLoop:
                                    steps=s.eval_num_steps, guidance=s.guidance if s.eval_guidance is None
                                    else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
                                    logger=run.logger, heldout=cfg.reward.build_heldout(self.dist.device),
-                                   kl_step=self.step, kl_guidance=s.guidance)
+                                   kl_step=self.step, kl_guidance=s.guidance, fm_sigmas=model.sigmas(s.num_steps))
         self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
         # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
         model.denoiser, self.optimizer = self.dist.prepare_training(
@@ -182,13 +182,14 @@ class OnlineLoop:
 
         return autocast(self.cfg.sampling, self.dist.device)
 
-    def collect(self, epoch: int, *, velocity_fn=None, store_x0: bool = False):
+    def collect(self, epoch: int, *, velocity_fn=None, store_x0: bool = False, store_means: bool = False):
         """Roll out, decode and score this process's shard of ``epoch``, then compute advantages.
 
         Args:
             epoch: the epoch (drives prompts, seeds and the window).
             velocity_fn: sample with this velocity (e.g. a snapshot's) instead of the policy's.
             store_x0: keep the predicted clean latents of every step (cosine credit).
+            store_means: keep every step's transition mean (RatioNorm, Flow-DPPO).
 
         Returns:
             ``(rollouts, advantages, valid, metrics)`` as :func:`flowrl.rl.collect.collect_epoch` and
@@ -204,7 +205,8 @@ class OnlineLoop:
         with bar, self.precision():
             rollouts = collect_epoch(self.model, self.sampler.epoch(epoch), step=self.step, window=self.window,
                                      epoch=epoch, seed=cfg.run.seed, reward=self.reward, guidance=s.guidance,
-                                     batch_size=s.batch_size, store_x0=store_x0, velocity_fn=velocity_fn, progress=bar)
+                                     batch_size=s.batch_size, store_x0=store_x0, store_means=store_means,
+                                     velocity_fn=velocity_fn, progress=bar)
         start = time.perf_counter()
         with self.precision():
             advantages, valid, metrics = compute_advantages(

@@ -13,6 +13,14 @@ loop adds the images and the base model):
 - ``hack/kl_to_base``: the KL between the policy's and the base model's transitions of the training rollout
   step, along the policy's ODE path of ``eval.hacking.kl_prompts`` eval prompts (measured even when the loss
   has no KL term; same units as ``train/kl_ref``: the per-step Gaussian KL, averaged over the stochastic steps);
+  logged only when the rollout step is stochastic (an ODE rollout has no transition density, its KL would be 0
+  whatever the weights);
+- ``hack/fm_to_base``: the flow-matching distance between the policy and the base model on the policy's own
+  samples, meaningful for every trainer: ``eval.hacking.fm_prompts`` eval prompts are sampled by the policy (ODE
+  on the training schedule), each sample ``x0`` is noised at ``eval.hacking.fm_levels`` fixed noise levels
+  ``t_k = (k + 1/2) / K`` with fixed noise, ``x_t = (1 - t) x0 + t eps``, and ``mean_d (v_policy - v_base)^2`` at
+  ``(x_t, t)`` is averaged over levels and samples (velocity units squared; docs/algorithms.md, section 6, relates
+  it to the KL);
 - the held-out rewards of ``reward.heldout`` (never trained on): ``hack/heldout/<name>/mean`` (and
   ``/accuracy`` when the reward reports correctness).
 """
@@ -26,7 +34,7 @@ import torch
 
 from flowrl.config import bounds, fail
 
-__all__ = ["HackingConfig", "HackingPanel", "kl_to_base", "with_reference"]
+__all__ = ["HackingConfig", "HackingPanel", "fm_to_base", "kl_to_base", "with_reference"]
 
 
 @dataclass
@@ -38,6 +46,8 @@ class HackingConfig:
     diversity_prompts: int = field(default=8, metadata=bounds(ge=0, le=256))  # 0: no diversity metric
     diversity_seeds: int = field(default=4, metadata=bounds(ge=2, le=64))
     kl_prompts: int = field(default=16, metadata=bounds(ge=0, le=1024))  # 0: no hack/kl_to_base
+    fm_prompts: int = field(default=16, metadata=bounds(ge=0, le=1024))  # 0: no hack/fm_to_base
+    fm_levels: int = field(default=5, metadata=bounds(ge=1, le=100))  # noise levels (k + 1/2) / fm_levels
 
     def check(self) -> None:
         if not self.features:
@@ -110,6 +120,67 @@ def kl_to_base(model, step, prompts: list[str], seeds: list[int], *, guidance: f
     return torch.cat(out) if out else torch.zeros(0)
 
 
+# Stream tag of the noise that fm_to_base mixes into the policy's samples (independent of the sampling noise).
+STREAM_FM = 0xF3B
+
+
+def fm_levels(count: int) -> list[float]:
+    """The noise levels of ``hack/fm_to_base``: the midpoints ``(k + 1/2) / count`` of ``count`` equal bins of
+    ``[0, 1]`` (5 levels: 0.1, 0.3, 0.5, 0.7, 0.9)."""
+    return [(k + 0.5) / count for k in range(count)]
+
+
+@torch.no_grad()
+def fm_to_base(model, sigmas: torch.Tensor, prompts: list[str], seeds: list[int], *, guidance: float | None,
+               batch_size: int, levels: int = 5) -> torch.Tensor:
+    """Per-sample flow-matching distance between the policy and the base model on the policy's own samples.
+
+    Each prompt is sampled by the policy with the Euler ODE on ``sigmas`` from its seed's initial noise, giving
+    ``x0``; at every level ``t_k`` of :func:`fm_levels` it is noised with noise fixed by ``(seed, k)``,
+    ``x_t = (1 - t_k) x0 + t_k eps_k``, and both models' velocities are compared there::
+
+        fm = mean_k mean_d (v_policy(x_t, t_k) - v_base(x_t, t_k))^2
+
+    It is 0 exactly when the two velocity fields agree on the policy's noised samples, and it needs no
+    stochastic step, so it means the same for an ODE trainer as for Flow-GRPO (docs/algorithms.md, section 6).
+
+    Args:
+        model: the policy (a :class:`flowrl.models.base.FlowModel`); its ``reference()`` is the base.
+        sigmas: ``[T + 1]`` the schedule of the policy's samples (the training rollout's).
+        prompts / seeds: ``B`` prompts and the seeds of their initial noise (and of the mixed-in noise).
+        guidance: classifier-free guidance of both models' velocities (the rollout's).
+        levels: ``K``, the number of noise levels.
+
+    Returns:
+        ``[B]`` float32, the mean over the levels of each sample's squared velocity gap.
+    """
+    from samplers import derive_seed, euler_step, initial_noise
+
+    velocity = model.velocity_fn(guidance)
+    device = model.device
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk, chunk_seeds = prompts[start:start + batch_size], seeds[start:start + batch_size]
+        cond = model.encode_prompts(chunk)
+        x = initial_noise(model.latent_shape, torch.as_tensor(chunk_seeds), device=device)
+        for t in range(len(sigmas) - 1):
+            sigma = torch.full((len(chunk),), float(sigmas[t]), device=device)
+            v = velocity(x.to(model.dtype), sigma, cond).float()
+            x = euler_step(v, x.float(), float(sigmas[t]), float(sigmas[t + 1])).x_next
+        total = torch.zeros(len(chunk), dtype=torch.float64)
+        for k, level in enumerate(fm_levels(levels)):
+            eps = initial_noise(model.latent_shape, torch.tensor([derive_seed(s, STREAM_FM, k) for s in chunk_seeds]),
+                                device=device)
+            x_t = (1.0 - level) * x + level * eps
+            sigma = torch.full((len(chunk),), level, device=device)
+            v = velocity(x_t.to(model.dtype), sigma, cond).double()
+            with model.reference():
+                v_ref = velocity(x_t.to(model.dtype), sigma, cond).double()
+            total += (v - v_ref).square().flatten(1).mean(dim=1).cpu()
+        out.append((total / levels).float())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
 class HackingPanel:
     """The ``hack/*`` metrics of one evaluation (see the module docstring).
 
@@ -117,17 +188,21 @@ class HackingPanel:
         cfg: the ``eval.hacking`` section.
         prompts / metadata: the full eval prompt set (every process sees the same).
         heldout: ``{name: reward}`` of ``reward.heldout``.
-        kl_step: the training rollout's ``samplers.Step`` (None: no ``hack/kl_to_base``).
-        kl_guidance: the rollout's guidance scale.
+        kl_step: the training rollout's ``samplers.Step`` (None, or a deterministic ``ode`` step: no
+            ``hack/kl_to_base``).
+        kl_guidance: the rollout's guidance scale (also of ``hack/fm_to_base``).
+        fm_sigmas: the schedule the policy samples on for ``hack/fm_to_base`` (default ``kl_step``'s; None and
+            no ``kl_step``: no ``hack/fm_to_base``).
         steps / guidance / batch_size: the evaluation's ODE sampling.
         dist: the run's :class:`flowrl.dist.Dist`.
     """
 
     def __init__(self, cfg: HackingConfig, prompts: list[str], metadata: list[dict], *, heldout: dict,
-                 kl_step=None, kl_guidance: float | None = None, steps: int, guidance: float | None,
-                 batch_size: int, dist):
+                 kl_step=None, kl_guidance: float | None = None, fm_sigmas: torch.Tensor | None = None, steps: int,
+                 guidance: float | None, batch_size: int, dist):
         self.cfg, self.prompts, self.metadata, self.heldout = cfg, prompts, metadata, heldout
         self.kl_step, self.kl_guidance = kl_step, kl_guidance
+        self.fm_sigmas = fm_sigmas if fm_sigmas is not None or kl_step is None else kl_step.sigmas
         self.steps, self.guidance, self.batch_size, self.dist = steps, guidance, batch_size, dist
         self._features: FeatureFn | None | bool = False  # built at first use (False: not yet)
         self._base: torch.Tensor | None = None  # uint8 [n, 3, H, W]: the base model's eval images, all rows
@@ -183,16 +258,26 @@ class HackingPanel:
             metrics[f"hack/heldout/{name}/mean"] = float(out.scores.float().mean())
             if "correct" in out.details:
                 metrics[f"hack/heldout/{name}/accuracy"] = float(out.details["correct"].float().mean())
-        if self.kl_step is not None and self.cfg.kl_prompts:
-            k = min(self.cfg.kl_prompts, len(self.prompts))
-            per = -(-k // self.dist.world_size)
-            rows = list(range(self.dist.rank * per, min((self.dist.rank + 1) * per, k)))
-            kl = kl_to_base(model, self.kl_step, [self.prompts[i] for i in rows], [seeds[i] for i in rows],
-                            guidance=self.kl_guidance, batch_size=self.batch_size)
-            pad = per - len(rows)
-            keep = self.dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
-            metrics["hack/kl_to_base"] = float(self.dist.gather(torch.cat([kl, torch.zeros(pad)]))[keep].mean())
+        # The KL of a deterministic (ode) step is 0 whatever the weights: not logged rather than a meaningless 0.
+        if self.kl_step is not None and self.kl_step.stochastic and self.cfg.kl_prompts:
+            metrics["hack/kl_to_base"] = self._spread(self.cfg.kl_prompts, seeds, lambda prompts, row_seeds: kl_to_base(
+                model, self.kl_step, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size))
+        if self.fm_sigmas is not None and self.cfg.fm_prompts:
+            metrics["hack/fm_to_base"] = self._spread(self.cfg.fm_prompts, seeds, lambda prompts, row_seeds: fm_to_base(
+                model, self.fm_sigmas, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
+                levels=self.cfg.fm_levels))
         return metrics
+
+    def _spread(self, count: int, seeds: list[int], measure: Callable[[list[str], list[int]], torch.Tensor]) -> float:
+        """The mean of ``measure(prompts, seeds) -> [b]`` over the first ``count`` eval prompts, split over the
+        processes and gathered."""
+        k = min(count, len(self.prompts))
+        per = -(-k // self.dist.world_size)
+        rows = list(range(self.dist.rank * per, min((self.dist.rank + 1) * per, k)))
+        values = measure([self.prompts[i] for i in rows], [seeds[i] for i in rows])
+        pad = per - len(rows)
+        keep = self.dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
+        return float(self.dist.gather(torch.cat([values, torch.zeros(pad)]))[keep].mean())
 
 
 def with_reference(model, draw: Callable[[], torch.Tensor]) -> torch.Tensor:

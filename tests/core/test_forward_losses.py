@@ -170,19 +170,110 @@ def test_crd_prompt_normaliser_cancels_within_groups():
     close(crd_loss(CRD_V, v_old, None, CRD_U, CRD_A, one, kl_coef=0.0, adaptive=False).loss, 4.43359375)
 
 
-def test_crd_precomputed_group_mean_matches_in_call_centring():
-    # A recipe whose groups span processes passes the gathered group means of r_theta.
+def test_crd_precomputed_group_means_match_in_call_centring():
+    # A recipe whose groups span processes passes the gathered group means of r_theta and of the reward weights.
     r_theta = implicit_reward(V, V_OLD, U)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     full = crd_loss(V, V_OLD, V_REF, U, ADV, groups)
-    given = crd_loss(V, V_OLD, V_REF, U, ADV, groups, implicit_group_mean=group_mean(r_theta, groups))
+    given = crd_loss(V, V_OLD, V_REF, U, ADV, groups, implicit_group_mean=group_mean(r_theta, groups),
+                     reward_group_mean=group_mean(reward_weights(ADV), groups))
     close(given.loss, full.loss.item())
+
+
+SPLIT_SHAPE = (8, 2, 2, 3)
+SPLIT_U = field(8, SPLIT_SHAPE)
+SPLIT_V, SPLIT_V_OLD = SPLIT_U + 0.3 * field(9, SPLIT_SHAPE), SPLIT_U + 0.35 * field(10, SPLIT_SHAPE)
+SPLIT_V_REF = SPLIT_U + 0.4 * field(11, SPLIT_SHAPE)
+SPLIT_ADV = t(1.2, -0.4, 2.5, -1.9, 0.3, -7.0, 0.8, -0.2)
+
+
+def test_crd_group_split_across_two_calls_gives_the_whole_groups_loss_and_gradient():
+    # One group of 8 rows, once in one call, once as two calls of 4 (as two processes would hold it) with the whole
+    # group's means of r_theta and of r: the two "sum" losses add up to 8 x the whole call's mean, gradients too.
+    one_group = torch.zeros(8, dtype=torch.long)
+    v = SPLIT_V.clone().requires_grad_(True)
+    whole = crd_loss(v, SPLIT_V_OLD, SPLIT_V_REF, SPLIT_U, SPLIT_ADV, one_group).loss
+    (whole_grad,) = torch.autograd.grad(whole, v)
+    with torch.no_grad():
+        implicit = group_mean(implicit_reward(SPLIT_V, SPLIT_V_OLD, SPLIT_U), one_group)
+        reward = group_mean(reward_weights(SPLIT_ADV), one_group)
+    v = SPLIT_V.clone().requires_grad_(True)
+    parts = [crd_loss(v[rows], SPLIT_V_OLD[rows], SPLIT_V_REF[rows], SPLIT_U[rows], SPLIT_ADV[rows], one_group[rows],
+                      implicit_group_mean=implicit[rows], reward_group_mean=reward[rows], reduction="sum").loss
+             for rows in (slice(0, 4), slice(4, 8))]
+    split = (parts[0] + parts[1]) / 8
+    (split_grad,) = torch.autograd.grad(split, v)
+    close(split, whole.item())
+    torch.testing.assert_close(split_grad, whole_grad, rtol=1e-10, atol=1e-12)
+    # Centred on each call's own 4 rows instead, the loss is another number.
+    own_centres = [crd_loss(SPLIT_V[rows], SPLIT_V_OLD[rows], SPLIT_V_REF[rows], SPLIT_U[rows], SPLIT_ADV[rows],
+                            one_group[rows], reduction="sum").loss for rows in (slice(0, 4), slice(4, 8))]
+    assert abs(float(sum(own_centres) / 8 - whole.detach())) > 1e-3
+    with pytest.raises(ValueError, match="implicit_group_mean and reward_group_mean go together"):
+        crd_loss(SPLIT_V[:4], SPLIT_V_OLD[:4], SPLIT_V_REF[:4], SPLIT_U[:4], SPLIT_ADV[:4], one_group[:4],
+                 implicit_group_mean=implicit[:4])
 
 
 def test_crd_sum_reduction_is_batch_times_mean():
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     mean = crd_loss(V, V_OLD, V_REF, U, ADV, groups).loss
     close(crd_loss(V, V_OLD, V_REF, U, ADV, groups, reduction="sum").loss, 6 * mean.item())
+
+
+def value_and_grad(fn, v):
+    v = v.clone().requires_grad_(True)
+    loss = fn(v)
+    (g,) = torch.autograd.grad(loss, v)
+    return loss.detach(), g
+
+
+# CRD as Flow-Factory writes it (X-GenGroup/Flow-Factory, commit a0b2bc5a2b4fbf9125429b3fb70c0c5d7631047c,
+# src/flow_factory/trainers/crd.py, added by the paper's first author, Yuanzhi Zhu, in PR #121, commit 583008b), its
+# default settings (weight_temp < 0: uniform single-direction centring; crd_loss_type "mse"; adaptive_logp;
+# reward_adaptive_kl), re-implemented here from CRDTrainer.optimize (steps 4-7) and _compute_crd_loss, on one process
+# (its gather is then the identity): every row of the micro-batch is centred on the micro-batch's mean.
+def crd_flow_factory(forward_pred, old_v_pred, ref_pred, v_target, adv, *, crd_beta=1.0, adv_clip_range=(-5.0, 5.0),
+                     kl_beta=0.1, adaptive_logp=True, reward_adaptive_kl=True):
+    dims = tuple(range(1, forward_pred.ndim))
+    if adaptive_logp:
+        with torch.no_grad():
+            weight_theta = (forward_pred.double() - v_target.double()).abs().mean(dim=dims, keepdim=True).clip(min=1e-5)
+            weight_old = (old_v_pred.double() - v_target.double()).abs().mean(dim=dims, keepdim=True).clip(min=1e-5)
+        r_theta = -((forward_pred - v_target) ** 2 / weight_theta - (old_v_pred - v_target) ** 2 / weight_old)
+    else:
+        r_theta = -((forward_pred - v_target) ** 2 - (old_v_pred - v_target) ** 2)
+    r_theta_local = r_theta.mean(dim=dims)
+    r_theta_gathered = r_theta_local.detach()
+    adv_cur_rank = torch.clamp((torch.clamp(adv, *adv_clip_range) / max(adv_clip_range)) / 2.0 + 0.5, 0, 1)
+    adv_cur = adv_cur_rank.detach()
+    softmax_p = torch.softmax(adv_cur / torch.inf, dim=0)  # uniform
+    rc = adv_cur_rank - (adv_cur * softmax_p).sum(dim=0, keepdim=True)
+    r_theta_c = r_theta_local - (r_theta_gathered * softmax_p).sum(dim=0, keepdim=True).detach()
+    ori_policy_loss = ((crd_beta * r_theta_c - rc) ** 2).mean()
+    policy_loss = (ori_policy_loss * adv_clip_range[1] / max(crd_beta, 1e-8)).mean()
+    kl_div = ((forward_pred - ref_pred) ** 2).mean(dim=dims)
+    if reward_adaptive_kl:
+        min_coef = 1e-4 / max(kl_beta, 1e-8)
+        kl_loss = kl_beta * torch.mean((min_coef + adv_cur_rank * (1 - min_coef)) * kl_div)
+    else:
+        kl_loss = kl_beta * kl_div.mean()
+    return policy_loss + kl_loss
+
+
+@pytest.mark.parametrize("kl_coef, adaptive, beta", [(0.1, True, 1.0), (0.1, False, 1.0), (0.5, True, 0.3)])
+def test_crd_agrees_with_flow_factory_on_one_group_and_departs_on_pooled_groups(kl_coef, adaptive, beta):
+    # One group: the same loss and gradient.
+    kw = dict(beta=beta, kl_coef=kl_coef, adaptive=adaptive)
+    ff = dict(crd_beta=beta, kl_beta=kl_coef, adaptive_logp=adaptive)
+    one = torch.zeros(6, dtype=torch.long)
+    got, grad = value_and_grad(lambda v: crd_loss(v, V_OLD, V_REF, U, ADV, one, **kw).loss, V)
+    ref, ref_grad = value_and_grad(lambda v: crd_flow_factory(v, V_OLD, V_REF, U, ADV, **ff), V)
+    close(got, ref.item())
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    # Two prompt groups in one micro-batch: Flow-Factory pools them (one centre), flowrl centres each group.
+    two = torch.tensor([0, 0, 0, 1, 1, 1])
+    per_group = crd_loss(V, V_OLD, V_REF, U, ADV, two, **kw).loss
+    assert abs(float(per_group - ref)) > 1e-3
 
 
 # Reference: Flow-Factory (X-GenGroup/Flow-Factory, commit a0b2bc5a2b4fbf9125429b3fb70c0c5d7631047c),

@@ -14,9 +14,11 @@ from flowrl.core.losses import (
     aggregate,
     clipped_policy_loss,
     dpo_loss,
+    dppo_policy_loss,
     gaussian_kl,
     ipo_loss,
     kl_estimate,
+    ratio_norm_policy_loss,
     simpo_loss,
 )
 
@@ -211,6 +213,270 @@ def test_clipped_loss_errors():
     with pytest.raises(ValueError, match="eps_low"):
         clipped_policy_loss(x, x, torch.zeros(2), eps_low=1.5)
     assert POLICY_LOSSES.get("clipped") is clipped_policy_loss
+
+
+# ---------------------------------------------------------------------------- one Gaussian step: RatioNorm, Flow-DPPO
+#
+# The reference implementations below are written in this file from a reading of the authors' code (nothing is
+# imported or copied from it) and fed the same float64 inputs as flowrl's loss; values and gradients must agree.
+#
+# A rollout step of Flow-GRPO's SDE (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py, "sde" branch):
+#   mean(v) = x (1 + g^2 dt / (2 sigma)) + v (1 + g^2 (1 - sigma) / (2 sigma)) dt,  std = g sqrt(-dt),
+#   log_prob = mean_d [-(x_next - mean)^2 / (2 std^2) - log std - log sqrt(2 pi)]
+# with g the authors' std_dev_t. Rows are samples at one step, as in the authors' micro-batches.
+
+STEP_SHAPE = (2, 3, 4)  # D = 24 elements per sample
+
+
+def sde_mean(v, x, sigma, g, dt):
+    return x * (1 + g**2 / (2 * sigma) * dt) + v * (1 + g**2 * (1 - sigma) / (2 * sigma)) * dt
+
+
+def sde_log_prob(x_next, mean, std):
+    per = -((x_next.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return per.mean(dim=tuple(range(1, per.ndim)))
+
+
+def step_inputs(rows: int, spread: float, seed: int = 0, sigma: float = 0.7, dt: float = -0.1, g: float = 0.6):
+    """A stored transition of ``rows`` samples (rollout velocity ``v_old``) and a current velocity ``v``:
+    ``(v, v_old, x, x_next, sigma, g, dt, advantages)`` in float64; ``spread`` scales ``v - v_old`` per row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, *STEP_SHAPE, generator=gen, dtype=D)
+    v_old = torch.randn(rows, *STEP_SHAPE, generator=gen, dtype=D)
+    scale = torch.as_tensor(spread, dtype=D).reshape(-1, 1, 1, 1) if not isinstance(spread, float) else spread
+    v = v_old + scale * torch.randn(rows, *STEP_SHAPE, generator=gen, dtype=D)
+    std = g * math.sqrt(-dt)
+    x_next = sde_mean(v_old, x, sigma, g, dt) + std * torch.randn(rows, *STEP_SHAPE, generator=gen, dtype=D)
+    adv = 4.0 * torch.rand(rows, generator=gen, dtype=D) - 2.0
+    return v, v_old, x, x_next, sigma, torch.tensor(g, dtype=D), torch.tensor(dt, dtype=D), adv
+
+
+def value_and_grad(fn, v):
+    v = v.clone().requires_grad_(True)
+    loss = fn(v)
+    loss = loss.loss if isinstance(loss, LossOutput) else loss
+    (grad,) = torch.autograd.grad(loss, v)
+    return loss.detach(), grad
+
+
+# GRPO-Guard as its authors wrote it: Jing Wang's commit "GRPO-Guard" to Flow-GRPO (jingw193, merged into
+# yifan123/flow_grpo as PR #175; read at zhtmike/flow_grpo, commit 2e2f712e9feb19246fa0db9527878e2766b5353f),
+# scripts/train_sd3_GRPO_Guard.py lines 912-932 (the `config.rationorm` branches of the training loop): the
+# bias is the squared mean shift averaged over `dim=tuple(range(1, log_prob.ndim))`, which for the [B] log-prob
+# is an empty tuple, i.e. over the whole micro-batch and every element; divided by 2 (sqrt_dt.mean() *
+# std_dev_t.mean())^2; ratio = exp((log_prob - old_log_prob + bias) * sqrt_dt.mean() * std_dev_t.mean()); PPO's
+# clip with clip_range on both sides; the mean over the micro-batch divided by sqrt_dt.mean()^2.
+def grpo_guard_authors(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, advantages, clip_range,
+                       adv_clip_max=5.0):
+    advantages = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    sigma_t = std_dev_t.mean()
+    bias = (mean - old_mean).pow(2).mean(dim=tuple(range(1, log_prob.ndim)))
+    bias = bias / (2 * (sqrt_dt.mean() * sigma_t) ** 2)
+    ratio = torch.exp((log_prob - old_log_prob + bias) * (sqrt_dt.mean() * sigma_t))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.mean(torch.maximum(unclipped, clipped)) / sqrt_dt.mean() ** 2
+
+
+# The same loss as verl-omni writes it (verl-project/verl-omni, commit a1139bafffb5b9711f0a6b6edff8ecaa60bfff30,
+# verl_omni/trainer/diffusion/diffusion_algos.py, GRPOGuardLoss.compute_loss): the squared mean shift averaged
+# over the non-batch dimensions only, i.e. one bias per sample; otherwise as above.
+def grpo_guard_verl_omni(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, advantages, clip_ratio,
+                         adv_clip_max=5.0):
+    advantages = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    scale = sqrt_dt.mean() * std_dev_t.mean()
+    mean_diff_sq = (mean - old_mean).pow(2).mean(dim=tuple(range(1, mean.ndim)))
+    ratio = torch.exp((log_prob - old_log_prob + mean_diff_sq / (2 * scale**2)) * scale)
+    per_elem = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
+    return torch.mean(per_elem) / sqrt_dt.mean() ** 2
+
+
+def guard_setup(rows=6, spread=0.3):
+    v, v_old, x, x_next, sigma, g, dt, adv = step_inputs(rows, spread)
+    std, sqrt_dt = g * torch.sqrt(-dt), torch.sqrt(-dt)
+    old_mean = sde_mean(v_old, x, sigma, g, dt)
+    old_logp = sde_log_prob(x_next, old_mean, std)
+
+    def current(v):
+        mean = sde_mean(v, x, sigma, g, dt)
+        return mean, sde_log_prob(x_next, mean, std)
+
+    def flowrl(v, eps=3e-3):
+        mean, logp = current(v)
+        return ratio_norm_policy_loss(logp, old_logp, adv, mean, old_mean, std, dt, eps_low=eps)
+
+    return v, current, old_mean, old_logp, g, sqrt_dt, adv, flowrl
+
+
+def test_ratio_norm_matches_the_grpo_guard_authors_code_per_sample():
+    v, current, old_mean, old_logp, g, sqrt_dt, adv, flowrl = guard_setup()
+    out = flowrl(v.clone())
+    # Both branches of the clip are exercised (a loss that never clips would not test the clip).
+    assert 0 < float(out.clip_frac) < 1
+    got, grad = value_and_grad(flowrl, v)
+
+    # The authors average their bias over the micro-batch; flowrl keeps one per sample (docs/algorithms.md, section
+    # 5): with one sample per micro-batch the two are the same, so flowrl's loss is the mean of the authors' losses
+    # of the rows taken one at a time.
+    def authors_one_row_at_a_time(v):
+        mean, logp = current(v)
+        return torch.stack([grpo_guard_authors(logp[i:i + 1], old_logp[i:i + 1], mean[i:i + 1], old_mean[i:i + 1],
+                                               g.expand(1, 1, 1, 1), sqrt_dt.expand(1, 1, 1, 1), adv[i:i + 1], 3e-3)
+                            for i in range(len(adv))]).mean()
+
+    ref, ref_grad = value_and_grad(authors_one_row_at_a_time, v)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_ratio_norm_matches_verl_omni_and_departs_from_the_authors_batch_mean_bias():
+    # Rows whose mean shifts differ by 10x: a batch-mean bias then centres each row by the wrong KL.
+    v, current, old_mean, old_logp, g, sqrt_dt, adv, flowrl = guard_setup(spread=t(0.05, 0.5, 0.1, 1.0, 0.3, 0.02))
+    got, grad = value_and_grad(flowrl, v)
+
+    def verl_omni(v):
+        mean, logp = current(v)
+        return grpo_guard_verl_omni(logp, old_logp, mean, old_mean, g.expand(6, 1, 1, 1),
+                                    sqrt_dt.expand(6, 1, 1, 1), adv, 3e-3)
+
+    ref, ref_grad = value_and_grad(verl_omni, v)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+
+    def authors_whole_batch(v):
+        mean, logp = current(v)
+        return grpo_guard_authors(logp, old_logp, mean, old_mean, g.expand(6, 1, 1, 1), sqrt_dt.expand(6, 1, 1, 1),
+                                  adv, 3e-3)
+
+    batch, _ = value_and_grad(authors_whole_batch, v)
+    assert abs(float(batch - got)) > 1e-3 * abs(float(got))
+
+
+def test_ratio_norm_hand_values():
+    # D = 2, std s = 0.5, old mean 0, x_next = s z with z = [1, -1], new mean [0.1, 0.3], |dt| = 0.25.
+    # logp = -mean((x_next - mean)^2) / (2 s^2) + c = -mean(0.16, 0.64) / 0.5 + c = -0.8 + c;
+    # old_logp = -mean(0.25, 0.25) / 0.5 + c = -0.5 + c; KL = mean(0.01, 0.09) / 0.5 = 0.1.
+    # normalised log-ratio = (-0.3 + 0.1) * 0.5 = -0.1 = mean_d(z (mean - old_mean)); rho = e^-0.1.
+    s, x_next, old_mean = 0.5, t(0.5, -0.5).reshape(1, 2), torch.zeros(1, 2, dtype=D)
+
+    def loss(mean, adv, eps):
+        logp = -((x_next - mean) ** 2).mean(dim=1) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
+        old = -((x_next - old_mean) ** 2).mean(dim=1) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
+        return ratio_norm_policy_loss(logp, old, t(adv), mean, old_mean, s, -0.25, eps_low=eps)
+
+    rho = math.exp(-0.1)
+    mean = t(0.1, 0.3).reshape(1, 2).requires_grad_(True)
+    out = loss(mean, 2.0, 0.2)  # inside [0.8, 1.2]: L = -A rho / |dt|
+    close(out.loss, -2.0 * rho / 0.25)
+    close(out.ratio_mean, rho)
+    close(out.clip_frac, 0.0)
+    close(out.approx_kl, math.exp(-0.3) - 1 + 0.3)  # k3 of the raw log-ratio -0.3
+    (grad,) = torch.autograd.grad(out.loss, mean)
+    # d/dmean of -A exp(mean_d(z (mean - old_mean))) / |dt| = -A rho z / (D |dt|)
+    close(grad, [[-2.0 * rho * 0.5 / 0.25, 2.0 * rho * 0.5 / 0.25]])
+    # A = -2 with eps 0.05: rho < 0.95 makes -A clip(rho) = 1.9 the larger branch: clipped, constant, no gradient.
+    mean = t(0.1, 0.3).reshape(1, 2).requires_grad_(True)
+    out = loss(mean, -2.0, 0.05)
+    close(out.loss, 1.9 / 0.25)
+    close(out.clip_frac, 1.0)
+    (grad,) = torch.autograd.grad(out.loss, mean)
+    close(grad, [[0.0, 0.0]])
+
+
+def test_ratio_norm_is_one_on_policy_whatever_the_step():
+    # Unchanged policy: mean = old mean, logp = old logp, so the normalised ratio is exactly 1 and the loss -A / |dt|.
+    mean = torch.randn(3, 4, dtype=D)
+    out = ratio_norm_policy_loss(t(-1.0, -2.0, -3.0), t(-1.0, -2.0, -3.0), t(1.0, -1.0, 3.0), mean, mean.clone(),
+                                 t(0.3, 0.2, 0.1), t(0.1, 0.1, 0.2), eps_low=1e-6)
+    close(out.ratio_mean, 1.0)
+    close(out.loss, (-1.0 / 0.1 + 1.0 / 0.1 - 3.0 / 0.2) / 3)
+
+
+# Flow-DPPO as UniRL writes it (Tencent-Hunyuan/UniRL, commit 1a7b501e8fe8517b432a130220d2ff462f9b5afa,
+# unirl/algorithms/flowdppo.py, _flowdppo_kl_adv_loss and FlowDPPO._compute_sigma_t): rows [B, S'] of steps, the
+# KL (new - old)^2 / (2 sigma_t^2) averaged over the latent dimensions, sigma_t = sqrt(s / (1 - min(s, 0.99))) eta
+# sqrt(-dt); keep where KL < threshold; among the others drop (ratio > 1 and A > 0) or (ratio < 1 and A < 0); the
+# loss is the mean of where(keep, -A ratio, 0). verl-omni's FlowDPPOLoss (commit a1139baf, diffusion_algos.py) is
+# the same with KL >= threshold marking the far rows.
+def flow_dppo_unirl(new_logp, old_logp, new_means, old_means, advantages, sigma_t, threshold):
+    ratio = torch.exp(new_logp - old_logp)
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    kl = ((new_means - old_means) ** 2 / (2 * sigma_t**2)).mean(dim=tuple(range(2, new_means.ndim)))
+    near = kl < threshold
+    drop = (~near & (ratio > 1.0) & (adv > 0)) | (~near & (ratio < 1.0) & (adv < 0))
+    return torch.where(~drop, unclipped, torch.zeros((), dtype=unclipped.dtype)).mean(), drop
+
+
+def test_flow_dppo_matches_the_unirl_code():
+    rows = 32
+    # Mean shifts over two decades, so that the rows' KLs (about 2e-5 to 0.2) straddle the threshold.
+    spread = torch.logspace(-2, 0, rows, dtype=D)[torch.randperm(rows, generator=torch.Generator().manual_seed(1))]
+    v, v_old, x, x_next, sigma, g, dt, adv = step_inputs(rows, spread, seed=3)
+    std = g * torch.sqrt(-dt)
+    old_mean = sde_mean(v_old, x, sigma, g, dt)
+    old_logp = sde_log_prob(x_next, old_mean, std)
+    threshold = 5e-3
+
+    def flowrl(v):
+        mean = sde_mean(v, x, sigma, g, dt)
+        return dppo_policy_loss(sde_log_prob(x_next, mean, std), old_logp, adv, mean, old_mean, std,
+                                threshold=threshold)
+
+    # UniRL's sigma_t from its noise level eta (sigma = 0.7 < 0.99, so its clamp does not act): the same std.
+    eta = g / math.sqrt(sigma / (1 - sigma))
+    sigma_t = math.sqrt(sigma / (1 - min(sigma, 0.99))) * eta * torch.sqrt(-dt)
+
+    def unirl(v):
+        mean = sde_mean(v, x, sigma, g, dt)
+        return flow_dppo_unirl(sde_log_prob(x_next, mean, std)[:, None], old_logp[:, None], mean[:, None],
+                               old_mean[:, None], adv[:, None], sigma_t.reshape(1, 1, 1, 1, 1), threshold)
+
+    got, grad = value_and_grad(flowrl, v)
+    ref, ref_grad = value_and_grad(lambda v: unirl(v)[0], v)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    # Every case of the mask occurs: near rows, far rows dropped, far rows kept because they move back.
+    drop = unirl(v)[1].flatten()
+    far = gaussian_kl(sde_mean(v, x, sigma, g, dt), old_mean, std) >= threshold
+    assert 0 < int(far.sum()) < rows and 0 < int(drop.sum()) < int(far.sum())
+    close(flowrl(v).clip_frac, float(drop.to(D).mean()))
+
+
+def test_flow_dppo_hand_values():
+    # std 1, D = 1, old mean 0: KL = mean^2 / 2, 0.005 (near) or 0.5 (far) against a threshold of 0.1.
+    # rows: (log rho, A, mean) = (0.2, 1, 0.1) near: kept | (0.2, 1, 1) far, rho > 1, A > 0: dropped |
+    # (-0.2, 1, 1) far but rho < 1 with A > 0 (corrective): kept | (-0.2, -1, 1) far, rho < 1, A < 0: dropped |
+    # (0.2, -1, 1) far, corrective: kept.  loss = (-e^0.2 - e^-0.2 + e^0.2) / 5 = -e^-0.2 / 5.
+    logp = t(0.2, 0.2, -0.2, -0.2, 0.2, requires_grad=True)
+    mean = t(0.1, 1.0, 1.0, 1.0, 1.0).reshape(5, 1)
+    out = dppo_policy_loss(logp, torch.zeros(5, dtype=D), t(1.0, 1.0, 1.0, -1.0, -1.0), mean, torch.zeros(5, 1, dtype=D),
+                           1.0, threshold=0.1)
+    close(out.loss, -math.exp(-0.2) / 5)
+    close(out.clip_frac, 0.4)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    e = math.exp(0.2)
+    close(grad, [-e / 5, 0.0, -1 / e / 5, 0.0, e / 5])  # d(-A rho)/d log rho = -A rho; dropped rows 0
+
+
+def test_step_losses_errors():
+    x, m = torch.zeros(2), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="std must be > 0.*stochastic step"):
+        dppo_policy_loss(x, x, x, m, m, 0.0, threshold=1e-5)
+    with pytest.raises(ValueError, match="std must be a float or hold one value per row"):
+        dppo_policy_loss(x, x, x, m, m, torch.ones(3), threshold=1e-5)
+    with pytest.raises(ValueError, match="logp must have shape \\[B\\]"):
+        dppo_policy_loss(m, m, m, m, m, 1.0, threshold=1e-5)
+    with pytest.raises(ValueError, match="mean must have shape \\[B, ...\\] with B = 2"):
+        dppo_policy_loss(x, x, x, torch.zeros(3, 3), torch.zeros(3, 3), 1.0, threshold=1e-5)
+    with pytest.raises(ValueError, match="threshold must be a number > 0"):
+        dppo_policy_loss(x, x, x, m, m, 1.0, threshold=0.0)
+    with pytest.raises(ValueError, match="dt must be non-zero"):
+        ratio_norm_policy_loss(x, x, x, m, m, 1.0, 0.0, eps_low=0.1)
+    with pytest.raises(ValueError, match="eps_low"):
+        ratio_norm_policy_loss(x, x, x, m, m, 1.0, 0.1, eps_low=1.5)
+    assert POLICY_LOSSES.get("grpo_guard") is ratio_norm_policy_loss
+    assert POLICY_LOSSES.get("flow_dppo") is dppo_policy_loss
 
 
 # ---------------------------------------------------------------------------- KL

@@ -19,13 +19,14 @@ def expected_reward(model) -> float:
     return float(images[:, 0].mean())
 
 
-def run_updates(negate: bool, epochs: int = 6) -> tuple[float, float]:
+def run_updates(negate: bool, epochs: int = 6, train: dict | None = None,
+                log: list | None = None) -> tuple[float, float]:
     cfg = from_dict(Config, {
         "run": {"seed": 0},
         "sampling": {"num_steps": 10, "group_size": 16, "groups_per_epoch": 8, "batch_size": 128},
         "advantage": {"negate": negate},
         "optim": {"lr": 3e-3},
-        "train": {"clip_range": 0.2, "micro_batch_size": 128},
+        "train": {"clip_range": 0.2, "micro_batch_size": 128, **(train or {})},
     })
     model = ToyFlow()
     dist = Dist(cpu=True)
@@ -35,7 +36,9 @@ def run_updates(negate: bool, epochs: int = 6) -> tuple[float, float]:
     for epoch in range(epochs):
         samples, advantages, valid, _ = flow_grpo_epoch(model, cfg, dist, sampler.epoch(epoch), epoch,
                                                         first_coordinate_reward)
-        train_epoch(model, optimizer, samples, advantages, valid, cfg, dist, epoch)
+        metrics = train_epoch(model, optimizer, samples, advantages, valid, cfg, dist, epoch)
+        if log is not None:
+            log.append(metrics)
     return before, expected_reward(model)
 
 
@@ -45,4 +48,18 @@ def test_updates_climb_the_reward_and_negated_advantages_descend():
     assert after > before + 0.1, (before, after)
     before_neg, after_neg = run_updates(negate=True)
     assert before_neg == pytest.approx(before)
+    assert after_neg < before_neg - 0.1, (before_neg, after_neg)
+
+
+# GRPO-Guard's RatioNorm and Flow-DPPO change the surrogate; two minibatches per epoch so that their trust regions
+# act on the second (off-policy) one, and they do: some rows are clipped (RatioNorm) or masked (Flow-DPPO).
+@pytest.mark.parametrize("train", [{"ratio_norm": True, "clip_range": 1e-3, "minibatches": 2},
+                                   {"trust_region": "dppo", "dppo_threshold": 1e-4, "minibatches": 2}],
+                         ids=["ratio_norm", "flow_dppo"])
+def test_ratio_norm_and_flow_dppo_climb_the_reward_and_negated_advantages_descend(train):
+    log = []
+    before, after = run_updates(negate=False, train=train, log=log)
+    assert after > before + 0.1, (before, after)
+    assert all(m["train/kl_old"] > 0 for m in log) and any(m["train/clip_frac"] > 0 for m in log)
+    before_neg, after_neg = run_updates(negate=True, train=train)
     assert after_neg < before_neg - 0.1, (before_neg, after_neg)

@@ -129,3 +129,65 @@ def test_window_that_runs_past_the_schedule_fails_at_load_not_mid_run():
     # Unset max_start means "the last start that fits", so the same window is valid on a short schedule.
     _, cfg = load_recipe_config(str(CONFIG), ["sampling.num_steps=4", "sampling.window.max_start=null"])
     assert cfg.sampling.window.max_start is None and cfg.sampling.window.size == 2
+
+
+# ---------------------------------------------------------------------------- GRPO-Guard's RatioNorm and Flow-DPPO
+
+
+def run_config(name: str, model_dir, out, **extra) -> list[dict]:
+    recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / f"{name}.yaml"),
+                                     tiny_overrides(model_dir, out, **extra))
+    assert recipe.main(cfg) == 0
+    return read_metrics(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("name", ["grpo_guard", "flow_dppo"])
+def test_ratio_norm_and_flow_dppo_configs_train(name, tiny_shapes_dir, tmp_path):
+    rows = run_config(name, tiny_shapes_dir, tmp_path / name, **{"run.max_epochs": 2, "eval.every_epochs": 100,
+                                                                 "checkpoint.every_epochs": 100})
+    trained = [r for r in rows if "train/grad_norm" in r]
+    assert len(trained) == 2 and all(r["train/optimizer_steps"] == 2 and r["train/grad_norm"] > 0 for r in trained)
+    # Two minibatches: the second is off-policy, so the exact KL to the rollout's transitions is positive.
+    assert all(r["train/kl_old"] > 0 for r in trained)
+    assert all(math.isfinite(r["train/loss"]) for r in trained)
+
+
+def test_flow_dppo_on_policy_is_flow_grpo(tiny_shapes_dir, tmp_path):
+    # One optimizer step per epoch: the policy equals the sampling one, the KL is 0, nothing is masked, and Flow-DPPO's
+    # -A rho is Flow-GRPO's unclipped surrogate: the same loss and gradient.
+    one_step = {"run.max_epochs": 1, "train.minibatches": 1, "eval.every_epochs": 100, "checkpoint.every_epochs": 1}
+    grpo = run(tiny_shapes_dir, tmp_path / "grpo", **one_step)
+    dppo = run_config("flow_dppo", tiny_shapes_dir, tmp_path / "dppo", **one_step)
+    assert grpo == 0
+    a = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "train/grad_norm" in r][0]
+    b = [r for r in dppo if "train/grad_norm" in r][0]
+    assert b["train/kl_old"] == 0 and b["train/clip_frac"] == 0
+    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-6)
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-8)
+    wa = load_state(latest_checkpoint(tmp_path / "grpo"))["model"]
+    wb = load_state(latest_checkpoint(tmp_path / "dppo"))["model"]
+    for key, value in wa.items():
+        torch.testing.assert_close(wb[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_ratio_norm_on_policy_scales_the_gradient_by_std_over_dt(tiny_shapes_dir, tmp_path):
+    # On-policy the normalised log-ratio (log rho + KL) std has gradient std * grad log rho (the KL is quadratic in the
+    # mean shift, so flat at 0), and RatioNorm divides by |dt|: with one trained step the whole gradient is Flow-GRPO's
+    # times std_t / |dt_t|.
+    from flowrl.models.shapes import ShapesModel
+    from samplers import make_step, noise_kwargs
+
+    step = {"run.max_epochs": 1, "train.minibatches": 1, "eval.every_epochs": 100, "checkpoint.every_epochs": 100,
+            "sampling.window.mode": "fixed", "sampling.window.start": 1, "sampling.window.size": 1}
+    run(tiny_shapes_dir, tmp_path / "grpo", **step)
+    guard = run_config("grpo_guard", tiny_shapes_dir, tmp_path / "guard", **step)
+    a = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "train/grad_norm" in r][0]
+    b = [r for r in guard if "train/grad_norm" in r][0]
+    sigmas = ShapesModel.from_pretrained(tiny_shapes_dir).sigmas(4)
+    sde = make_step("flow_sde", sigmas, **noise_kwargs("flow_sde", 0.7), reduction="mean")
+    x = torch.zeros(1, 1)
+    std = float(sde(torch.zeros_like(x), x, 1, x_next=x).std)
+    factor = std / float(sigmas[1] - sigmas[2])
+    assert factor == pytest.approx(0.7 * math.sqrt(0.75 / 0.25) * math.sqrt(0.25) / 0.25)  # g sqrt(dt) / dt
+    assert b["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and b["train/kl_old"] == 0
+    assert b["train/grad_norm"] == pytest.approx(factor * a["train/grad_norm"], rel=1e-4)

@@ -53,7 +53,8 @@ def flow_grpo_epoch(model, cfg, dist, batch, epoch: int, reward, tracker=None):
     s = cfg.sampling
     rollouts = collect_epoch(model, batch, step=rollout_step(s, model.sigmas(s.num_steps)), window=rollout_window(s),
                              epoch=epoch, seed=cfg.run.seed, reward=reward, guidance=s.guidance,
-                             batch_size=s.batch_size, store_x0="step_weights" in cfg.advantage.needs)
+                             batch_size=s.batch_size, store_x0="step_weights" in cfg.advantage.needs,
+                             store_means=getattr(cfg.train, "needs_old_means", False))
     advantages, valid, metrics = compute_advantages(rollouts, cfg.advantage, dist, seed=cfg.run.seed, epoch=epoch,
                                                     tracker=tracker, model=model, reward=reward,
                                                     guidance=s.guidance, batch_size=s.batch_size)
