@@ -138,7 +138,7 @@ def pipeline_epoch(model, batch, table: dict, s: dict) -> float:
 
 def run_config(name: str, s: dict, repeats: int, smoke: bool, dist, workdir: Path) -> dict:
     from flowrl.core.advantages import PerPromptStatTracker
-    from flowrl.data.group_sampler import GroupSampler
+    from flowrl.data.prompt_groups import PromptGroups
     from flowrl.recipes.flow_grpo import train_epoch
     from flowrl.rl.advantages import compute_advantages
     from flowrl.rl.collect import collect_epoch
@@ -160,7 +160,7 @@ def run_config(name: str, s: dict, repeats: int, smoke: bool, dist, workdir: Pat
     if backend != "native":
         model.set_attention_backend(backend)
     table = inject_conditioning(model, PROMPTS, s)
-    sampler = GroupSampler(PROMPTS, [{} for _ in PROMPTS], groups=s["groups"], group_size=s["group_size"], seed=0)
+    groups = PromptGroups(PROMPTS, [{} for _ in PROMPTS], groups=s["groups"], group_size=s["group_size"], seed=0)
     optimizer, _ = build_optimizer(model.trainable_parameters(), cfg.optim)
     sc = cfg.sampling
     step, window = rollout_step(sc, model.sigmas(sc.num_steps)), rollout_window(sc)
@@ -171,7 +171,7 @@ def run_config(name: str, s: dict, repeats: int, smoke: bool, dist, workdir: Pat
 
     rows = []
     for epoch in range(repeats + 1):  # epoch 0 warms up (kernels, allocator)
-        batch = sampler.epoch(epoch)
+        batch = groups.epoch(epoch)
         pipeline_s = pipeline_epoch(model, batch, table, s)
         _peak_reset(s["device"])
         _sync(s["device"])

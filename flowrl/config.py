@@ -295,6 +295,49 @@ def _apply_renames(cls: type, data: dict, path: str) -> dict:
     return data
 
 
+def renamed_path(cls: type | None, keys: list[str]) -> list[str]:
+    """``keys`` (a dotted path into config class ``cls``) with every deprecated name on the way replaced by its
+    new one (a one-line warning each), e.g. ``["train", "kl_beta"]`` -> ``["train", "kl_coef"]``."""
+    out: list[str] = []
+    rest = list(keys)
+    while rest:
+        key = rest.pop(0)
+        new = renamed_keys(cls).get(key) if cls is not None and dataclasses.is_dataclass(cls) else None
+        if new is not None:
+            old_path, new_path = ".".join(out + [key]), ".".join(out + new.split("."))
+            if old_path not in _warned_renames:
+                _warned_renames.add(old_path)
+                import sys
+
+                print(f"flowrl: warning: config key {old_path!r} is deprecated; use {new_path!r} (the old name works "
+                      "until the next release)", file=sys.stderr, flush=True)
+            rest = new.split(".") + rest
+            continue
+        out.append(key)
+        hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
+        cls = _section_type(hints[key]) if key in hints else None
+    return out
+
+
+def _renamed_mapping(cls: type | None, data: dict) -> dict:
+    """A parsed YAML mapping with the deprecated keys of ``cls`` (and of its sections) moved to their new names."""
+    if cls is None or not dataclasses.is_dataclass(cls) or not isinstance(data, dict):
+        return data
+    out: dict = {}
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        keys = renamed_path(cls, [key]) if key in renamed_keys(cls) else [key]
+        if len(keys) == 1:
+            section = _section_type(hints[keys[0]]) if keys[0] in hints else None
+            out[keys[0]] = _renamed_mapping(section, value) if section is not None else value
+            continue
+        node = out
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+        node[keys[-1]] = value
+    return out
+
+
 def _build(cls: type[T], data: dict, path: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -409,6 +452,7 @@ def merge_config(base: dict, override: dict, cls: type | None, *, source: str = 
         ConfigError: ``override`` has a key ``cls`` does not have.
     """
     out = dict(base)
+    override = _renamed_mapping(cls, override) if not path else override
     fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
     hints = typing.get_type_hints(cls) if cls is not None else {}
     for key, value in override.items():
@@ -492,12 +536,14 @@ def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
     return parsed
 
 
-def apply_overrides(data: dict, items: list[str]) -> dict:
-    """Return a copy of ``data`` with ``a.b=c`` overrides applied (keys are validated later)."""
+def apply_overrides(data: dict, items: list[str], cls: type | None = None) -> dict:
+    """Return a copy of ``data`` with ``a.b=c`` overrides applied (keys are validated later; with the config
+    class ``cls``, deprecated names are translated to their new ones first)."""
     import copy
 
     data = copy.deepcopy(data)
     for keys, value in parse_overrides(items):
+        keys = renamed_path(cls, keys) if cls is not None else keys
         node = data
         for i, key in enumerate(keys[:-1]):
             child = node.get(key)
@@ -522,7 +568,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         drop_keys: top-level keys consumed by the caller (e.g. ``recipe``) and not part of ``cls``.
     """
     data = load_config_data(path, cls, extra_keys=drop_keys) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(data, overrides or [], cls)
     for key in drop_keys:
         data.pop(key, None)
     return from_dict(cls, data)

@@ -52,6 +52,10 @@ class PolicyWeights:
         self.policy.load_trainable_state_dict(state)
 
 
+#: ``{tracked name: the name checkpoints of earlier releases stored it under}``.
+LEGACY_NAMES = {"rollout_snapshot": "sampler"}  # CRD's rollout snapshot, called "sampler" before
+
+
 class RunCheckpoints:
     """Save and restore the tracked objects of one run.
 
@@ -220,7 +224,7 @@ class RunCheckpoints:
         from flowrl.checkpoint import CheckpointError, checkpoints, load_state, set_aside
 
         required = (tuple(name for name, obj in self.tracked.items()
-                          if self._in_state_file(obj) and not self.dist.manages(obj))
+                          if self._in_state_file(obj) and not self.dist.manages(obj) and name not in LEGACY_NAMES)
                     + ("rng", "epoch", "train_minutes", "wall_minutes") + self.counters)
         candidates = checkpoints(self.output_dir)
         names = self.dist.gather_object([[p.name for p in candidates]])
@@ -232,7 +236,7 @@ class RunCheckpoints:
         for checkpoint in candidates:
             problem, state = None, None
             try:
-                state = load_state(checkpoint, required=required)
+                state = self._renamed(load_state(checkpoint, required=required), checkpoint)
             except CheckpointError as err:
                 problem = str(err).split("; delete")[0]
             if not self.dist.any(problem is not None):
@@ -255,6 +259,21 @@ class RunCheckpoints:
                                   + "; ".join(p for _, p in problems) + "; start the run again without run.resume=true")
         raise CheckpointError(f"run.resume=true but {self.output_dir}/checkpoints holds no checkpoint; run "
                               "without run.resume=true to start fresh")
+
+    def _renamed(self, state: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+        """``state`` with objects stored under an earlier release's name moved to today's (:data:`LEGACY_NAMES`).
+
+        Raises:
+            CheckpointError: a tracked object is under neither name."""
+        from flowrl.checkpoint import CheckpointError
+
+        for name, legacy in LEGACY_NAMES.items():
+            if name in self.tracked and name not in state:
+                if legacy not in state:
+                    raise CheckpointError(f"checkpoint {checkpoint}/state.pt is incomplete (no {name}); delete that "
+                                          "directory to resume from the one before it")
+                state[name] = state.pop(legacy)
+        return state
 
     def _warn(self, message: str) -> None:
         if self.dist.is_main:

@@ -52,7 +52,7 @@ def test_variants_keep_only_what_differs_and_resolve_to_their_base():
         assert {k for k in a if a[k] != b[k]} == {"run", "advantage"}
         assert {k for k in a["run"] if a["run"][k] != b["run"][k]} == {"output_dir"}
     _, ocr = load_recipe_config(str(ROOT / "configs/sd3/flow_grpo_ocr.yaml"), [])
-    assert ocr.reward.train == {"ocr": 1.0} and ocr.train.kl_beta == 0.04  # open mappings replace, not merge
+    assert ocr.reward.train == {"ocr": 1.0} and ocr.train.kl_coef == 0.04  # open mappings replace, not merge
     assert ocr.model.lora.rank == 32 and ocr.train.cfg_grad == "cond_only"  # inherited
 
 

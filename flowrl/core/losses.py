@@ -457,7 +457,7 @@ def gaussian_kl(mean: Tensor, mean_ref: Tensor, std: float | Tensor, *, reductio
     instead of the transition variance ``std^2 = g_t^2 |dt|``, so its KL is flowrl's KL times ``|dt|``.
     The same penalty therefore needs ``beta_flowrl = beta_flowgrpo * |dt|`` (e.g. 10 uniform steps,
     ``|dt| = 0.1``: Flow-GRPO's ``beta = 0.04`` becomes 0.004). With a non-uniform schedule ``|dt|`` varies
-    by step, so no single beta matches exactly: the Flow-GRPO recipe's ``train.kl_beta_units=flow_grpo``
+    by step, so no single beta matches exactly: the Flow-GRPO recipe's ``train.kl_coef_units=flow_grpo``
     applies ``beta |dt_t|`` per step (docs/algorithms.md, section 6), or pass ``std = g_t`` here instead of the
     transition std. Mean reduction corresponds to Flow-GRPO's ``mean`` over ``(C, H, W)``.
 

@@ -1,1 +1,1 @@
-"""Prompt sets, the shapes world, webdataset I/O and the group sampler."""
+"""Prompt sets, the shapes world, webdataset I/O and the prompt groups (PromptGroups)."""

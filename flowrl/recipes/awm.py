@@ -14,7 +14,7 @@ Models" (arXiv 2509.25050); the objective follows the authors' ``train_sd3_awm.p
    ``t``-weighted) flow-matching error and ``A' = clip(A, -5, 5) / 5`` (on-policy: the PPO ratio is 1, so
    its gradient is the advantage-weighted flow-matching gradient), plus ``kl_coef mean_d (v - v_ref)^2``
    to the frozen reference and ``ema_kl_coef mean_d (v - v_ema)^2`` to a fast EMA snapshot;
-3. the EMA snapshot is pulled toward the current weights after every epoch (``train.ema``:
+3. the EMA snapshot is pulled toward the current weights after every epoch (``train.ema_snapshot``:
    ``min(0.001 s, 0.3)``).
 
 Where flowrl departs: every update is treated as on-policy (the authors' ``clip_range = 1`` never binds on
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from typing import Literal
+from typing import ClassVar, Literal
 
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
@@ -48,8 +48,10 @@ class TrainConfig(ForwardTrainConfig):
     adv_max: float = field(default=1.0, metadata=bounds(gt=0))  # A' = clip(A, -adv_clip, adv_clip) / adv_clip * adv_max
     kl_coef: float = field(default=1e-3, metadata=bounds(ge=0))  # to the frozen reference
     ema_kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # to the fast EMA snapshot
-    ema: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
+    ema_snapshot: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
                                                                        maximum=0.3))
+
+    RENAMED: ClassVar[dict[str, str]] = {'ema': 'ema_snapshot'}
 
 
 @dataclass
@@ -75,17 +77,17 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.core.forward_losses import awm_loss
     from flowrl.rl.forward import ForwardEpoch
 
-    t = cfg.train
+    train = cfg.train
     training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
                             progress=progress)
     for minibatch in training.minibatches():
         for batch in minibatch:
             with torch.no_grad():
-                v_ema = training.velocity(batch, snapshot=ema_snapshot) if t.ema_kl_coef > 0 else None
-                v_ref = training.velocity(batch, reference=True) if t.kl_coef > 0 else None
+                v_ema = training.velocity(batch, snapshot=ema_snapshot) if train.ema_kl_coef > 0 else None
+                v_ref = training.velocity(batch, reference=True) if train.kl_coef > 0 else None
             out = awm_loss(training.velocity(batch), batch.target, batch.t, batch.advantages, v_ref=v_ref, v_ema=v_ema,
-                           kl_coef=t.kl_coef, ema_kl_coef=t.ema_kl_coef, weighting=t.weighting, power=t.power,
-                           adv_clip=t.adv_clip, adv_max=t.adv_max)
+                           kl_coef=train.kl_coef, ema_kl_coef=train.ema_kl_coef, weighting=train.weighting, power=train.power,
+                           adv_clip=train.adv_clip, adv_max=train.adv_max)
             training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss,
                               kl_ref=out.stats["kl_ref"], kl_ema=out.stats["kl_ema"], ratio_mean=out.stats["ratio"])
         training.step()
@@ -101,7 +103,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     online = OnlineLoop(cfg, "awm", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         plot_groups={"awm": ["train/policy_loss", "train/kl_ref", "train/kl_ema"]})
     run, model = online.run, online.model
-    ema_snapshot = ParamSnapshot(model, cfg.train.ema.schedule()) if cfg.train.ema_kl_coef > 0 else None
+    ema_snapshot = ParamSnapshot(model, cfg.train.ema_snapshot.schedule()) if cfg.train.ema_kl_coef > 0 else None
     run.track(ema_snapshot=ema_snapshot)
 
     with run:

@@ -14,7 +14,7 @@ Distillation" (arXiv 2603.14128); formula and sources in docs/trainers.md, "CRD"
    (``train.teacher_guidance``), weighted by ``kappa (m + r (1 - m))``: rewarded samples are held close to
    the teacher, unrewarded ones are free;
 3. the old and the sampling snapshots are pulled toward the current weights with their own decay
-   schedules (``train.old``: ``min(0.25 + 0.005 s, 0.999)``; ``train.sampler``: a copy for 75 optimizer
+   schedules (``train.old``: ``min(0.25 + 0.005 s, 0.999)``; ``train.rollout_snapshot``: a copy for 75 optimizer
    steps, then ``min(0.0075 (s - 75), 0.999)``). Both are checkpointed, so resume is exact.
 
 Where flowrl departs from the authors' code (Flow-Factory's ``trainers/crd.py``, written by the paper's first
@@ -27,6 +27,7 @@ out and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -51,8 +52,10 @@ class TrainConfig(ForwardTrainConfig):
     teacher_guidance: float = field(default=4.5, metadata=bounds(ge=0, le=100))  # CFG of the frozen base anchor
     old: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.25, slope=0.005,
                                                                        maximum=0.999))
-    sampler: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=75, initial=0.0, slope=0.0075,
+    rollout_snapshot: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=75, initial=0.0, slope=0.0075,
                                                                            maximum=0.999))
+
+    RENAMED: ClassVar[dict[str, str]] = {'sampler': 'rollout_snapshot'}
 
     def check(self) -> None:
         if self.times.noise != "group" or self.times.share == "sample":
@@ -85,7 +88,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.core.forward_losses import crd_loss
     from flowrl.rl.forward import ForwardEpoch
 
-    t = cfg.train
+    train = cfg.train
     training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
                             health=health, progress=progress)
     for minibatch in training.minibatches():
@@ -93,10 +96,10 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
             with torch.no_grad():
                 v_old = training.velocity(batch, snapshot=old)
                 # The KL anchor is the reference at the teacher's guidance scale.
-                v_ref = training.velocity(batch, reference=t.teacher_guidance) if t.kl_coef > 0 else None
+                v_ref = training.velocity(batch, reference=train.teacher_guidance) if train.kl_coef > 0 else None
             out = crd_loss(training.velocity(batch), v_old, v_ref, batch.target, batch.advantages, batch.group_ids,
-                           beta=t.beta, kl_coef=t.kl_coef, kl_floor=t.kl_floor, reward_adaptive=t.reward_adaptive,
-                           adaptive=t.adaptive, adv_clip=t.adv_clip)
+                           beta=train.beta, kl_coef=train.kl_coef, kl_floor=train.kl_floor, reward_adaptive=train.reward_adaptive,
+                           adaptive=train.adaptive, adv_clip=train.adv_clip)
             training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss, **out.stats)
         training.step()
     return training.metrics()
@@ -110,15 +113,16 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     online = OnlineLoop(cfg, "crd", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         plot_groups={"crd": ["train/policy_loss", "train/implicit_reward", "train/old_decay",
-                                             "train/sampler_decay"]})
+                                             "train/rollout_snapshot_decay"]})
     run, model = online.run, online.model
     groups_stay_local(cfg, online.dist)
-    old, sampler = ParamSnapshot(model, cfg.train.old.schedule()), ParamSnapshot(model, cfg.train.sampler.schedule())
-    run.track(old=old, sampler=sampler)
+    old = ParamSnapshot(model, cfg.train.old.schedule())  # the implicit reward's baseline
+    rollout_snapshot = ParamSnapshot(model, cfg.train.rollout_snapshot.schedule())  # the weights that roll out
+    run.track(old=old, rollout_snapshot=rollout_snapshot)
 
     with run:
         while run.next_epoch():
-            sample_with = sampler.velocity_fn(model, cfg.sampling.guidance)
+            sample_with = rollout_snapshot.velocity_fn(model, cfg.sampling.guidance)
             rollouts, data, metrics = collect_forward(online, velocity_fn=sample_with)
             if data is not None:
                 with online.training(forward_rows(data, cfg)) as bar:
@@ -126,7 +130,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                                                run.epoch, old=old, ema=online.ema, health=run.health, progress=bar))
             steps = optimizer_steps(online.optimizer)
             metrics["train/old_decay"] = old.update(model, steps)
-            metrics["train/sampler_decay"] = sampler.update(model, steps)
+            metrics["train/rollout_snapshot_decay"] = rollout_snapshot.update(model, steps)
             online.end_epoch(metrics, rollouts)
     return run.finish()
 

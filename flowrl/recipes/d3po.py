@@ -109,28 +109,28 @@ def train_epoch(model, optimizer, rollouts, pairs: tuple[torch.Tensor, torch.Ten
     from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_scale,
                                   training_passes)
 
-    t_cfg, s = cfg.train, cfg.sampling
+    train, s = cfg.train, cfg.sampling
     steps = rollouts.trained_steps
     velocity = model.velocity_fn(s.guidance)
     params = model.trainable_parameters()
     chosen, rejected = pairs
     stats, grad_norms = MetricMeans(), MetricMeans()
     n_pairs = global_count(dist, chosen)
-    for inner in range(t_cfg.inner_epochs):
-        for idx in minibatch_rows(rollouts.group_ids[chosen], t_cfg.minibatches, seed=cfg.run.seed, epoch=epoch,
+    for inner in range(train.inner_epochs):
+        for idx in minibatch_rows(rollouts.group_ids[chosen], train.minibatches, seed=cfg.run.seed, epoch=epoch,
                                   inner=inner, total=s.groups_per_epoch):
             n_global = global_count(dist, idx)
             if n_global == 0 or not steps:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            for p in training_passes(idx, [None], t_cfg.micro_batch_size, dist):
+            for p in training_passes(idx, [None], train.micro_batch_size, dist):
                 m = len(p.rows)
                 rows = torch.cat([chosen[p.rows], rejected[p.rows]])
                 with torch.no_grad(), model.reference():
                     ref = _step_log_probs(model, rollouts, rows, steps, velocity)
                 logp = _step_log_probs(model, rollouts, rows, steps, velocity)
-                loss = d3po_loss(logp[:m], ref[:m], logp[m:], ref[m:], beta=t_cfg.beta, mode=t_cfg.mode,
-                                 ratio_clip=t_cfg.ratio_clip, label_smoothing=t_cfg.label_smoothing).mean()
+                loss = d3po_loss(logp[:m], ref[:m], logp[m:], ref[m:], beta=train.beta, mode=train.mode,
+                                 ratio_clip=train.ratio_clip, label_smoothing=train.label_smoothing).mean()
                 dist.backward(loss * pass_scale(p, n_global, dist), model.denoiser, sync=p.sync)
                 if p.weight:
                     ratio = (logp.detach() - ref).sum(dim=1)
@@ -157,7 +157,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     online = OnlineLoop(cfg, "d3po", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         plot_groups={"d3po": ["train/log_ratio_chosen", "train/log_ratio_rejected",
                                               "train/implicit_acc"]})
-    run, model, s = online.run, online.model, cfg.sampling
+    run, model = online.run, online.model
     groups_stay_local(cfg, online.dist)
 
     with run:

@@ -15,7 +15,7 @@ One epoch:
    (``A > 0``) to the negative half; plus ``kl_coef mean_d (v - v_ref)^2``. With ``train.clip_range`` a row
    whose error ratio to the EMA snapshot's, ``exp(err_ema - err)``, left ``[1 - c, 1 + c]`` in its
    advantage's direction passes no gradient (PPO-style);
-3. the EMA snapshot is pulled toward the current weights after every optimizer step (``train.ema``:
+3. the EMA snapshot is pulled toward the current weights after every optimizer step (``train.ema_snapshot``:
    ``min(0.001 s, 0.3)``), as the authors do.
 
 Where flowrl departs: each group's sum is divided by the number of its samples present in the pass (the
@@ -26,6 +26,7 @@ every group is kept on one process and in one pass; samples whose reward is NaN 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -46,10 +47,12 @@ class TrainConfig(ForwardTrainConfig):
     adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
     kl_coef: float = field(default=0.02, metadata=bounds(ge=0))  # mean_d (v - v_ref)^2 to the frozen reference
     clip_range: float | None = field(default=None, metadata=bounds(gt=0))  # PPO-style clip against the EMA
-    ema: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
+    ema_snapshot: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
                                                                        maximum=0.3))
     # Roll out with the EMA snapshot from this many optimizer steps on (None: always the policy).
     sample_from_ema_after: int | None = field(default=None, metadata=bounds(ge=0))
+
+    RENAMED: ClassVar[dict[str, str]] = {'ema': 'ema_snapshot'}
 
     def check(self) -> None:
         if self.times.noise != "group":
@@ -82,22 +85,22 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.forward import ForwardEpoch
     from flowrl.rl.snapshots import optimizer_steps
 
-    t = cfg.train
+    train = cfg.train
     training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
                             health=health, progress=progress)
     decay = None
     for minibatch in training.minibatches():
         for batch in minibatch:  # whole groups, all at one shared noised point per group
             with torch.no_grad():
-                v_ema = training.velocity(batch, snapshot=ema_snapshot) if t.clip_range is not None else None
+                v_ema = training.velocity(batch, snapshot=ema_snapshot) if train.clip_range is not None else None
                 v_ref = training.velocity(batch, reference=True)
             v = training.velocity(batch)
             err, err_ref = velocity_error(v, batch.target), velocity_error(v_ref, batch.target)
             old_err = velocity_error(v_ema, batch.target) if v_ema is not None else None
-            out = dgpo_loss(err, err_ref, batch.advantages, batch.group_ids, beta=t.beta, adv_clip=t.adv_clip,
-                            old_err=old_err, clip_range=t.clip_range)
+            out = dgpo_loss(err, err_ref, batch.advantages, batch.group_ids, beta=train.beta, adv_clip=train.adv_clip,
+                            old_err=old_err, clip_range=train.clip_range)
             kl = velocity_error(v, v_ref).mean()
-            training.backward(out.loss + t.kl_coef * kl, batch, policy_loss=out.loss.detach(), kl_ref=kl.detach(),
+            training.backward(out.loss + train.kl_coef * kl, batch, policy_loss=out.loss.detach(), kl_ref=kl.detach(),
                               group_weight=out.group_weight, clip_frac=out.clip_frac, implicit_acc=out.implicit_acc)
         training.step()
         decay = ema_snapshot.update(model, optimizer_steps(optimizer))  # as the authors: after every step
@@ -117,15 +120,15 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                         plot_groups={"dgpo": ["train/policy_loss", "train/group_weight", "train/implicit_acc"]})
     run, model = online.run, online.model
     groups_stay_local(cfg, online.dist)
-    ema_snapshot = ParamSnapshot(model, cfg.train.ema.schedule())  # updated after every optimizer step
+    ema_snapshot = ParamSnapshot(model, cfg.train.ema_snapshot.schedule())  # updated after every optimizer step
     run.track(ema_snapshot=ema_snapshot)
     after = cfg.train.sample_from_ema_after
 
     with run:
         while run.next_epoch():
             from_ema = after is not None and optimizer_steps(online.optimizer) >= after
-            sampler = ema_snapshot.velocity_fn(model, cfg.sampling.guidance) if from_ema else None
-            rollouts, data, metrics = collect_forward(online, velocity_fn=sampler)
+            rollout_velocity = ema_snapshot.velocity_fn(model, cfg.sampling.guidance) if from_ema else None
+            rollouts, data, metrics = collect_forward(online, velocity_fn=rollout_velocity)
             if data is not None:
                 with online.training(forward_rows(data, cfg)) as bar:
                     metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,

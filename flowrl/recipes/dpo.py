@@ -173,7 +173,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.core.forward_losses import velocity_error
     from flowrl.rl.forward import ForwardEpoch
 
-    t = cfg.train
+    train = cfg.train
     training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
                             health=health, progress=progress)
     for minibatch in training.minibatches():
@@ -182,11 +182,11 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
                 v_ref = training.velocity(batch, reference=True)
             chosen = batch.advantages > 0
             err, err_ref = velocity_error(training.velocity(batch), batch.target), velocity_error(v_ref, batch.target)
-            loss = diffusion_dpo_loss(err[chosen], err[~chosen], err_ref[chosen], err_ref[~chosen], beta=t.beta,
-                                      label_smoothing=t.label_smoothing).mean()
+            loss = diffusion_dpo_loss(err[chosen], err[~chosen], err_ref[chosen], err_ref[~chosen], beta=train.beta,
+                                      label_smoothing=train.label_smoothing).mean()
             with torch.no_grad():
                 delta = -(err - err_ref)
-                margin = t.beta * (delta[chosen] - delta[~chosen])
+                margin = train.beta * (delta[chosen] - delta[~chosen])
             training.backward(loss, batch, implicit_acc=(margin > 0).float().mean(), reward_margin=margin.mean(),
                               kl_ref=(err - err_ref).abs().mean())
         training.step()

@@ -7,7 +7,7 @@ SDE as options, and two changes of the surrogate (docs/algorithms.md, section 5)
 of the ratio clip (``train.trust_region=dppo``); both compare each step's transition mean with the one
 recorded at rollout. One epoch (docs/architecture.md, "One RL step"):
 
-1. the group sampler picks ``groups_per_epoch`` prompts, each ``group_size`` times, with per-sample seeds;
+1. the prompt groups pick ``groups_per_epoch`` prompts, each ``group_size`` times, with per-sample seeds;
 2. ``collect_epoch``: each process rolls out its shard with the configured SDE step inside the training
    window (ODE outside), decodes, and scores in a background thread while the next batch samples;
 3. ``compute_advantages``: rewards are gathered, the configured estimator (outcome, tp_grpo, cosine) runs
@@ -20,8 +20,8 @@ recorded at rollout. One epoch (docs/architecture.md, "One RL step"):
 Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
 
 - the KL is the exact Gaussian KL ``||mu - mu_ref||^2 / (2 std^2)`` with ``std = g_t sqrt(|dt|)``;
-  Flow-GRPO divides by ``g_t^2`` only. ``train.kl_beta_units=flow_grpo`` takes a Flow-GRPO beta as is
-  (``beta_t = beta |dt_t|`` per step); with ``flowrl`` units (the default) ``kl_beta`` multiplies the
+  Flow-GRPO divides by ``g_t^2`` only. ``train.kl_coef_units=flow_grpo`` takes a Flow-GRPO beta as is
+  (``beta_t = beta |dt_t|`` per step); with ``flowrl`` units (the default) ``kl_coef`` multiplies the
   exact KL;
 - log-probs use ``sampling.reduction`` (``mean`` by default, as Flow-GRPO, whose clip ranges assume it);
 - samples whose reward is NaN are masked out of the update and counted, instead of poisoning it;
@@ -36,7 +36,7 @@ Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -52,9 +52,9 @@ class TrainConfig:
     clip_range: float = field(default=1e-4, metadata=bounds(gt=0, lt=1))  # eps_low
     clip_range_high: float | None = field(default=None, metadata=bounds(gt=0))  # DAPO clip-higher
     dual_clip: float | None = field(default=None, metadata=bounds(gt=1))
-    kl_beta: float = field(default=0.0, metadata=bounds(ge=0))
-    # flowrl: kl_beta multiplies the exact Gaussian KL; flow_grpo: a Flow-GRPO beta, beta_t = beta |dt_t|.
-    kl_beta_units: Literal["flowrl", "flow_grpo"] = "flowrl"
+    kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # the KL weight to the reference (Flow-GRPO's beta)
+    # flowrl: kl_coef multiplies the exact Gaussian KL; flow_grpo: a Flow-GRPO beta, beta_t = beta |dt_t|.
+    kl_coef_units: Literal["flowrl", "flow_grpo"] = "flowrl"
     # full: back-propagate through both CFG branches; cond_only: detach the unconditional one (Flow-GRPO).
     cfg_grad: Literal["full", "cond_only"] = "full"
     # Drop samples whose advantage is 0 at every trained step before averaging (Flow-GRPO).
@@ -72,6 +72,8 @@ class TrainConfig:
     # Flow-DPPO: the exact KL(old || new) of a step (per element with sampling.reduction=mean) beyond which a row
     # that keeps moving the way its advantage pushes is masked.
     dppo_threshold: float = field(default=1e-5, metadata=bounds(gt=0))
+
+    RENAMED: ClassVar[dict[str, str]] = {"kl_beta": "kl_coef", "kl_beta_units": "kl_coef_units"}
 
     @property
     def needs_old_means(self) -> bool:
@@ -100,12 +102,12 @@ class Config(OnlineConfig):
 
 def _kl_weights(cfg: TrainConfig, sigmas: torch.Tensor) -> torch.Tensor:
     """``[T]`` beta of each step's KL term (docs/algorithms.md, "KL regularisation")."""
-    if cfg.kl_beta_units == "flow_grpo":
-        return cfg.kl_beta * (sigmas[:-1] - sigmas[1:]).abs().double()
-    return torch.full((sigmas.numel() - 1,), cfg.kl_beta, dtype=torch.float64)
+    if cfg.kl_coef_units == "flow_grpo":
+        return cfg.kl_coef * (sigmas[:-1] - sigmas[1:]).abs().double()
+    return torch.full((sigmas.numel() - 1,), cfg.kl_coef, dtype=torch.float64)
 
 
-def _policy_loss(t_cfg: TrainConfig, out, traj, rows, t: int, advantages: torch.Tensor, reduction: str):
+def _policy_loss(train: TrainConfig, out, traj, rows, t: int, advantages: torch.Tensor, reduction: str):
     """The policy term of one pass (rows ``rows`` at trained step ``t``) and, for RatioNorm and Flow-DPPO, the
     exact KL between the rollout's and the current transition (``train/kl_old``; None otherwise).
 
@@ -114,19 +116,19 @@ def _policy_loss(t_cfg: TrainConfig, out, traj, rows, t: int, advantages: torch.
 
     device = out.log_prob.device
     old_logp = traj.log_probs[rows, t].to(device)
-    if not t_cfg.needs_old_means:
+    if not train.needs_old_means:
         return clipped_policy_loss(out.log_prob[:, None], old_logp[:, None], advantages[:, None], None,
-                                   eps_low=t_cfg.clip_range, eps_high=t_cfg.clip_range_high,
-                                   dual_clip=t_cfg.dual_clip, aggregation="token_mean"), None
+                                   eps_low=train.clip_range, eps_high=train.clip_range_high,
+                                   dual_clip=train.dual_clip, aggregation="token_mean"), None
     old_mean = traj.means[rows, t].to(device)
     with torch.no_grad():
         kl_old = gaussian_kl(out.mean, old_mean, out.std, reduction=reduction).mean()
-    if t_cfg.trust_region == "dppo":
+    if train.trust_region == "dppo":
         return dppo_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std,
-                                threshold=t_cfg.dppo_threshold, reduction=reduction), kl_old
+                                threshold=train.dppo_threshold, reduction=reduction), kl_old
     dt = float(traj.sigmas[t] - traj.sigmas[t + 1])
     return ratio_norm_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std, dt,
-                                  eps_low=t_cfg.clip_range, eps_high=t_cfg.clip_range_high, dual_clip=t_cfg.dual_clip,
+                                  eps_low=train.clip_range, eps_high=train.clip_range_high, dual_clip=train.dual_clip,
                                   reduction=reduction), kl_old
 
 
@@ -150,42 +152,42 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
     from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_scale,
                                   training_passes)
 
-    t_cfg = cfg.train
+    train = cfg.train
     traj = rollouts.trajectory
     steps = traj.trained_steps
     device = model.device
-    velocity = model.velocity_fn(cfg.sampling.guidance, detach_uncond=t_cfg.cfg_grad == "cond_only")
-    kl_weights = _kl_weights(t_cfg, traj.sigmas)
+    velocity = model.velocity_fn(cfg.sampling.guidance, detach_uncond=train.cfg_grad == "cond_only")
+    kl_weights = _kl_weights(train, traj.sigmas)
     params = model.trainable_parameters()
-    if t_cfg.needs_old_means and traj.means is None:
+    if train.needs_old_means and traj.means is None:
         raise ValueError("train.ratio_norm / trust_region=dppo need the rollout's transition means: collect the "
                          "epoch with store_means=True")
     take_part = valid.clone()
-    if t_cfg.drop_zero_advantage and steps:
+    if train.drop_zero_advantage and steps:
         take_part &= (advantages[:, steps] != 0).any(dim=1)
     stats, grad_norms = MetricMeans(), MetricMeans()
-    for inner in range(t_cfg.inner_epochs):
-        for rows in minibatch_rows(rollouts.sample_ids, t_cfg.minibatches, seed=cfg.run.seed, epoch=epoch,
+    for inner in range(train.inner_epochs):
+        for rows in minibatch_rows(rollouts.sample_ids, train.minibatches, seed=cfg.run.seed, epoch=epoch,
                                    inner=inner, total=cfg.sampling.samples_per_epoch):
             rows = rows[take_part[rows]]
             n_global = global_count(dist, rows)
             if n_global == 0 or not steps:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            for p in training_passes(rows, steps, t_cfg.micro_batch_size, dist):
+            for p in training_passes(rows, steps, train.micro_batch_size, dist):
                 m, t = p.rows, p.unit
                 x = traj.state(t, m).to(device)
                 sigma, cond = traj.sigmas[t].to(device).expand(len(m)), rollouts.cond_rows(m, device)
                 out = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m)
-                policy, kl_old = _policy_loss(t_cfg, out, traj, m, t, advantages[m, t].to(device),
+                policy, kl_old = _policy_loss(train, out, traj, m, t, advantages[m, t].to(device),
                                               cfg.sampling.reduction)
                 loss, kl = policy.loss, torch.zeros((), device=device)
-                if t_cfg.kl_beta > 0:
+                if train.kl_coef > 0:
                     with torch.no_grad(), model.reference():
                         ref_mean = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m).mean
                     kl = gaussian_kl(out.mean, ref_mean, out.std, reduction=cfg.sampling.reduction).mean()
                     loss = loss + float(kl_weights[t]) * kl
-                units = len(steps) if t_cfg.aggregation == "token_mean" else 1
+                units = len(steps) if train.aggregation == "token_mean" else 1
                 dist.backward(loss * pass_scale(p, n_global, dist, units), model.denoiser, sync=p.sync)
                 if p.weight:
                     stats.add(len(m), **{"train/loss": float(loss.detach()), "train/ratio_mean": float(policy.ratio_mean),
@@ -209,7 +211,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.online import OnlineLoop
 
     online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
-    run, model, s = online.run, online.model, cfg.sampling
+    run, model = online.run, online.model
 
     with run:
         while run.next_epoch():

@@ -75,16 +75,16 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.core.forward_losses import nft_loss
     from flowrl.rl.forward import ForwardEpoch
 
-    t = cfg.train
+    train = cfg.train
     training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
                             progress=progress)
     for minibatch in training.minibatches():
         for batch in minibatch:
             with torch.no_grad():
                 v_old = training.velocity(batch, snapshot=old)
-                v_ref = training.velocity(batch, reference=True) if t.kl_coef > 0 else None
+                v_ref = training.velocity(batch, reference=True) if train.kl_coef > 0 else None
             out = nft_loss(training.velocity(batch), v_old, v_ref, batch.x_t, batch.x0, batch.t, batch.advantages,
-                           beta=t.beta, kl_coef=t.kl_coef, adv_clip=t.adv_clip)
+                           beta=train.beta, kl_coef=train.kl_coef, adv_clip=train.adv_clip)
             training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss, **out.stats)
         training.step()
     return training.metrics()

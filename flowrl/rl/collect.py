@@ -1,7 +1,7 @@
 """Collect one epoch of an online run: roll out, decode, score in the background.
 
 ``collect_epoch`` is the first half of every online trainer's epoch (docs/architecture.md, "One RL
-step"): for this process's shard of the group sampler's batch it rolls out with the configured step and
+step"): for this process's shard of the prompt groups' batch it rolls out with the configured step and
 window (recording a ``samplers.Trajectory``), decodes, and hands the images to the reward in a background
 thread while the next rollout batch samples. The result, :class:`EpochRollouts`, is the one record that
 advantages, credit and the training pass read.
@@ -33,7 +33,7 @@ class EpochRollouts:
         details: ``{name: [n]}`` reward details.
         prompts / metadata: ``n`` prompts and their metadata.
         group_ids / sample_ids / sample_seeds: ``[n]`` int64, as in
-            :class:`flowrl.data.group_sampler.EpochBatch` (global numbering).
+            :class:`flowrl.data.prompt_groups.EpochBatch` (global numbering).
         cond: the text conditioning ``{key: [n, ...]}``.
         images: ``[n, 3, H, W]`` decoded images in [0, 1].
         timings: seconds of ``sampling``, ``scoring`` (reward compute, overlapped) and ``scoring_wait``.
@@ -96,7 +96,7 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
 
     Args:
         model: the model adapter (``flowrl.models.base.FlowModel``); put in eval mode while sampling.
-        batch: this process's :class:`flowrl.data.group_sampler.EpochBatch`.
+        batch: this process's :class:`flowrl.data.prompt_groups.EpochBatch`.
         step: the ``samplers.Step`` of the trained steps (``flowrl.rl.sampling.rollout_step``).
         window: the ``samplers.Window`` of trained steps (``flowrl.rl.sampling.rollout_window``).
         epoch / seed: drive the window position (the noise comes from ``batch.sample_seeds``).

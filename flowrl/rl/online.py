@@ -15,7 +15,7 @@ A recipe's ``main`` stays a readable loop (docs/architecture.md, "Adding a train
     return run.finish()
 
 :class:`OnlineLoop` builds the run (:class:`flowrl.run.Run`), the model, the training reward, the
-group sampler, the evaluator (with its hacking panel), AdamW with its warm-up, the EMA and the per-prompt
+prompt groups, the evaluator (with its hacking panel), AdamW with its warm-up, the EMA and the per-prompt
 tracker, and checkpoints them under the names ``model``, ``optimizer``, ``scheduler``, ``ema``, ``tracker``;
 a trainable reward in the training reward (the adversarial discriminator) trains on the collected images on
 the schedule of ``reward.discriminator`` and is checkpointed as ``reward_models``
@@ -106,11 +106,11 @@ class OnlineLoop:
         ema_decay: decay of the evaluation EMA of the trained weights (None: no EMA).
         plot_groups: extra plots beside :data:`IMAGE_PLOTS`, as for :class:`flowrl.run.Run`.
         per_sample: advantages are one per sample (``[n]``; trainers without denoising-step credit).
-        rollouts: False for offline trainers (no training reward, group sampler or advantage tracker; the
+        rollouts: False for offline trainers (no training reward, prompt groups or advantage tracker; the
             config then needs no ``advantage`` section and no training prompts).
 
     Attributes:
-        run, dist, model, reward, sampler, evaluator, optimizer, scheduler, ema, tracker; and, for online
+        run, dist, model, reward, prompt_groups, evaluator, optimizer, scheduler, ema, tracker; and, for online
         recipes, ``sigmas`` (the rollout schedule), ``step`` and ``window`` (the rollout's ``samplers.Step``
         and ``samplers.Window``, from the ``sampling`` section).
     """
@@ -118,7 +118,7 @@ class OnlineLoop:
     def __init__(self, cfg, recipe: str, *, model=None, dist=None, ema_decay: float | None = None,
                  plot_groups: dict[str, list[str]] | None = None, per_sample: bool = False, rollouts: bool = True):
         from flowrl.core.advantages import PerPromptStatTracker
-        from flowrl.data.group_sampler import GroupSampler
+        from flowrl.data.prompt_groups import PromptGroups
         from flowrl.data.prompts import load_prompts
         from flowrl.rl.evaluate import Evaluator
         from flowrl.rl.optim import build_ema, build_optimizer
@@ -130,11 +130,11 @@ class OnlineLoop:
                              units=IMAGE_PLOT_UNITS, counters=("images_sampled",))
         self.dist, s = run.dist, cfg.sampling
         self.model = model = self._prepare_model(model)
-        self.reward = self.sampler = self.tracker = None
+        self.reward = self.prompt_groups = self.tracker = None
         if rollouts:
             self.reward = cfg.reward.build_train(self.dist.device)
             train_set = load_prompts(cfg.data.train_prompts)
-            self.sampler = GroupSampler(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch,
+            self.prompt_groups = PromptGroups(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch,
                                         group_size=s.group_size, seed=cfg.run.seed,
                                         num_processes=self.dist.world_size, rank=self.dist.rank)
             a = cfg.advantage
@@ -204,7 +204,7 @@ class OnlineLoop:
         bar = tqdm(total=s.samples_per_epoch // dist.world_size, desc=f"epoch {epoch + 1} sampling", leave=False,
                    disable=not dist.is_main, dynamic_ncols=True)
         with bar, self.precision():
-            rollouts = collect_epoch(self.model, self.sampler.epoch(epoch), step=self.step, window=self.window,
+            rollouts = collect_epoch(self.model, self.prompt_groups.epoch(epoch), step=self.step, window=self.window,
                                      epoch=epoch, seed=cfg.run.seed, reward=self.reward, guidance=s.guidance,
                                      batch_size=s.batch_size, store_x0=store_x0, store_means=store_means,
                                      velocity_fn=velocity_fn, progress=bar)

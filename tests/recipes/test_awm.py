@@ -13,5 +13,5 @@ def on_policy(metrics):
 def test_updates_climb_the_reward_and_negated_advantages_descend():
     assert_direction(lambda negate: forward_direction(
         awm, {"ema_kl_coef": 0.1, "times": {"count": 2, "mode": "stratified", "share": "batch"}}, negate=negate,
-        snapshots={"ema_snapshot": lambda cfg: cfg.train.ema.schedule()},
+        snapshots={"ema_snapshot": lambda cfg: cfg.train.ema_snapshot.schedule()},
         check=on_policy))

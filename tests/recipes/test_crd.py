@@ -14,7 +14,7 @@ def test_updates_climb_the_reward_and_negated_advantages_descend():
     train = {"teacher_guidance": 1.0, "times": {"count": 2, "share": "group", "noise": "group"}}
     assert_direction(lambda negate: forward_direction(
         crd, train, negate=negate, snapshots={"old": lambda cfg: cfg.train.old.schedule()},
-        sampler=lambda cfg: cfg.train.sampler.schedule()))
+        rollout_snapshot=lambda cfg: cfg.train.rollout_snapshot.schedule()))
 
 
 def test_config_requires_group_shared_noise():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.config import from_dict
-from flowrl.data.group_sampler import GroupSampler
+from flowrl.data.prompt_groups import PromptGroups
 from flowrl.data.prompts import load_prompts
 from flowrl.dist import Dist
 from flowrl.logging import read_metrics
@@ -48,12 +48,12 @@ def setup(tiny_shapes_dir):
     model = build_model(cfg.model, torch.device("cpu"))
     model.freeze_reference()
     train = load_prompts("shapes:train")
-    sampler = GroupSampler(train.prompts, train.metadata, groups=2, group_size=4, seed=3)
+    groups = PromptGroups(train.prompts, train.metadata, groups=2, group_size=4, seed=3)
     return model, sampler, Dist(cpu=True)
 
 
 def one_epoch(model, sampler, dist, cfg, reward):
-    return flow_grpo_epoch(model, cfg, dist, sampler.epoch(0), 0, reward)
+    return flow_grpo_epoch(model, cfg, dist, groups.epoch(0), 0, reward)
 
 
 def test_tp_grpo_epoch(setup, tiny_shapes_dir):

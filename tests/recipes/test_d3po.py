@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, from_dict
-from flowrl.data.group_sampler import GroupSampler
+from flowrl.data.prompt_groups import PromptGroups
 from flowrl.dist import Dist
 from flowrl.recipes import d3po
 from rewards import RewardOutput
@@ -32,11 +32,11 @@ def run_updates(reward, epochs: int = 8) -> tuple[float, float]:
                                   "train": {"beta": 1.0, "micro_batch_size": 8}})
     model, dist = ToyFlow(), Dist(cpu=True)
     model.freeze_reference()
-    sampler = GroupSampler(["p"] * 8, None, groups=8, group_size=16, seed=0)
+    groups = PromptGroups(["p"] * 8, None, groups=8, group_size=16, seed=0)
     optimizer = torch.optim.Adam(model.trainable_parameters(), lr=cfg.optim.lr)
     before = expected_reward(model)
     for epoch in range(epochs):
-        rollouts, _, _, _ = flow_grpo_epoch(model, cfg, dist, sampler.epoch(epoch), epoch, reward)
+        rollouts, _, _, _ = flow_grpo_epoch(model, cfg, dist, groups.epoch(epoch), epoch, reward)
         pairs = d3po.group_pairs(rollouts.rewards, rollouts.group_ids)
         assert pairs[0].numel() == 8  # one pair per group
         metrics = d3po.train_epoch(model, optimizer, rollouts, pairs, cfg, dist, epoch)

@@ -21,4 +21,4 @@ def test_updates_climb_the_reward_and_negated_advantages_descend():
         dgpo, {"minibatches": 2, "clip_range": 0.5,
                "times": {"count": 2, "high": 0.5, "share": "batch", "noise": "group"}},
         negate=negate, update_snapshots=False,
-        snapshots={"ema_snapshot": lambda cfg: cfg.train.ema.schedule()}, check=two_steps_and_ema_updates))
+        snapshots={"ema_snapshot": lambda cfg: cfg.train.ema_snapshot.schedule()}, check=two_steps_and_ema_updates))

@@ -31,7 +31,7 @@ def test_one_epoch_on_tiny_pipeline_with_ratio_one(kind, prompt_file, tmp_path):
             f"sampling.step={step}", "sampling.noise_level=0.5", "sampling.num_steps=3", "sampling.eval_num_steps=2",
             "sampling.window.max_start=null",
             "sampling.group_size=2", "sampling.groups_per_epoch=2", "sampling.batch_size=4",
-            f"sampling.guidance={4.5 if kind == 'sd3' else 3.5}", "train.micro_batch_size=4", "train.kl_beta=0.01",
+            f"sampling.guidance={4.5 if kind == 'sd3' else 3.5}", "train.micro_batch_size=4", "train.kl_coef=0.01",
             "reward.train={jpeg_incompressibility: 1.0}", "reward.eval=[jpeg_incompressibility]",
             "eval.at_start=false", "eval.every_epochs=1", "eval.every_minutes=null", "eval.grid_size=2",
         ]

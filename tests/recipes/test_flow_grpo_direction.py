@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.config import from_dict
-from flowrl.data.group_sampler import GroupSampler
+from flowrl.data.prompt_groups import PromptGroups
 from flowrl.dist import Dist
 from flowrl.recipes.flow_grpo import Config, train_epoch
 from flowrl.sample import generate
@@ -30,11 +30,11 @@ def run_updates(negate: bool, epochs: int = 6, train: dict | None = None,
     })
     model = ToyFlow()
     dist = Dist(cpu=True)
-    sampler = GroupSampler(["p"] * 8, None, groups=8, group_size=16, seed=0)
+    groups = PromptGroups(["p"] * 8, None, groups=8, group_size=16, seed=0)
     optimizer = torch.optim.Adam(model.trainable_parameters(), lr=cfg.optim.lr)
     before = expected_reward(model)
     for epoch in range(epochs):
-        samples, advantages, valid, _ = flow_grpo_epoch(model, cfg, dist, sampler.epoch(epoch), epoch,
+        samples, advantages, valid, _ = flow_grpo_epoch(model, cfg, dist, groups.epoch(epoch), epoch,
                                                         first_coordinate_reward)
         metrics = train_epoch(model, optimizer, samples, advantages, valid, cfg, dist, epoch)
         if log is not None:

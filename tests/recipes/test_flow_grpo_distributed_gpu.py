@@ -43,7 +43,7 @@ def launch(config: str, out: Path, extra: list[str]) -> subprocess.CompletedProc
             "data.train_prompts=shapes:train", "data.eval_prompts=shapes:eval", "data.num_eval_prompts=4",
             "sampling.num_steps=4", "sampling.window.max_start=null", "sampling.eval_num_steps=2",
             "sampling.group_size=4", "sampling.groups_per_epoch=2", "sampling.batch_size=4", "sampling.guidance=4.5",
-            "train.micro_batch_size=2", "train.minibatches=2", "train.ema_decay=0.5", "train.kl_beta=0.01",
+            "train.micro_batch_size=2", "train.minibatches=2", "train.ema_decay=0.5", "train.kl_coef=0.01",
             "optim.lr=1e-3", "eval.at_start=false", "eval.every_epochs=2", "eval.every_minutes=null",
             "eval.grid_size=0", "checkpoint.every_epochs=1",
             "reward.train={jpeg_incompressibility: 1.0}", "reward.eval=[jpeg_incompressibility]", *extra]

@@ -1,4 +1,4 @@
-"""With its parity options on (``cfg_grad=cond_only``, ``drop_zero_advantage``, ``kl_beta_units=flow_grpo``), one
+"""With its parity options on (``cfg_grad=cond_only``, ``drop_zero_advantage``, ``kl_coef_units=flow_grpo``), one
 training step of flowrl's Flow-GRPO equals a Flow-GRPO training step written out by hand on the tiny SD3
 pipeline: the same data, the same gradient (cosine > 0.9999, norms within 1e-4).
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flowrl.config import from_dict
-from flowrl.data.group_sampler import GroupSampler
+from flowrl.data.prompt_groups import PromptGroups
 from flowrl.dist import Dist
 from flowrl.models.config import build_model
 from flowrl.recipes.flow_grpo import Config, train_epoch
@@ -94,7 +94,7 @@ def epoch_data():
         "sampling": {"num_steps": 4, "step": "flow_sde", "noise_level": 0.7, "guidance": 4.5, "group_size": 4,
                      "groups_per_epoch": 3, "batch_size": 12},
         "optim": {"lr": 1e-3, "grad_clip": 1e9},
-        "train": {"clip_range": 0.2, "kl_beta": BETA, "kl_beta_units": "flow_grpo", "cfg_grad": "cond_only",
+        "train": {"clip_range": 0.2, "kl_coef": BETA, "kl_coef_units": "flow_grpo", "cfg_grad": "cond_only",
                   "drop_zero_advantage": True, "micro_batch_size": 12},
     })
     model = build_model(cfg.model, "cpu")
@@ -104,8 +104,8 @@ def epoch_data():
             p.data.normal_(0.0, 0.05, generator=generator)
     model.freeze_reference()
     dist = Dist(cpu=True)
-    sampler = GroupSampler(PROMPTS, None, groups=3, group_size=4, seed=5)
-    rollouts, advantages, valid, _ = flow_grpo_epoch(model, cfg, dist, sampler.epoch(0), 0, reward)
+    groups = PromptGroups(PROMPTS, None, groups=3, group_size=4, seed=5)
+    rollouts, advantages, valid, _ = flow_grpo_epoch(model, cfg, dist, groups.epoch(0), 0, reward)
     assert traj_steps(rollouts) == [0, 1, 2]
     return cfg, model, dist, rollouts, advantages, valid
 
@@ -139,7 +139,7 @@ def test_without_the_parity_options_the_step_differs(epoch_data):
     cfg, model, dist, rollouts, advantages, valid = epoch_data
     reference = flow_grpo_gradient(model, rollouts, advantages, guidance=4.5, noise_level=0.7, clip_range=0.2,
                                    beta=BETA)
-    for change in ({"cfg_grad": "full"}, {"drop_zero_advantage": False}, {"kl_beta_units": "flowrl"}):
+    for change in ({"cfg_grad": "full"}, {"drop_zero_advantage": False}, {"kl_coef_units": "flowrl"}):
         changed = from_dict(Config, {**_as_dict(cfg), "train": {**_as_dict(cfg)["train"], **change}})
         ours, _ = flowrl_gradient(changed, model, dist, rollouts, advantages, valid)
         cosine = float(torch.nn.functional.cosine_similarity(ours.double(), reference.double(), dim=0))

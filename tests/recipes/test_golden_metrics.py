@@ -56,7 +56,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "outcome_cps": ("flow_grpo.yaml", {**FLOW_GRPO, "sampling.step": "cps", "sampling.noise_level": 0.7}),
     "tp_grpo": ("flow_grpo.yaml", {**FLOW_GRPO, "advantage.estimator": "tp_grpo"}),
     "cosine": ("flow_grpo.yaml", {**FLOW_GRPO, "advantage.estimator": "cosine"}),
-    "kl_minibatches_ema": ("flow_grpo.yaml", {**FLOW_GRPO, "train.kl_beta": 0.05, "train.minibatches": 2,
+    "kl_minibatches_ema": ("flow_grpo.yaml", {**FLOW_GRPO, "train.kl_coef": 0.05, "train.minibatches": 2,
                                               "train.ema_decay": 0.9, "train.inner_epochs": 2,
                                               "sampling.window.mode": "fixed", "sampling.window.size": "null"}),
     "rloo_sum": ("flow_grpo.yaml", {"advantage.normalizer": "rloo", "sampling.reduction": "sum",

@@ -9,4 +9,4 @@ from toy import assert_direction, forward_direction
 def test_updates_climb_the_reward_and_negated_advantages_descend():
     assert_direction(lambda negate: forward_direction(nft, {"times": {"count": 2}}, negate=negate,
                                                       snapshots={"old": lambda cfg: cfg.train.old.schedule()},
-                                                      sampler="old"))
+                                                      rollout_snapshot="old"))

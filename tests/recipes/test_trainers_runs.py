@@ -15,7 +15,7 @@ from flowrl.train import load_recipe_config
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ("crd", "nft", "awm", "dgpo", "dpo", "d3po")
 # Extra state each trainer checkpoints beside the model, the optimizer and its schedule.
-SNAPSHOTS = {"crd": ("old", "sampler"), "nft": ("old",), "awm": ("ema_snapshot",), "dgpo": ("ema_snapshot",), "dpo": (),
+SNAPSHOTS = {"crd": ("old", "rollout_snapshot"), "nft": ("old",), "awm": ("ema_snapshot",), "dgpo": ("ema_snapshot",), "dpo": (),
              "d3po": ()}
 
 

@@ -90,7 +90,7 @@ def forward_epoch_data(model, cfg, dist, batch, epoch: int, reward, velocity_fn=
 TOY_SAMPLING = {"num_steps": 10, "group_size": 16, "groups_per_epoch": 8, "batch_size": 128}
 
 
-def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, snapshots=None, sampler=None,
+def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, snapshots=None, rollout_snapshot=None,
                       update_snapshots: bool = True, check=None) -> tuple[float, float]:
     """``epochs`` updates of a forward-process recipe on the toy flow from its base model:
     ``(expected reward before, after)``.
@@ -100,7 +100,7 @@ def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, sna
         train: the config's ``train`` section.
         negate: climb the wrong way (``advantage.negate``).
         snapshots: ``{keyword of train_epoch: (cfg) -> DecaySchedule}``, the recipe's snapshots.
-        sampler: who samples: None (the policy), a keyword of ``snapshots``, or ``(cfg) -> DecaySchedule`` for a
+        rollout_snapshot: who samples: None (the policy), a keyword of ``snapshots``, or ``(cfg) -> DecaySchedule`` for a
             snapshot that only samples.
         update_snapshots: pull every snapshot toward the weights after each epoch.
         check: ``check(metrics)``, called after every epoch.
@@ -108,7 +108,7 @@ def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, sna
     import torch
 
     from flowrl.config import from_dict
-    from flowrl.data.group_sampler import GroupSampler
+    from flowrl.data.prompt_groups import PromptGroups
     from flowrl.dist import Dist
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
@@ -116,10 +116,11 @@ def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, sna
                                     "train": {"micro_batch_size": 128, **train}})
     model, dist = ToyFlow(), Dist(cpu=True)
     model.freeze_reference()
-    groups = GroupSampler(["p"] * 8, None, groups=8, group_size=16, seed=0)
+    groups = PromptGroups(["p"] * 8, None, groups=8, group_size=16, seed=0)
     optimizer = torch.optim.Adam(model.trainable_parameters(), lr=cfg.optim.lr)
     state = {name: ParamSnapshot(model, schedule(cfg)) for name, schedule in (snapshots or {}).items()}
-    rollout = state.get(sampler) if isinstance(sampler, str) else sampler and ParamSnapshot(model, sampler(cfg))
+    rollout = (state.get(rollout_snapshot) if isinstance(rollout_snapshot, str)
+               else rollout_snapshot and ParamSnapshot(model, rollout_snapshot(cfg)))
     before = expected_reward(model)
     for epoch in range(epochs):
         velocity_fn = rollout.velocity_fn(model, 1.0) if rollout is not None else None

@@ -69,11 +69,11 @@ def test_every_step_takes_its_own_default_noise_level():
 
 
 def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
-    from flowrl.data.group_sampler import GroupSampler
+    from flowrl.data.prompt_groups import PromptGroups
 
     with pytest.raises(ConfigError, match=r"^sampling.groups_per_epoch: groups_per_epoch x group_size = 3 x 3 = 9 "
                                           r"samples per epoch do not split evenly over 2 processes"):
-        GroupSampler(["a"], None, groups=3, group_size=3, seed=0, num_processes=2, rank=0)
+        PromptGroups(["a"], None, groups=3, group_size=3, seed=0, num_processes=2, rank=0)
 
 
 def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shapes_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""The group sampler: each epoch, ``groups`` prompts, each repeated ``group_size`` times, with global
+"""Prompt groups: each epoch, ``groups`` prompts, each repeated ``group_size`` times, with global
 sample ids and per-sample seeds, sharded across processes.
 
 Everything is a pure function of ``(seed, epoch)`` and the global sample index, never of the rank
@@ -15,7 +15,7 @@ import torch
 from flowrl.config import ConfigError
 from samplers import derive_seed, make_sample_seeds
 
-__all__ = ["EpochBatch", "GroupSampler"]
+__all__ = ["EpochBatch", "PromptGroups"]
 
 
 @dataclass
@@ -40,7 +40,7 @@ class EpochBatch:
     shard: slice
 
 
-class GroupSampler:
+class PromptGroups:
     """Draws ``groups`` prompts per epoch (without replacement within an epoch when the set is large
     enough), repeats each ``group_size`` times, and gives process ``rank`` a contiguous shard.
 
