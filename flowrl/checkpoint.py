@@ -220,12 +220,14 @@ def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], *,
 
 
 def clean_stale_files(output_dir: str | Path) -> list[Path]:
-    """Remove what killed writers left behind (``.tmp_step_*`` directories, ``.latest_<pid>`` pointers).
+    """Remove what killed writers left behind (``.tmp_step_*`` / ``.tmp_best_*`` directories, ``.latest_<pid>``
+    pointers).
 
     Call at the start of a run, before any checkpoint is written. Returns what was removed."""
     root = Path(output_dir) / "checkpoints"
     removed = []
-    for path in list(root.glob(".tmp_step_*")) + list(root.glob(".latest_*")) if root.is_dir() else []:
+    stale = [".tmp_step_*", ".latest_*", ".tmp_best_*", ".old_best_*"]
+    for path in [p for pattern in stale for p in root.glob(pattern)] if root.is_dir() else []:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         removed.append(path)
     return removed

@@ -78,6 +78,26 @@ def bounds(*, ge: float | None = None, gt: float | None = None, le: float | None
 
 
 @dataclasses.dataclass
+class StopOnConfig:
+    """``run.stop_on``: stop early when a held-out measure has not improved for ``patience`` evaluations (while
+    the training reward kept rising, with ``while_reward_rises``), keeping the best evaluation's checkpoint in
+    ``checkpoints/best``: the over-optimisation guard (the proxy climbs, the gold falls)."""
+
+    metric: str = "hack/accuracy_strict"  # a key of the evaluation's metrics (eval/..., hack/...)
+    mode: Literal["max", "min"] = "max"  # max: higher is better
+    patience: int = dataclasses.field(default=3, metadata=bounds(ge=1, le=1000))  # evaluations without improvement
+    min_delta: float = dataclasses.field(default=0.0, metadata=bounds(ge=0))  # what counts as an improvement
+    # Stop only if the training reward's mean over those evaluations' epochs rose meanwhile (the hacking case);
+    # false: stop on the held-out measure alone.
+    while_reward_rises: bool = True
+
+    def check(self) -> None:
+        if not self.metric.startswith(("eval/", "hack/")):
+            fail("metric", f"{self.metric!r} is not a held-out measure; name an evaluation metric such as "
+                 "hack/accuracy_strict or eval/shapes/accuracy")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """The ``run`` section every run config has."""
 
@@ -104,6 +124,8 @@ class RunConfig:
     max_nonfinite_updates: int = dataclasses.field(default=3, metadata=bounds(ge=1))
     # ... or when this many epochs in a row had only NaN rewards, or rewards equal within every group.
     max_degenerate_epochs: int = dataclasses.field(default=5, metadata=bounds(ge=1))
+    # Early stop on a falling held-out measure, keeping the best checkpoint (None: off).
+    stop_on: StopOnConfig | None = None
 
     def check(self) -> None:
         if self.resume and self.overwrite:
@@ -158,6 +180,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        real = [a for a in args if a is not type(None)]
+        sections = [a for a in real if dataclasses.is_dataclass(a)]
+        if len(real) == 1 or (isinstance(value, dict) and len(sections) == 1):
+            return _convert(value, real[0] if len(real) == 1 else sections[0], path)  # its own, precise error
         for arg in args:
             if arg is type(None):
                 continue

@@ -87,6 +87,54 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class EarlyStop:
+    """``run.stop_on``'s bookkeeping, checkpointed with the run: the best value of the held-out measure and its
+    epoch, evaluations since the last improvement, and the training reward at that best evaluation."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.best: float | None = None
+        self.best_epoch = -1
+        self.since_best = 0
+        self.reward_at_best: float | None = None
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch, "since_best": self.since_best,
+                "reward_at_best": self.reward_at_best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_epoch = state["best"], int(state["best_epoch"])
+        self.since_best, self.reward_at_best = int(state["since_best"]), state["reward_at_best"]
+
+    def update(self, epoch: int, metrics: dict, reward: float | None) -> tuple[bool, str | None]:
+        """Record one evaluation. Returns ``(improved, reason to stop or None)``.
+
+        Raises:
+            RunError: the evaluation has no such metric (the message lists what it has)."""
+        from flowrl.errors import RunError
+
+        name = self.cfg.metric
+        if name not in metrics:
+            have = ", ".join(sorted(k for k in metrics if k.startswith(("eval/", "hack/"))))
+            raise RunError(f"run.stop_on.metric {name!r} is not among the evaluation's metrics ({have}); name one "
+                           "of those")
+        value = float(metrics[name])
+        sign = 1.0 if self.cfg.mode == "max" else -1.0
+        if self.best is None or sign * (value - self.best) > self.cfg.min_delta:
+            self.best, self.best_epoch, self.since_best, self.reward_at_best = value, epoch, 0, reward
+            return True, None
+        self.since_best += 1
+        if self.since_best < self.cfg.patience:
+            return False, None
+        rising = reward is not None and self.reward_at_best is not None and reward > self.reward_at_best
+        if self.cfg.while_reward_rises and not rising:
+            return False, None
+        return False, (f"early stop: {name} has not improved for {self.since_best} evaluations (best "
+                       f"{self.best:.4g} at epoch {self.best_epoch}" + (", while the training reward rose)" if rising
+                                                                         else ")")
+                       + "; that epoch's checkpoint is checkpoints/best")
+
+
 class Run:
     """One training run (see the module docstring for the shape of a recipe).
 
@@ -150,7 +198,12 @@ class Run:
         self._next_eval_minutes: float | None = None
         self._next_checkpoint_minutes: float | None = None
         self._updating = self._stopping = self._started = self._cut_short = False
+        self._early_reason: str | None = None
         self._saved_at: tuple[int, int] | None = None
+        self._early_stop = EarlyStop(cfg.run.stop_on) if getattr(cfg.run, "stop_on", None) else None
+        self._rewards_since_eval: list[float] = []
+        if self._early_stop is not None:
+            self.track(early_stop=self._early_stop)
 
     # ------------------------------------------------------------------ setup
 
@@ -415,6 +468,9 @@ class Run:
                         "time/epoch_s": time.perf_counter() - self._epoch_start,
                         "time/train_min": self.train_minutes(), "memory/peak_mb": peak_memory_mb()})
         stopping = cut or self.stop_requested()
+        keep_best = False
+        if "train/reward_mean" in metrics:
+            self._rewards_since_eval.append(float(metrics["train/reward_mean"]))
         cfg = self.cfg
         every_epochs = self._eval_setting("every_epochs", None)
         due = (every_epochs is not None and row_epoch % every_epochs == 0) or (
@@ -430,6 +486,9 @@ class Run:
             else:
                 metrics.update(evaluation)
                 self._next_eval_minutes = _next_multiple(self.train_minutes(), self._eval_setting("every_minutes", None))
+                keep_best, stop_reason = self._check_early_stop(metrics)
+                if stop_reason is not None:
+                    stopping, self._early_reason = True, stop_reason
         metrics["time/wall_min"] = self.wall_minutes()
         self.logger.log(metrics)
         self.logger.plot()
@@ -443,15 +502,47 @@ class Run:
         self._bar.set_postfix(**postfix)
         nonfinite = self.health.in_a_row >= cfg.run.max_nonfinite_updates
         if (self.epoch % self._checkpoint_cfg.every_epochs == 0 or stopping or self.epoch == cfg.run.max_epochs
-                or nonfinite):
+                or nonfinite or keep_best):
             self.save_checkpoint()
+        if keep_best:
+            self._keep_best()
         if nonfinite:
             raise RunError(f"stopped after epoch {self.epoch}: {self.health.in_a_row} optimizer updates in a row had a "
                            "non-finite loss or gradient and were skipped (the weights are the last finite ones); "
                            "lower optim.lr or the guidance, or check the reward's scale")
         if stopping:
             self._stopping = True
-            self.status = self._stop.reason or "time budget reached"
+            self.status = self._stop.reason or self._early_reason or "time budget reached"
+
+    def _check_early_stop(self, metrics: dict[str, Any]) -> tuple[bool, str | None]:
+        """``run.stop_on`` after an evaluation: whether this evaluation is the best so far (its checkpoint is kept)
+        and why to stop (None: go on). The training reward compared is the mean over the epochs since the last
+        evaluation."""
+        if self._early_stop is None:
+            return False, None
+        rewards, self._rewards_since_eval = self._rewards_since_eval, []
+        reward = sum(rewards) / len(rewards) if rewards else None
+        return self._early_stop.update(self.epoch, metrics, reward)
+
+    def _keep_best(self) -> None:
+        """Copy the checkpoint just written to ``checkpoints/best`` (replacing the previous best atomically)."""
+        import os
+        import shutil
+
+        from flowrl.checkpoint import latest_checkpoint
+
+        if not self.dist.is_main:
+            return
+        source = latest_checkpoint(self.output_dir)
+        root = self.output_dir / "checkpoints"
+        tmp = root / f".tmp_best_{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        old = root / f".old_best_{os.getpid()}"
+        if (root / "best").exists():
+            os.replace(root / "best", old)
+        os.replace(tmp, root / "best")
+        shutil.rmtree(old, ignore_errors=True)
 
     def finish(self) -> int:
         """Close the logger, the lock and the process group; print where the outputs are. Returns the exit code:
