@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ["sampler_overhead", "rewards_bench", "reward_server"]
+BENCHMARKS = ["shapes_speed", "sampler_overhead", "rewards_bench", "reward_server"]
 
 
 def main(argv: list[str]) -> int:

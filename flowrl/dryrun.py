@@ -279,7 +279,7 @@ def dry_run(config: str, overrides: list[str], *, out: Callable[[str], None] = p
     Raises:
         ConfigError: the config (with the overrides) does not load.
     """
-    from flowrl.train import load_recipe_config
+    from flowrl.recipes import load_recipe_config
 
     start = time.perf_counter()
     recipe, cfg = load_recipe_config(config, overrides)

@@ -129,7 +129,7 @@ def add_agent_tab(runs_dir: str | None = "runs", concurrency: dict | None = None
     """Add the Agent tab to the enclosing ``gr.Tabs()``; returns its model set."""
     import gradio as gr
 
-    from flowrl.demo.ui import guarded
+    from flowrl.demo.handlers import guarded
 
     models = AgentModels(runs_dir)
     names = models.names()

@@ -21,13 +21,13 @@ loaded (:class:`flowrl.demo.models.ModelBank`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
 from dataclasses import dataclass, field
 
 from flowrl.demo.engine import RewardSet
+from flowrl.demo.handlers import guarded, one_line
 from flowrl.demo.limits import (
     SAMPLERS,
     DemoInputError,
@@ -86,45 +86,6 @@ class DemoState:
 # ============================================================================ errors and progress
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.config import ConfigError
-    from flowrl.data.shapes import PromptParseError
-    from flowrl.models.base import ModelLoadError
-    from rewards import RewardError
-
-    return (DemoInputError, ModelLoadError, RewardError, CheckpointError, ConfigError, PromptParseError)
-
-
-def _one_line(err: BaseException) -> str:
-    return public_text(" ".join(str(err).split())) or type(err).__name__
-
-
-def guarded(fn):
-    """Run a handler; mistakes become ``gr.Error`` with a one-line message and no traceback in the page."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        import gradio as gr
-        import torch
-
-        try:
-            return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except _user_errors() as err:
-            raise gr.Error(_one_line(err), print_exception=False) from None
-        except torch.cuda.OutOfMemoryError:
-            raise gr.Error("out of GPU memory: ask for fewer models, prompts, seeds or steps",
-                           print_exception=False) from None
-        except Exception as err:  # a bug: the page gets one line, the console the traceback
-            log.exception("demo handler %s failed", fn.__name__)
-            raise gr.Error(f"internal error ({type(err).__name__}); the server's console has the details",
-                           print_exception=False) from None
-
-    return wrapper
-
-
 class _Ticker:
     """Counts model calls into a ``gr.Progress`` (or nothing) with a known total."""
 
@@ -172,7 +133,7 @@ def _models(state: DemoState, names, progress=None) -> dict:
         except ModelLoadError as err:
             if len(names) == 1:
                 raise
-            failed.append(f"skipped: {_one_line(err)}")
+            failed.append(f"skipped: {one_line(err)}")
     if not models:
         raise DemoInputError("none of the selected models loads: " + " | ".join(failed))
     _warn(failed)

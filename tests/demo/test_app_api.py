@@ -139,7 +139,8 @@ def test_file_data_naming_a_url_is_never_fetched_by_the_server(client, monkeypat
 def test_no_server_path_reaches_the_page(demo_state):
     import gradio as gr
 
-    from flowrl.demo.ui import _models_markdown, guarded
+    from flowrl.demo.handlers import guarded
+    from flowrl.demo.ui import _models_markdown
     from flowrl.models.base import ModelLoadError
 
     page = _models_markdown(demo_state)
