@@ -26,11 +26,56 @@ ROOT = Path(__file__).resolve().parents[1]
 # Every benchmark run's budget clock: this process's CPU time, one thread.
 CPU_BUDGET = ("run.clock=cpu", "run.threads=1")
 
-__all__ = ["ROOT", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
+__all__ = ["ROOT", "RECORDS", "record_dir", "save_record", "restore_record", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
            "save_figure"]
 
 
 DONE = "benchmark_done.json"  # written beside a run's metrics when its process finished with exit status 0
+# Where a finished run's record (its metrics, config and DONE file, a few tens of KB) is copied, so that results
+# survive the machine: ``<RECORDS>/<out's parent folder>/<out's name>/``, committed with the benchmark's tables.
+# A later ``--reuse`` on a machine without the run folder restores it from there instead of training again.
+RECORDS = Path(os.environ.get("FLOWRL_BENCH_RECORDS", ROOT / "benchmarks" / "results" / "records"))
+RECORD_FILES = ("metrics.jsonl", "config.yaml", DONE)
+
+
+def record_dir(out: Path) -> Path:
+    """The committed record of the run folder ``out``."""
+    return RECORDS / out.parent.name / out.name
+
+
+def save_record(out: Path) -> Path:
+    """Copy a finished run's record files (metrics gzip-compressed) to ``record_dir(out)``."""
+    import gzip
+
+    dest = record_dir(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in RECORD_FILES:
+        src = out / name
+        if not src.is_file():
+            continue
+        if name.endswith(".jsonl"):
+            with open(src, "rb") as f, gzip.GzipFile(dest / (name + ".gz"), "wb", mtime=0) as g:
+                shutil.copyfileobj(f, g)
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def restore_record(out: Path) -> bool:
+    """Recreate a finished run's folder from its record (True when there was one)."""
+    import gzip
+
+    src = record_dir(out)
+    if not (src / DONE).is_file():
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    for name in RECORD_FILES:
+        if (src / (name + ".gz")).is_file():
+            with gzip.open(src / (name + ".gz"), "rb") as g, open(out / name, "wb") as f:
+                shutil.copyfileobj(g, f)
+        elif (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    return True
 
 
 def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, reuse: bool = False,
@@ -45,6 +90,9 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
 
     if reuse and (out / DONE).is_file():
         print(f"{label}: reusing {out}", flush=True)
+        return {"status": "reused", "returncode": 0}
+    if reuse and not (out.is_dir() and checkpoints(out)) and restore_record(out):
+        print(f"{label}: reusing the record {record_dir(out)}", flush=True)
         return {"status": "reused", "returncode": 0}
     resume = reuse and out.is_dir() and bool(checkpoints(out))
     if not resume:
@@ -68,7 +116,9 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"{label} FAILED (exit {proc.returncode}); last lines:\n  " + "\n  ".join(tail), flush=True)
     else:
-        (out / DONE).write_text(json.dumps({"command": command[1:], "seconds": round(time.time() - start, 1)}) + "\n")
+        (out / DONE).write_text(json.dumps({"command": command[1:], "seconds": round(time.time() - start, 1),
+                                            "returncode": proc.returncode}) + "\n")
+        save_record(out)
     return {"status": status, "returncode": proc.returncode, "no_usable_reward": proc.returncode == 3,
             "seconds": round(time.time() - start, 1)}
 

@@ -14,9 +14,8 @@ import pytest
 from PIL import Image
 
 from flowrl.demo.headless import capture_compare, find_chromedriver, find_chromium
-from flowrl.demo.render import LINE_HEIGHT, PAD, grid_image
-
-HEADER = 22  # px above the first row of grid_image (the column labels)
+from flowrl.demo.render import grid_image
+from flowrl.grid import HEADER, LINE_HEIGHT, PAD  # grid_image's geometry (HEADER: the column labels on top)
 
 
 @pytest.fixture(scope="session")

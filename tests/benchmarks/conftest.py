@@ -1,0 +1,19 @@
+"""Benchmarks under test keep their run records (``benchmarks.runs.RECORDS``) in the test's folder, never in the
+checkout's committed ``benchmarks/results/records``."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def records_in_tmp(tmp_path, monkeypatch):
+    from benchmarks import runs
+
+    monkeypatch.setattr(runs, "RECORDS", tmp_path / "records")
+    return tmp_path / "records"
