@@ -34,10 +34,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 def load(spec: str, device: str = "cpu"):
     from flowrl.demo.models import load_finetuned
-    from flowrl.sample import load_model_arg
+    from flowrl.models.resolve import load_named_model
 
     if spec == "shapes" or (Path(spec) / "model.json").is_file():
-        return load_model_arg(spec, device=device)
+        return load_named_model(spec, device=device)
     return load_finetuned(spec, device=device)
 
 
@@ -45,7 +45,7 @@ def panel(model, rows, group_rows, features, *, steps: int, base=None, artifact=
     """The panel of ``model`` and its images ``{"eval": [N, 3, H, W], "groups": [M, 3, H, W]}``; with an
     ``artifact`` reward also ``hack/p_artifact``, its mean P(artifact) on the held-out images."""
     from flowrl.hacking import group_diversity, hacking_panel
-    from flowrl.sample import generate
+    from flowrl.generate import generate
 
     images = generate(model, [r[0] for r in rows], [r[2] for r in rows], steps=steps)
     group_images = generate(model, [r[0] for r in group_rows], [r[2] for r in group_rows], steps=steps)
@@ -66,7 +66,7 @@ def adversarial_probe(tuned_model, base_images, tuned_images, prompts, *, update
     the held-out images of both models."""
     import rewards
     from flowrl.data.shapes import prompt_rows
-    from flowrl.sample import generate
+    from flowrl.generate import generate
 
     rows = prompt_rows("train", pool, seed=97)
     fakes = generate(tuned_model, [r[0] for r in rows], [r[2] for r in rows], steps=steps)

@@ -95,7 +95,7 @@ def evaluation_numbers(steps_precision: list[tuple[int, str]], prompts: int) -> 
     import rewards
     from flowrl.data.prompts import load_prompts
     from flowrl.models.config import ModelConfig, build_model
-    from flowrl.sample import generate
+    from flowrl.generate import generate
 
     prompt_set = load_prompts("shapes:eval", prompts)
     seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]

@@ -18,7 +18,7 @@
 when complete (:mod:`flowrl.atomic`), so a full disk or a crash leaves nothing under ``--out`` and the same
 command can be run again.
 
-The weights are those ``flowrl.demo.models.load_finetuned`` uses: the EMA when the run kept one (``--no-ema``:
+The weights are those ``flowrl.models.resolve.load_finetuned`` uses: the EMA when the run kept one (``--no-ema``:
 the raw trained weights). Every LoRA checkpoint of an SD3 / FLUX run also holds the diffusers folder
 (``checkpoints/epoch_<N>/lora``), written by the run itself with the same code.
 """
@@ -27,182 +27,22 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-__all__ = ["ExportError", "LoraSpec", "lora_spec", "lora_supported", "trained_tensors", "lora_layers",
-           "write_diffusers_lora", "write_peft_adapter", "export", "main", "FORMATS"]
+from flowrl.models.lora_files import (
+    ExportError,
+    lora_supported,
+    spec_for,
+    write_diffusers_lora,
+    write_export_info,
+    write_peft_adapter,
+)
+
+__all__ = ["FORMATS", "ExportError", "export", "main"]
 
 FORMATS = ("diffusers", "peft", "merged")
-#: The adapter name diffusers' ``add_adapter`` gives flowrl's LoRA; peft keeps it in parameter names.
-_ADAPTER = "default"
-
-
-class ExportError(ValueError):
-    """The run cannot be exported as asked; the message says why and what works instead."""
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """What an exported LoRA needs to know of its model: the kind (``sd3``, ``flux``, ``shapes``), the rank,
-    alpha and the adapted module names."""
-
-    kind: str
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-
-    @property
-    def scale(self) -> float:
-        return float(self.alpha) / float(self.rank)
-
-
-def _kind(model: Any) -> str:
-    from flowrl.models.flux import FluxModel
-    from flowrl.models.sd3 import SD3Model
-
-    if isinstance(model, SD3Model):
-        return "sd3"
-    if isinstance(model, FluxModel):
-        return "flux"
-    return "shapes"
-
-
-def _default_targets(kind: str) -> list[str]:
-    if kind == "sd3":
-        from flowrl.models.sd3 import SD3_LORA_TARGETS
-
-        return list(SD3_LORA_TARGETS)
-    if kind == "flux":
-        from flowrl.models.flux import FLUX_LORA_TARGETS
-
-        return list(FLUX_LORA_TARGETS)
-    from flowrl.models.shapes import SHAPES_LORA_TARGETS
-
-    return list(SHAPES_LORA_TARGETS)
-
-
-def _spec(kind: str, lora: Any) -> LoraSpec:
-    targets = list(lora.target_modules) or _default_targets(kind)
-    return LoraSpec(kind, int(lora.rank), float(lora.alpha), tuple(sorted(targets)))
-
-
-def lora_spec(model: Any) -> LoraSpec | None:
-    """The :class:`LoraSpec` of a model adapter (None when it fine-tunes the whole network)."""
-    return None if model.lora is None else _spec(_kind(model), model.lora)
-
-
-def lora_supported(model: Any) -> bool:
-    """True for the adapters whose base is a diffusers pipeline with ``load_lora_weights`` (SD3, FLUX)."""
-    return _kind(model) in ("sd3", "flux")
-
-
-def _pipeline_class(kind: str):
-    if kind == "sd3":
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline
-    if kind == "flux":
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
-    raise ExportError(f"the {kind} model has no diffusers pipeline to load a LoRA folder into; export it with "
-                      "--format peft or --format merged")
-
-
-def trained_tensors(state: dict[str, Any], *, weights_key: str = "model", use_ema: bool = True,
-                    ) -> tuple[dict[str, torch.Tensor], bool]:
-    """The trained tensors of a checkpoint ``state`` (``state.pt``), by parameter name.
-
-    The EMA (``state["ema"]["shadow_params"]``, in the order of the trainable parameters, which is the order
-    of ``state["model"]``) replaces the raw weights when the run kept one and ``use_ema`` is set, as the
-    recipes' evaluation and ``load_finetuned`` do.
-
-    Returns:
-        ``(tensors, ema_used)``.
-
-    Raises:
-        ExportError: the EMA does not match the weights.
-    """
-    weights = dict(state[weights_key])
-    shadow = (state.get("ema") or {}).get("shadow_params") if use_ema else None
-    if not shadow:
-        return weights, False
-    if len(shadow) != len(weights) or any(s.shape != w.shape for s, w in zip(shadow, weights.values())):
-        raise ExportError("the checkpoint's EMA weights do not match its trained weights; export with --no-ema")
-    return {name: value.detach().clone() for name, value in zip(weights, shadow)}, True
-
-
-def lora_layers(tensors: dict[str, torch.Tensor], *, scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """peft's adapter state dict (``...lora_A.weight``, ``...lora_B.weight``: the adapter name removed, as
-    ``peft.get_peft_model_state_dict`` writes it) from flowrl's trained LoRA tensors, ``lora_B`` times
-    ``scale``.
-
-    Raises:
-        ExportError: the tensors are not LoRA weights (a full fine-tuning run).
-    """
-    out = {}
-    for name, value in tensors.items():
-        if ".lora_A." not in name and ".lora_B." not in name:
-            raise ExportError(f"{name} is not a LoRA weight: this run fine-tunes the whole model; export it with "
-                              "--format merged")
-        key = name.replace(f".{_ADAPTER}.", ".")
-        value = value.detach().to(torch.float32).contiguous()
-        out[key] = value * scale if ".lora_B." in name else value
-    return out
-
-
-def write_diffusers_lora(spec: LoraSpec, state: dict[str, Any], directory: str | Path, *,
-                         weights_key: str = "model", use_ema: bool = True) -> Path:
-    """Write the run's LoRA as a diffusers LoRA folder (``pipe.load_lora_weights(directory)``).
-
-    Args:
-        spec: the LoRA's kind (``sd3`` / ``flux``), rank, alpha and targets.
-        state: a checkpoint state (``{"model": tensors, "ema": ...}``).
-        directory: created if needed.
-
-    Returns:
-        ``directory``.
-    """
-    pipeline_class = _pipeline_class(spec.kind)
-    tensors, ema_used = trained_tensors(state, weights_key=weights_key, use_ema=use_ema)
-    layers = lora_layers(tensors, scale=spec.scale)  # alpha / r baked into B: loaders that assume alpha = r agree
-    metadata = {"r": spec.rank, "lora_alpha": float(spec.rank), "target_modules": list(spec.targets),
-                "lora_dropout": 0.0}
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    pipeline_class.save_lora_weights(directory, transformer_lora_layers=layers,
-                                     transformer_lora_adapter_metadata=metadata, safe_serialization=True)
-    _write_info(directory, {"format": "diffusers", "model": spec.kind, "rank": spec.rank, "alpha": spec.alpha,
-                            "alpha_over_rank_baked_into_lora_B": spec.scale, "ema": ema_used})
-    return directory
-
-
-def write_peft_adapter(spec: LoraSpec, state: dict[str, Any], directory: str | Path, *, weights_key: str = "model",
-                       use_ema: bool = True, base_model: str | None = None) -> Path:
-    """Write the run's LoRA as a PEFT adapter (``PeftModel.from_pretrained(denoiser, directory)``), with the
-    run's own rank and alpha (weights unscaled)."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    tensors, ema_used = trained_tensors(state, weights_key=weights_key, use_ema=use_ema)
-    layers = {f"base_model.model.{k}": v for k, v in lora_layers(tensors).items()}  # PeftModel's key prefix
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
-                        base_model_name_or_path=base_model)
-    config.save_pretrained(str(directory))
-    save_file(layers, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-    _write_info(directory, {"format": "peft", "model": spec.kind, "rank": spec.rank, "alpha": spec.alpha,
-                            "ema": ema_used})
-    return directory
-
-
-def _write_info(directory: Path, info: dict) -> None:
-    (directory / "flowrl_export.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- whole runs
@@ -230,15 +70,15 @@ def _run_model_config(run_dir: Path):
     """The run's ``model`` section, read from its ``config.yaml`` (diffusers / peft exports never load the
     base weights)."""
     from flowrl.config import ConfigError, from_dict
-    from flowrl.demo.models import _read_yaml
     from flowrl.models.base import ModelLoadError
     from flowrl.models.config import ModelConfig
+    from flowrl.models.resolve import read_run_config
 
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise ExportError(f"{str(run_dir)!r} has no config.yaml; give a run directory of `flowrl train`")
     try:
-        data = _read_yaml(config)
+        data = read_run_config(config)
         return from_dict(ModelConfig, data.get("model") or {})
     except ModelLoadError as err:
         raise ExportError(str(err)) from None
@@ -272,7 +112,7 @@ def export(run: str | Path, *, fmt: str, out: str | Path, checkpoint: int | None
     if cfg.lora is None:
         raise ExportError(f"run {str(run_dir)!r} fine-tunes the whole model (no model.lora); export it with "
                           "--format merged")
-    spec = _spec(cfg.name, cfg.lora)
+    spec = spec_for(cfg.name, cfg.lora)
     try:
         state = load_state(ckpt, required=("model",))
     except CheckpointError as err:
@@ -285,7 +125,7 @@ def export(run: str | Path, *, fmt: str, out: str | Path, checkpoint: int | None
             write_peft_adapter(spec, state, stage, use_ema=use_ema, base_model=cfg.path)
         info = json.loads((stage / "flowrl_export.json").read_text())
         info.update({"run": str(run_dir), "checkpoint": str(ckpt), "epoch": state.get("epoch")})
-        _write_info(stage, info)
+        write_export_info(stage, info)
 
     return _written(out, write)
 
@@ -306,8 +146,8 @@ def _written(out: Path, write) -> Path:
 
 
 def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
-    from flowrl.demo.models import load_finetuned
     from flowrl.models.base import unwrap
+    from flowrl.models.resolve import load_finetuned
 
     model = load_finetuned(ckpt, device=device, use_ema=use_ema)
     denoiser = unwrap(model.denoiser)
@@ -323,7 +163,7 @@ def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
     # The run's sampling settings: flowrl loads them with the pipeline (plain diffusers takes them as arguments).
     sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance")
                 if isinstance(getattr(model, k, None), (int, float, list, tuple))}
-    _write_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
+    write_export_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
                       "sampling": sampling})
     return out
 

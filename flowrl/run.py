@@ -341,7 +341,7 @@ class Run:
 
     def _run_evaluation(self) -> dict[str, float] | None:
         """The evaluation's metrics, or None when a signal interrupted it (the partial result is discarded)."""
-        from flowrl.sample import GenerationInterrupted
+        from flowrl.generate import GenerationInterrupted
 
         with self._deadline.excluded():
             try:

@@ -101,7 +101,7 @@ class RunCheckpoints:
         weights = next((obj for obj in self.tracked.values() if isinstance(obj, TrainableWeights)), None)
         if weights is None or getattr(weights.model, "lora", None) is None:
             return None
-        from flowrl.export import lora_spec, lora_supported, write_diffusers_lora
+        from flowrl.models.lora_files import lora_spec, lora_supported, write_diffusers_lora
 
         if not lora_supported(weights.model):
             return None

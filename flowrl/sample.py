@@ -1,5 +1,4 @@
-"""Deterministic generation and GenEval-style evaluation of a model, and the ``flowrl sample`` /
-``flowrl eval`` commands::
+"""The ``flowrl sample`` / ``flowrl eval`` commands (their library: :mod:`flowrl.generate`)::
 
     flowrl sample --model shapes|PATH --prompt "a red circle" [--prompt ...] --seeds 0-7 --steps 20 \\
         [--guidance G] [--reward shapes] --out grid.png
@@ -24,85 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from flowrl.cli_args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
                              positive_int, read_text_file)
+from flowrl.generate import evaluate, generate
 from flowrl.grid import image_grid
-from samplers import euler_step, initial_noise
 
-__all__ = ["generate", "GenerationInterrupted", "evaluate", "parse_seeds", "load_model_arg",
-           "format_table", "sample_main", "eval_main"]
-
-
-class GenerationInterrupted(Exception):
-    """``generate`` stopped early because its ``should_stop`` callback said so."""
-
-
-@torch.no_grad()
-def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, steps: int = 40,
-             guidance: float | None = None, batch_size: int = 64, progress=None, should_stop=None) -> torch.Tensor:
-    """Images from the deterministic Euler ODE, one per (prompt, seed).
-
-    Args:
-        model: a :class:`flowrl.models.base.FlowModel`.
-        prompts: ``B`` prompts.
-        seeds: ``B`` per-sample seeds (the initial noise of sample ``b`` depends on ``seeds[b]`` only).
-        steps: ODE steps on the model's schedule.
-        guidance: classifier-free guidance scale (None: the model's default).
-        batch_size: samples per model call.
-        progress: optional callable(n_done) for progress bars.
-        should_stop: optional callable polled before every model call; when it returns True generation
-            raises :class:`GenerationInterrupted` (so a signal stops a long evaluation within one step).
-
-    Returns:
-        ``[B, 3, H, W]`` float32 in [0, 1] on the CPU.
-    """
-    seeds = torch.as_tensor(seeds, dtype=torch.int64)
-    sigmas = model.sigmas(steps)
-    velocity = model.velocity_fn(guidance)
-    device = model.device
-    images = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        cond = model.encode_prompts(chunk)
-        x = initial_noise(model.latent_shape, seeds[start : start + batch_size], device=device)
-        for i in range(steps):
-            if should_stop is not None and should_stop():
-                raise GenerationInterrupted(f"stopped at step {i} of batch {start // batch_size}")
-            sigma = torch.full((x.shape[0],), float(sigmas[i]), device=device)
-            v = velocity(x.to(model.dtype), sigma, cond)
-            x = euler_step(v, x, float(sigmas[i]), float(sigmas[i + 1])).x_next
-        images.append(model.decode(x).float().cpu())  # float32 under autocast too
-        if progress is not None:
-            progress(len(chunk))
-    return torch.cat(images)
-
-
-def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40, guidance: float | None = None,
-             batch_size: int = 64, progress=None, metadata: list[dict] | None = None) -> tuple[dict, torch.Tensor]:
-    """Generate one image per ``(prompt, kind, seed)`` row and score it (``metadata``: one dict per row for
-    rewards that read it, e.g. a GenEval scorer behind the remote reward).
-
-    Returns:
-        (summary, images): summary has ``overall`` (mean of ``details['correct']`` if the reward has it,
-        else of the scores), ``score_mean`` and per-kind ``{kind: {"accuracy", "n"}}``.
-    """
-    prompts = [r[0] for r in rows]
-    images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
-                      batch_size=batch_size, progress=progress)
-    out = reward(images, prompts, metadata)
-    correct = out.details.get("correct", out.scores)
-    kinds: dict[str, list[float]] = {}
-    for (_, kind, _), c in zip(rows, correct.tolist()):
-        kinds.setdefault(kind, []).append(c)
-    summary = {
-        "overall": float(correct.mean()),
-        "score_mean": float(out.scores.mean()),
-        "n": len(rows),
-        "kinds": {k: {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in kinds.items()},
-    }
-    return summary, images
+__all__ = ["parse_seeds", "format_table", "sample_main", "eval_main"]
 
 
 # ----------------------------------------------------------------------------- helpers of the commands
@@ -145,42 +71,6 @@ def parse_seeds(text: str, max_count: int = MAX_SEEDS) -> list[int]:
         raise ValueError(f"--seeds {text!r} names {count} seeds, more than the {max_count} one command takes; "
                          "give a shorter range")
     return [seed for first, last in spans for seed in range(first, last + 1)]
-
-
-def load_model_arg(spec: str, *, device: str | torch.device = "cpu"):
-    """The model named on a command line: ``shapes`` (the shipped checkpoint), a saved shapes-model
-    directory (also a pretraining run directory, whose ``model/`` is used), or a diffusers SD3 / FLUX pipeline
-    directory (``model_index.json``; :mod:`flowrl.models.select` has the other ways to name SD3 / FLUX).
-
-    Raises:
-        ModelLoadError: nothing loadable there (the message says what to give instead).
-    """
-    from flowrl.models.base import ModelLoadError
-    from flowrl.models.shapes import ShapesModel
-
-    if spec == "shapes":
-        return ShapesModel.from_pretrained(None, device=device)
-    path = Path(spec)
-    from flowrl.models.select import load_pipeline_model, pipeline_kind
-
-    kind = pipeline_kind(path) if path.is_dir() else None
-    if kind is not None:  # a diffusers SD3 / FLUX pipeline directory
-        return load_pipeline_model(kind, path, device=device)
-    if path.is_dir() and not (path / "model.json").is_file() and (path / "model" / "model.json").is_file():
-        path = path / "model"  # a pretraining run directory
-    if not path.exists():
-        raise ModelLoadError(f"no model {spec!r}: give `shapes` (the shipped model) or the directory of a saved "
-                             "shapes model (written by ShapesModel.save_pretrained or by "
-                             "`flowrl train configs/shapes/pretrain.yaml` as <output_dir>/model)")
-    if not path.is_dir():
-        raise ModelLoadError(f"model path {spec!r} is a file; give the directory of a saved shapes model")
-    try:
-        return ShapesModel.from_pretrained(path, device=device)
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError, KeyError) as err:  # corrupt or foreign files
-        raise ModelLoadError(f"cannot load a shapes model from {spec!r}: {err}") from None
-
 
 def format_table(summary: dict) -> str:
     """A GenEval-style table: accuracy and n per task kind, then overall."""

@@ -70,7 +70,7 @@ def pipeline_class(kind):
 def flowrl_images(run: Path, **kwargs) -> torch.Tensor:
     """Images of flowrl's own model at the run's checkpoint (``load_finetuned``, EMA when kept)."""
     from flowrl.demo.models import load_finetuned
-    from flowrl.sample import generate
+    from flowrl.generate import generate
 
     model = load_finetuned(run, **kwargs)
     return generate(model, PROMPTS, SEEDS, steps=STEPS, guidance=GUIDANCE[_kind(run)])
@@ -147,7 +147,7 @@ def test_ema_and_raw_weights_are_exported_as_asked(runs, tmp_path):
 
 
 def test_lora_layers_bake_alpha_over_rank_into_b_only():
-    from flowrl.export import lora_layers
+    from flowrl.models.lora_files import lora_layers
 
     a, b = torch.randn(4, 8), torch.randn(8, 4)
     layers = lora_layers({"blocks.0.attn.to_q.lora_A.default.weight": a, "blocks.0.attn.to_q.lora_B.default.weight": b},

@@ -1,5 +1,6 @@
-"""docs/architecture.md's dependency rules, checked on the source: samplers and flowrl.core stay torch-only, and only
-flowrl/dist.py and the recipes touch accelerate or torch.distributed."""
+"""docs/architecture.md's dependency rules, checked on the source: samplers and flowrl.core stay torch-only, only
+flowrl/dist.py and the recipes touch accelerate or torch.distributed, no module imports another that imports it back
+(function-local imports count), and the library layers never import the demo or a command module."""
 
 import ast
 import sys
@@ -69,3 +70,126 @@ def test_the_rule_catches_a_violation(tmp_path):
     bad.write_text("import torch.distributed as dist\nfrom accelerate import Accelerator\n")
     assert [n for n in imports_of(bad) if matches(n, DISTRIBUTED)] == ["torch.distributed", "accelerate",
                                                                          "accelerate.Accelerator"]
+
+
+# ----------------------------------------------------------------------------- the module graph
+
+PACKAGES = ("flowrl", "samplers", "rewards")
+# Lower layers (library) and what they may never import: the demo and the command modules (the CLI's own code).
+LIBRARY = ("flowrl.models", "flowrl.rl", "flowrl.core", "samplers")
+COMMANDS = ("flowrl.demo", "flowrl.sample", "flowrl.export", "flowrl.train", "flowrl.cli", "flowrl.dryrun",
+            "flowrl.recipes", "flowrl.__main__")
+
+
+def module_names(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of flowrl, samplers and rewards."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def module_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Which project modules each module imports, function-local and relative imports included (an import of
+    a name resolves to the longest module prefix that exists; a module's own parent packages are not edges)."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target)
+                if found and found != name and not name.startswith(found + "."):
+                    edges.add(found)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+
+    def visit(start: str) -> None:
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def test_no_import_cycles_function_local_imports_included():
+    graph = module_graph(module_names())
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the graph is the real one
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(
+        " <-> ".join(c) + "\n    " + "\n    ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in found)
+
+
+def test_library_layers_never_import_the_demo_or_a_command():
+    graph = module_graph(module_names())
+    bad = [f"{m} imports {t}" for m, targets in sorted(graph.items()) if matches(m, LIBRARY)
+           for t in sorted(targets) if matches(t, COMMANDS)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_graph_rules_catch_a_cycle_and_a_layer_violation(tmp_path):
+    pkg = tmp_path / "flowrl"
+    (pkg / "models").mkdir(parents=True)
+    (tmp_path / "samplers").mkdir()
+    (tmp_path / "rewards").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "select.py").write_text("def f():\n    from flowrl.sample import load\n")  # function-local
+    (pkg / "sample.py").write_text("from .models.select import f\n")  # relative
+    graph = module_graph(module_names(tmp_path))
+    assert graph["flowrl.models.select"] == {"flowrl.sample"} and graph["flowrl.sample"] == {"flowrl.models.select"}
+    assert cycles(graph) == [["flowrl.models.select", "flowrl.sample"]]
+    assert matches("flowrl.models.select", LIBRARY) and matches("flowrl.sample", COMMANDS)

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from flowrl.models.base import FlowModel, ModelLoadError
+from flowrl.models.resolve import load_finetuned, load_named_model, read_run_config
 
 __all__ = ["load_finetuned", "load_base", "discover_runs", "RunInfo", "ModelBank"]
 
@@ -33,134 +34,10 @@ def load_base(spec: str, *, device: str | torch.device = "cpu") -> FlowModel:
     Raises:
         ModelLoadError: nothing loadable there; the message says what to give instead.
     """
-    from flowrl.sample import load_model_arg
-
-    model = load_model_arg(spec, device=device)
+    model = load_named_model(spec, device=device)
     model.eval()
     return model
 
-
-def _read_yaml(path: Path) -> dict:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} is not a run config (expected a mapping with a 'model' section)")
-    return data
-
-
-def _locate(path: Path) -> tuple[Path, Path | None]:
-    """``(run_dir, checkpoint_dir or None)`` for a run directory, a checkpoint directory or a state.pt."""
-    if path.is_file() and path.name == "state.pt":
-        path = path.parent
-    if (path / "state.pt").is_file():
-        for parent in list(path.parents)[:3]:
-            if (parent / "config.yaml").is_file():
-                return parent, path
-        raise ModelLoadError(f"checkpoint {str(path)!r} has no config.yaml in the run directory above it; "
-                             "the run's config says how to rebuild the model")
-    return path, None
-
-
-def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_ema: bool = True,
-                   base_path: str | None = None, dtype: str | None = None, expect: str | None = None) -> FlowModel:
-    """Rebuild a fine-tuned model from its run directory or one of its checkpoints.
-
-    Args:
-        path: a run directory (its newest checkpoint is used), a checkpoint directory
-            ``<run>/checkpoints/epoch_<N>`` or its ``state.pt``; a pretraining run directory or a saved model
-            directory is loaded as it is.
-        device: where the model goes.
-        use_ema: load the EMA weights when the run kept them (``train.ema_decay``), as the recipe's
-            evaluation does; otherwise the raw trained weights.
-        base_path: rebuild the base from this directory or hub id instead of the run's ``model.path`` (e.g. a
-            local copy of the hub model the run trained on).
-        dtype: the base's dtype instead of the run's ``model.dtype``.
-        expect: the model kind the caller needs (``sd3``, ``flux``, ``shapes``); another is a ModelLoadError.
-
-    Returns:
-        The model in eval mode, with ``model.finetune_info`` = ``{"run", "checkpoint", "epoch", "lora",
-        "ema"}`` (strings and numbers, for display).
-
-    Raises:
-        ModelLoadError: no such path, no config or checkpoint, a base model that does not load, or weights
-            that do not match the rebuilt model; the message names the cause and the fix.
-    """
-    from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state
-    from flowrl.config import ConfigError, from_dict
-    from flowrl.models.config import ModelConfig, build_model
-
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"no checkpoint at {str(path)!r}: give a run directory (runs/<name>), one of its "
-                             "checkpoints/epoch_<N> directories, or a saved model directory")
-    run_dir, checkpoint = _locate(path)
-    config_path = run_dir / "config.yaml"
-    if checkpoint is None and not config_path.is_file():
-        if (run_dir / "model_index.json").is_file():  # a diffusers pipeline (e.g. `flowrl export --format merged`)
-            model = load_base(str(run_dir), device=device)
-            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False}
-            return model
-        if (run_dir / "model.json").is_file() or (run_dir / "model" / "model.json").is_file():
-            model = load_base(str(run_dir), device=device)
-            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False}
-            return model
-        raise ModelLoadError(f"{str(path)!r} is neither a run directory (no config.yaml) nor a saved model "
-                             "(no model.json)")
-    data = _read_yaml(config_path)
-    if data.get("recipe") == "pretrain" and checkpoint is None:
-        model = load_base(str(run_dir), device=device)  # uses <run>/model
-        model.finetune_info = {"run": str(run_dir), "checkpoint": str(run_dir / "model"), "epoch": None,
-                               "lora": False, "ema": False}
-        return model
-    if checkpoint is None:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise ModelLoadError(f"run {str(run_dir)!r} has no checkpoint yet (nothing under "
-                                 f"{run_dir / 'checkpoints'}/epoch_*/state.pt); wait for the first one")
-    if not isinstance(data.get("model"), dict):
-        raise ModelLoadError(f"{config_path} has no 'model' section; is it a fine-tuning run's config?")
-    try:
-        model_cfg = from_dict(ModelConfig, data["model"])
-    except ConfigError as err:
-        raise ModelLoadError(f"{config_path}: model.{err}") from None
-    if expect is not None and model_cfg.name != expect:
-        raise ModelLoadError(f"run {str(run_dir)!r} trained a {model_cfg.name} model, not {expect}; give --model "
-                             f"{model_cfg.name}")
-    if base_path is not None:
-        model_cfg.path = base_path
-    if dtype is not None:
-        model_cfg.dtype = dtype
-    if model_cfg.path and not Path(model_cfg.path).exists() and (run_dir / model_cfg.path).exists():
-        model_cfg.path = str(run_dir / model_cfg.path)  # a path relative to the run directory
-    try:
-        model = build_model(model_cfg, torch.device(device))
-    except ModelLoadError as err:
-        raise ModelLoadError(f"the base model of run {str(run_dir)!r} does not load: {err}") from None
-    try:
-        state = load_state(checkpoint)
-    except CheckpointError as err:
-        raise ModelLoadError(str(err)) from None
-    if "model" not in state:
-        raise ModelLoadError(f"{checkpoint}/state.pt has no 'model' weights; is it a fine-tuning checkpoint?")
-    model.load_trainable_state_dict(state["model"])
-    ema_used = False
-    shadow = (state.get("ema") or {}).get("shadow_params") if use_ema else None
-    if shadow:
-        params = model.trainable_parameters()
-        if len(shadow) != len(params) or any(s.shape != p.shape for s, p in zip(shadow, params)):
-            raise ModelLoadError(f"{checkpoint}: the EMA weights do not match the model; load with use_ema=False")
-        with torch.no_grad():
-            for param, value in zip(params, shadow):
-                param.copy_(value.to(param.device, param.dtype))
-        ema_used = True
-    model.eval()
-    model.finetune_info = {"run": str(run_dir), "checkpoint": str(checkpoint), "epoch": state.get("epoch"),
-                           "lora": model_cfg.lora is not None, "ema": ema_used}
-    return model
 
 
 @dataclass(frozen=True)
@@ -189,7 +66,7 @@ def discover_runs(runs_dir: str | Path | None) -> list[RunInfo]:
         if not config.is_file():
             continue
         try:
-            recipe = str(_read_yaml(config).get("recipe", "?"))
+            recipe = str(read_run_config(config).get("recipe", "?"))
         except ModelLoadError:
             continue
         if recipe.startswith("vlm_"):

@@ -160,9 +160,9 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
         parts = _text_and_vae(kind, found)
     params = {"transformer": _count(denoiser), **{k: _count(m) for k, m in parts.items()}}
     if cfg.lora is not None:
-        from flowrl.export import _default_targets
+        from flowrl.models.lora_files import default_lora_targets
 
-        targets = list(cfg.lora.target_modules) or _default_targets(kind)
+        targets = list(cfg.lora.target_modules) or default_lora_targets(kind)
         trainable = _lora_params(denoiser, targets, cfg.lora.rank)
     else:
         trainable = params["transformer"]

@@ -18,100 +18,16 @@ Mistakes (a path that is not a model, a LoRA of another model, --run with --lora
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from .base import FlowModel, ModelLoadError
+from .base import FlowModel
 
-__all__ = ["PIPELINE_KINDS", "pipeline_kind", "load_pipeline_model", "add_model_args", "model_from_args",
-           "describe_model"]
+from .resolve import (apply_lora_folder, default_dtype, is_run_dir, load_finetuned, load_named_model,
+                      load_pipeline_model, pipeline_kind)
 
-#: diffusers pipeline classes flowrl has adapters for.
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-
-
-def pipeline_kind(path: str | Path) -> str | None:
-    """``sd3`` / ``flux`` for a diffusers pipeline directory of a kind flowrl adapts, else None.
-
-    Raises:
-        ModelLoadError: a pipeline directory of another kind (the message names it).
-    """
-    index = Path(path) / "model_index.json"
-    if not index.is_file():
-        return None
-    try:
-        name = json.loads(index.read_text()).get("_class_name")
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{index} is not readable JSON ({err})") from None
-    if name not in PIPELINE_KINDS:
-        raise ModelLoadError(f"{path} holds a {name}; flowrl adapts {', '.join(PIPELINE_KINDS)}")
-    return PIPELINE_KINDS[name]
-
-
-def _default_dtype(device: torch.device | str) -> str:
-    """bfloat16 on a GPU (SD3.5 / FLUX in float32 hardly fit), float32 on the CPU."""
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
-
-
-def load_pipeline_model(kind: str, path: str | Path | None, *, device: torch.device | str = "cpu",
-                        dtype: str | None = None, resolution: int | None = None) -> FlowModel:
-    """The SD3 / FLUX adapter of a pipeline directory or hub id, in eval mode.
-
-    Raises:
-        ModelLoadError: the weights cannot be found or read (the message says the fix).
-    """
-    from flowrl.models.registry import load_model
-
-    found = pipeline_kind(path) if path is not None and Path(path).is_dir() else None
-    if found is not None and found != kind:
-        raise ModelLoadError(f"{path} is a {found} pipeline, not {kind}; give --model {found}")
-    kwargs = {"device": device, "dtype": dtype or _default_dtype(device)}
-    exported = Path(path) / "flowrl_export.json" if path is not None else None
-    if exported is not None and exported.is_file():  # `flowrl export --format merged`: sample as the run did
-        try:
-            sampling = json.loads(exported.read_text()).get("sampling") or {}
-        except (OSError, ValueError):
-            sampling = {}
-        for key, name in (("max_sequence_length", "max_sequence_length"), ("resolution", "resolution"),
-                          ("default_guidance", "guidance_scale")):
-            if sampling.get(key) is not None:
-                kwargs[name] = sampling[key]
-    if resolution is not None:
-        kwargs["resolution"] = resolution
-    model = load_model(kind, None if path is None else str(path), **kwargs)
-    model.eval()
-    return model
-
-
-def _is_run(path: Path) -> bool:
-    return (path / "config.yaml").is_file() or (path / "state.pt").is_file() or (path / "checkpoints").is_dir()
-
-
-def _apply_lora_folder(model: FlowModel, folder: Path) -> str:
-    """Load an exported LoRA folder into ``model``'s network (diffusers or PEFT format); returns its kind."""
-    from flowrl.models.base import unwrap
-
-    if (folder / "pytorch_lora_weights.safetensors").is_file():
-        pipeline = getattr(model, "pipeline", None)
-        if pipeline is None:
-            raise ModelLoadError(f"{folder} is a diffusers LoRA folder; it loads into an SD3 / FLUX pipeline, not "
-                                 f"the {type(model).__name__}")
-        # The safetensors file by name: diffusers would otherwise also accept a pickled .bin.
-        pipeline.load_lora_weights(str(folder), weight_name="pytorch_lora_weights.safetensors", use_safetensors=True)
-        return "diffusers LoRA"
-    if (folder / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        if not (folder / "adapter_model.safetensors").is_file():
-            raise ModelLoadError(f"--lora {str(folder)!r} has no adapter_model.safetensors (a pickled adapter_model.bin "
-                                 "can run code when loaded, so flowrl reads safetensors only); convert it once where "
-                                 "you trust it: load it with peft and save_pretrained(DIR, safe_serialization=True)")
-        PeftModel.from_pretrained(unwrap(model.denoiser), str(folder))  # injects the adapter in place
-        return "PEFT adapter"
-    raise ModelLoadError(f"--lora {str(folder)!r} is neither a run directory (config.yaml, checkpoints/) nor an "
-                         "exported LoRA folder (pytorch_lora_weights.safetensors or adapter_config.json)")
+__all__ = ["add_model_args", "model_from_args", "describe_model"]
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +54,6 @@ def model_from_args(args: argparse.Namespace, device: torch.device | str) -> Flo
         ModelLoadError: nothing loadable where the options point.
     """
     from flowrl.cli_args import UsageError
-    from flowrl.demo.models import load_finetuned
 
     spec = getattr(args, "model", "shapes")
     if args.run:
@@ -150,42 +65,40 @@ def model_from_args(args: argparse.Namespace, device: torch.device | str) -> Flo
         return model
     if spec in ("sd3", "flux"):
         base = args.path
-        if args.lora and _is_run(Path(args.lora)):
+        if args.lora and is_run_dir(Path(args.lora)):
             model = load_finetuned(args.lora, device=device, use_ema=not args.no_ema, base_path=base,
-                                   dtype=args.dtype or _default_dtype(device), expect=spec)
+                                   dtype=args.dtype or default_dtype(device), expect=spec)
             model.description = f"{spec} {base or 'the run base'} + LoRA of run {args.lora}"
             return model
         model = load_pipeline_model(spec, base, device=device, dtype=args.dtype, resolution=args.resolution)
         model.description = f"{spec} {base or 'default'}"
         if args.lora:
-            kind = _apply_lora_folder(model, Path(args.lora))
+            kind = apply_lora_folder(model, Path(args.lora))
             model.description += f" + {kind} {args.lora}"
         return model
     if args.path:
         raise UsageError("--path goes with --model sd3 or --model flux (for a shapes model give --model PATH)")
-    from flowrl.sample import load_model_arg
-
     kind = pipeline_kind(spec) if Path(spec).is_dir() else None
     if kind is not None:  # a diffusers pipeline directory: SD3 / FLUX with this command's dtype and resolution
         model = load_pipeline_model(kind, spec, device=device, dtype=args.dtype, resolution=args.resolution)
         model.description = f"{kind} {spec}"
         if args.lora:
-            if _is_run(Path(args.lora)):
+            if is_run_dir(Path(args.lora)):
                 raise UsageError(f"a run's LoRA goes on its base with --model {kind} --path {spec} --lora {args.lora}")
-            model.description += f" + {_apply_lora_folder(model, Path(args.lora))} {args.lora}"
+            model.description += f" + {apply_lora_folder(model, Path(args.lora))} {args.lora}"
         return model
     if args.lora:
         lora = Path(args.lora)
-        if _is_run(lora):
+        if is_run_dir(lora):
             model = load_finetuned(lora, device=device, use_ema=not args.no_ema, base_path=None if spec == "shapes"
                                    else spec)
             model.description = f"{spec} + LoRA of run {args.lora}"
             return model
-        model = load_model_arg(spec, device=device)
+        model = load_named_model(spec, device=device)
         model.eval()
-        model.description = f"{spec} + {_apply_lora_folder(model, lora)} {args.lora}"
+        model.description = f"{spec} + {apply_lora_folder(model, lora)} {args.lora}"
         return model
-    model = load_model_arg(spec, device=device)
+    model = load_named_model(spec, device=device)
     model.eval()
     model.description = spec
     return model

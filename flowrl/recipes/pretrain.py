@@ -114,7 +114,7 @@ def flow_matching_loss(model: ShapesModel, x0: torch.Tensor, tokens: dict, noise
 
 def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int) -> dict:
     from flowrl.data.shapes import eval_prompt_set
-    from flowrl.sample import evaluate
+    from flowrl.generate import evaluate
     from rewards import load as load_reward
 
     params = _trainable(model)

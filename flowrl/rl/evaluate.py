@@ -69,7 +69,7 @@ class Evaluator:
         ``should_stop`` is polled before every model call; when it returns True the evaluation raises
         ``flowrl.sample.GenerationInterrupted`` (the run discards the partial evaluation)."""
         from flowrl.rl.collect import checked_reward
-        from flowrl.sample import generate
+        from flowrl.generate import generate
 
         dist, prompt_set = self.dist, self.prompt_set
         n = len(prompt_set)
@@ -137,7 +137,7 @@ class Evaluator:
         """The base model's images of the grid's prompts and seeds, and their scores (computed once: at the
         evaluation before training they are the current images; otherwise the reference weights draw them)."""
         from flowrl.rl.collect import checked_reward
-        from flowrl.sample import generate
+        from flowrl.generate import generate
 
         if self._base is None:
             if self.panel is not None:  # drew every eval row already (rank 0's rows come first)

@@ -224,7 +224,7 @@ class HackingPanel:
 
     def _generate(self, model, prompts: list[str], seeds: list[int], should_stop=None) -> torch.Tensor:
         """ODE samples of ``prompts`` split over the processes, gathered (every process gets all)."""
-        from flowrl.sample import generate
+        from flowrl.generate import generate
 
         dist = self.dist
         n = len(prompts)

@@ -73,7 +73,7 @@ def test_tp_grpo_epoch(setup, tiny_shapes_dir):
     # The completion rewards: R_n is the rollout's reward; R_0 the pure ODE rollout's (steps before the window
     # are ODE); completing the final window state reproduces the rollout (steps after it are ODE).
     from samplers import ode_complete
-    from flowrl.sample import generate
+    from flowrl.generate import generate
 
     R, nfe = completion_rewards(samples, model, mean_pixel, guidance=1.0, batch_size=5)
     assert R.shape == (8, 3) and nfe == 40

@@ -63,7 +63,7 @@ def flow_grpo_epoch(model, cfg, dist, batch, epoch: int, reward, tracker=None):
 
 def expected_reward(model, steps: int = 10) -> float:
     """Mean first coordinate of 4000 ODE samples at fixed seeds: the toy's expected reward."""
-    from flowrl.sample import generate
+    from flowrl.generate import generate
 
     images = generate(model, ["p"] * 4000, list(range(10_000, 14_000)), steps=steps, guidance=1.0, batch_size=4000)
     return float(images[:, 0].mean())
