@@ -134,3 +134,22 @@ def test_supervised_recipes_keep_the_folder_contract(recipe, tmp_path, capsys):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 2, 4]
     assert main([str(config), f"run.output_dir={out}", *tiny, "run.overwrite=true"]) == 0
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 2]
+
+
+def test_resume_refuses_when_processes_see_different_checkpoint_names(tmp_path):
+    """Two processes that each see one checkpoint, but not the same one (a folder that is not shared, or a
+    copy out of date), must not resume from different epochs: the count agrees (1 and 1), the names do not."""
+    from flowrl.checkpoint import CheckpointError
+    from flowrl.run_checkpoints import RunCheckpoints
+
+    class TwoProcesses(OneProcess):
+        world_size = 2
+
+        def gather_object(self, objects):  # process 1 sees epoch_3 where this one sees epoch_2
+            return [objects[0], ["epoch_0000003"]]
+
+    save_checkpoint(tmp_path, 2, {"epoch": 2}, keep=2)
+    assert [p.name for p in checkpoints(tmp_path)] == ["epoch_0000002"]
+    run = RunCheckpoints(tmp_path, TwoProcesses(), {}, keep=2, unit="epoch", counters=())
+    with pytest.raises(CheckpointError, match=r"process 0: epoch_0000002; process 1: epoch_0000003.*file system every machine"):
+        run.resume()
