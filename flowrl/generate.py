@@ -8,6 +8,8 @@ recipes' held-out evaluation, the hacking panel and the demo.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from samplers import euler_step, initial_noise
@@ -21,7 +23,8 @@ class GenerationInterrupted(Exception):
 
 @torch.no_grad()
 def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, steps: int = 40,
-             guidance: float | None = None, batch_size: int = 64, progress=None, should_stop=None) -> torch.Tensor:
+             guidance: float | None = None, batch_size: int = 64, progress=None, should_stop=None,
+             precision: str = "float32") -> torch.Tensor:
     """Images from the deterministic Euler ODE, one per (prompt, seed).
 
     Args:
@@ -34,33 +37,42 @@ def generate(model, prompts: list[str], seeds: list[int] | torch.Tensor, *, step
         progress: optional callable(n_done) for progress bars.
         should_stop: optional callable polled before every model call; when it returns True generation
             raises :class:`GenerationInterrupted` (so a signal stops a long evaluation within one step).
+        precision: ``float32``, or ``bfloat16`` for the model calls under autocast (about 1.7x faster on a CPU
+            with bf16 dot products; the shapes model's held-out accuracy is unchanged at 20 steps).
 
     Returns:
         ``[B, 3, H, W]`` float32 in [0, 1] on the CPU.
     """
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"precision {precision!r}: use float32 or bfloat16")
     seeds = torch.as_tensor(seeds, dtype=torch.int64)
     sigmas = model.sigmas(steps)
+    # float32 leaves the caller's context alone (an enclosing autocast, e.g. the recipes' eval.precision, holds)
+    autocast = (torch.autocast(torch.device(model.device).type, dtype=torch.bfloat16) if precision == "bfloat16"
+                else contextlib.nullcontext())
     velocity = model.velocity_fn(guidance)
     device = model.device
     images = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        cond = model.encode_prompts(chunk)
-        x = initial_noise(model.latent_shape, seeds[start : start + batch_size], device=device)
-        for i in range(steps):
-            if should_stop is not None and should_stop():
-                raise GenerationInterrupted(f"stopped at step {i} of batch {start // batch_size}")
-            sigma = torch.full((x.shape[0],), float(sigmas[i]), device=device)
-            v = velocity(x.to(model.dtype), sigma, cond)
-            x = euler_step(v, x, float(sigmas[i]), float(sigmas[i + 1])).x_next
-        images.append(model.decode(x).float().cpu())  # float32 under autocast too
-        if progress is not None:
-            progress(len(chunk))
+    with autocast:  # the whole rollout, as eval.precision does (the Euler step's math stays float32)
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            cond = model.encode_prompts(chunk)
+            x = initial_noise(model.latent_shape, seeds[start : start + batch_size], device=device)
+            for i in range(steps):
+                if should_stop is not None and should_stop():
+                    raise GenerationInterrupted(f"stopped at step {i} of batch {start // batch_size}")
+                sigma = torch.full((x.shape[0],), float(sigmas[i]), device=device)
+                v = velocity(x.to(model.dtype), sigma, cond)
+                x = euler_step(v, x, float(sigmas[i]), float(sigmas[i + 1])).x_next
+            images.append(model.decode(x).float().cpu())  # float32 under autocast too
+            if progress is not None:
+                progress(len(chunk))
     return torch.cat(images)
 
 
 def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40, guidance: float | None = None,
-             batch_size: int = 64, progress=None, metadata: list[dict] | None = None) -> tuple[dict, torch.Tensor]:
+             batch_size: int = 64, progress=None, metadata: list[dict] | None = None,
+             precision: str = "float32") -> tuple[dict, torch.Tensor]:
     """Generate one image per ``(prompt, kind, seed)`` row and score it (``metadata``: one dict per row for
     rewards that read it, e.g. a GenEval scorer behind the remote reward).
 
@@ -70,7 +82,7 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
     """
     prompts = [r[0] for r in rows]
     images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
-                      batch_size=batch_size, progress=progress)
+                      batch_size=batch_size, progress=progress, precision=precision)
     out = reward(images, prompts, metadata)
     correct = out.details.get("correct", out.scores)
     kinds: dict[str, list[float]] = {}

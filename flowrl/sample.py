@@ -103,6 +103,8 @@ def _common_args(parser: argparse.ArgumentParser, default_steps: int) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per model call (default 64)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                        help="model calls in float32 or under bfloat16 autocast (as eval.precision; default float32)")
     from flowrl.models.select import add_model_args
 
     add_model_args(parser)  # --path, --lora, --run, --dtype, --resolution, --no-ema (SD3 / FLUX, runs)
@@ -188,7 +190,7 @@ def _sample(argv: list[str]) -> int:
 
     with tqdm(total=len(prompts), desc="sampling", unit="img", disable=args.no_progress) as bar:
         images = generate(model, prompts, seeds, steps=args.steps, guidance=args.guidance,
-                          batch_size=args.batch_size, progress=bar.update)
+                          batch_size=args.batch_size, progress=bar.update, precision=args.precision)
     captions = None
     if reward is not None:
         scores = reward(images, prompts).scores.tolist()
@@ -247,11 +249,12 @@ def _eval(argv: list[str]) -> int:
 
     with tqdm(total=len(rows), desc="evaluating", unit="img", disable=args.no_progress) as bar:
         summary, _ = evaluate(model, reward, rows, steps=args.steps, guidance=args.guidance,
-                              batch_size=args.batch_size, progress=bar.update, metadata=metadata)
+                              batch_size=args.batch_size, progress=bar.update, metadata=metadata,
+                              precision=args.precision)
     done = time.perf_counter()
     summary["settings"] = {
         "model": model.description, "reward": args.reward, "split": None if args.prompts else args.split,
-        "prompts": args.prompts, "n": len(rows), "seed": args.seed, "steps": args.steps,
+        "prompts": args.prompts, "n": len(rows), "seed": args.seed, "steps": args.steps, "precision": args.precision,
         "guidance": model.default_guidance if args.guidance is None else args.guidance,
         "batch_size": args.batch_size, "device": str(device),
     }

@@ -122,6 +122,26 @@ def test_eval_writes_json_and_prints_the_table(model_dir, tmp_path, capsys):
     assert result["settings"]["guidance"] == 1.0 and result["timing"]["eval_s"] > 0
 
 
+def test_bfloat16_generation_is_close_to_float32_and_recorded(model_dir, tmp_path):
+    """--precision bfloat16 runs the model calls under autocast: images near float32's (not equal: the precision
+    is really used), float32 output, and the setting in the eval JSON."""
+    from flowrl.generate import generate
+    from flowrl.models.shapes import ShapesModel
+
+    model = ShapesModel.from_pretrained(model_dir)
+    full = generate(model, ["a red circle"] * 2, [0, 1], steps=3)
+    half = generate(model, ["a red circle"] * 2, [0, 1], steps=3, precision="bfloat16")
+    assert half.dtype == torch.float32 and half.shape == full.shape
+    difference = (half - full).abs().max().item()
+    assert 0 < difference < 0.1
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        generate(model, ["a red circle"], [0], steps=1, precision="float16")
+    out = tmp_path / "bf16.json"
+    assert main(["eval", "--model", model_dir, "--n", "6", "--steps", "1", "--precision", "bfloat16", "--out",
+                 str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["settings"]["precision"] == "bfloat16"
+
+
 def test_eval_on_train_prompts(model_dir, tmp_path):
     out = tmp_path / "train.json"
     assert main(["eval", "--model", model_dir, "--split", "train", "--n", "6", "--steps", "1", "--out", str(out),
