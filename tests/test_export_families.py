@@ -16,9 +16,9 @@ PROMPTS = ["a red cat", "a blue square"]
 SEEDS = [3, 11]
 STEPS = 3
 ATOL = 1e-5
-GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0}  # flowrl units (Z-Image: its guidance_scale 2)
+GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0}  # flowrl units (Z-Image: its guidance_scale 2)
 #: flowrl's latent shape of each tiny pipeline (FLUX.2: the transformer's patchified 128 channels).
-LATENT = {"qwen_image": (16, 8, 8), "z_image": (16, 8, 8)}
+LATENT = {"qwen_image": (16, 8, 8), "z_image": (16, 8, 8), "flux2_klein": (128, 4, 4)}
 FAMILIES = list(GUIDANCE)
 
 
@@ -78,9 +78,11 @@ def diffusers_images(pipe, family: str) -> torch.Tensor:
                   "latents": pipe._pack_latents(noise, *noise.shape)}
     elif family == "z_image":  # unpacked latents, its guidance_scale is flowrl's minus 1
         kwargs = {"guidance_scale": GUIDANCE[family] - 1.0, "latents": noise}
+    else:  # flux2_klein: the patchified latents, standard CFG
+        kwargs = {"guidance_scale": GUIDANCE[family], "latents": noise}
     with torch.no_grad():
         # a copy: ZImagePipeline writes the chat-templated text back into the caller's prompt list
-        return pipe(list(PROMPTS), num_inference_steps=STEPS,
+        return pipe(prompt=list(PROMPTS), num_inference_steps=STEPS,
                     height=TINY_RESOLUTION, width=TINY_RESOLUTION, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH,
                     output_type="pt", **kwargs).images.cpu()
 
@@ -168,9 +170,11 @@ def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike
                             str(GUIDANCE[family]), "--out", str(out), "--no-progress"])
         assert code == 0, capsys.readouterr().err[-2000:]
         grids[name] = _grid(out)
-    # The LoRA folder runs with the pipeline's own max_sequence_length (512) instead of the run's 16: the same
-    # prompt tokens, so the same images.
-    assert abs(grids["run"] - grids["merged"]).max() <= 1 and abs(grids["run"] - grids["lora"]).max() <= 1
+    assert abs(grids["run"] - grids["merged"]).max() <= 1  # the merged export keeps the run's sampling settings
+    # The LoRA folder runs with the pipeline's own max_sequence_length (512) instead of the run's 16. With masked
+    # text (Qwen-Image, Z-Image) that is the same conditioning; FLUX.2 attends to its padding, so it differs there.
+    if family in ("qwen_image", "z_image"):
+        assert abs(grids["run"] - grids["lora"]).max() <= 1
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "tag": "t"}) + "\n" for p in ["a red cat", "a blue car"]))

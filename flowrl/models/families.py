@@ -30,6 +30,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "flowrl.models.qwen_image:QWEN_IMAGE_LORA_TARGETS", "Qwen/Qwen-Image", "Qwen-Image"),
     Family("z_image", "ZImagePipeline", "flowrl.models.z_image:ZImageModel", "flowrl.models.z_image:Z_IMAGE_LORA_TARGETS",
            "Tongyi-MAI/Z-Image-Turbo", "Z-Image"),
+    Family("flux2_klein", "Flux2KleinPipeline", "flowrl.models.flux2:Flux2KleinModel",
+           "flowrl.models.flux2:FLUX2_LORA_TARGETS", "black-forest-labs/FLUX.2-klein-base-4B", "FLUX.2 [klein]"),
 )}
 
 
