@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a blue square"]
 SEEDS = [3, 11]
