@@ -70,17 +70,18 @@ _SHRINK: list[tuple[str, Any]] = [
 def _tiny_model(data: dict, workdir: Path, notes: list[str]) -> None:
     """Point the ``model`` section at a tiny model of the same architecture, built offline."""
     from flowrl.models.base import check_attention_backend
-    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny_flux, build_tiny_sd3
+    from flowrl.models.families import FAMILIES
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
     model = data.get("model")
     if not isinstance(model, dict):
         return
     name = model.get("name")
-    if name in ("sd3", "flux"):
-        model["path"] = str(build_tiny_sd3() if name == "sd3" else build_tiny_flux())
+    if name in FAMILIES:
+        model["path"] = str(build_tiny(name))
         model["resolution"] = TINY_RESOLUTION
         model["max_sequence_length"] = TINY_MAX_SEQUENCE_LENGTH
-        notes.append(f"model: a tiny {name.upper()} pipeline of the same structure (random weights, "
+        notes.append(f"model: a tiny {FAMILIES[name].label} pipeline of the same structure (random weights, "
                      f"{TINY_RESOLUTION} px), with the config's LoRA, dtype and gradient checkpointing")
     elif name == "shapes":
         from flowrl.models.shapes import ShapesModel, ShapesModelConfig

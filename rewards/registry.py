@@ -14,6 +14,7 @@ REWARDS: Registry = Registry("reward")
 # name -> "module:factory"; each factory takes keyword arguments and returns a Reward.
 REWARDS.register("shapes", "rewards.shapes:ShapesReward")
 REWARDS.register("clip_score", "rewards.clip_score:ClipScore")
+REWARDS.register("clip_directional", "rewards.clip_directional:ClipDirectional")
 REWARDS.register("pickscore", "rewards.pickscore:PickScore")
 REWARDS.register("hpsv2", "rewards.hpsv2:HPSv2")
 REWARDS.register("aesthetic", "rewards.aesthetic:Aesthetic")

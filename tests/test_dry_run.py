@@ -51,7 +51,9 @@ def test_every_shipped_config_passes_the_dry_run(path, tmp_path):
 
     _, cfg = load_recipe_config(str(path), [])
     model = getattr(cfg, "model", None)
-    if getattr(model, "name", None) in ("sd3", "flux"):
+    from flowrl.models.families import FAMILIES
+
+    if getattr(model, "name", None) in FAMILIES:
         # No weights here: the report says so, with the download command, and sizes the real run.
         assert "model weights: MISSING" in report and "huggingface-cli download" in report
         assert "transformer rows in the rollout" in report

@@ -79,6 +79,8 @@ class FluxModel(FlowModel):
         guidance_scale: the default guidance-embedding value (3.5, the pipeline's default).
     """
 
+    family = "flux"  # its row in flowrl.models.families
+
     uses_cfg = False
 
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,

@@ -31,6 +31,16 @@ _FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_l
              "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
              "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
 
+# Qwen/Qwen-Image's transformer/config.json (about 20B parameters).
+_QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+               "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+               "axes_dims_rope": [16, 56, 56]}
+
+# Tongyi-MAI/Z-Image-Turbo's transformer/config.json (about 6B parameters); Z-Image's base model shares it.
+_Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
+            "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "cap_feat_dim": 2560, "axes_dims": [32, 48, 48],
+            "axes_lens": [1536, 512, 512]}
+
 #: Published transformer configs of the models flowrl's configs name (diffusers ``config.json`` fields).
 KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "stabilityai/stable-diffusion-3.5-medium": ("sd3", SD35_MEDIUM_TRANSFORMER),
@@ -38,7 +48,25 @@ KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "stabilityai/stable-diffusion-3-medium-diffusers": ("sd3", _SD3_MEDIUM),
     "black-forest-labs/FLUX.1-dev": ("flux", _FLUX_DEV),
     "black-forest-labs/FLUX.1-schnell": ("flux", {**_FLUX_DEV, "guidance_embeds": False}),
+    "Qwen/Qwen-Image": ("qwen_image", _QWEN_IMAGE),
+    "Tongyi-MAI/Z-Image-Turbo": ("z_image", _Z_IMAGE),
+    "Tongyi-MAI/Z-Image": ("z_image", _Z_IMAGE),
 }
+
+# Z-Image's text encoder (Qwen3-4B, text_encoder/config.json).
+_QWEN3_4B = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+
+# Qwen-Image's text encoder (Qwen2.5-VL-7B-Instruct, text_encoder/config.json) and VAE (vae/config.json).
+_QWEN25_VL_7B = {"text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                                 "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                                     "mrope_section": [16, 24, 24]}},
+                 "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                   "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                   "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}}
+_QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                   "temperal_downsample": [False, True, True]}
 
 # The text encoders and VAE every SD3 / FLUX.1 checkpoint ships (CLIP ViT-L/14, OpenCLIP bigG/14, T5 v1.1 XXL
 # encoder, the 16-channel VAE).
@@ -131,8 +159,22 @@ def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
     def t5(config):
         return T5EncoderModel(T5Config(**{k: v for k, v in config.items() if not k.startswith("_")}))
 
+    if kind == "qwen_image":
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        vae = {k: v for k, v in (found.get("vae") or _QWEN_IMAGE_VAE).items() if not k.startswith("_")}
+        text = {k: v for k, v in (found.get("text_encoder") or _QWEN25_VL_7B).items() if not k.startswith("_")}
+        return {"vae": AutoencoderKLQwenImage.from_config(vae),
+                "text_encoder (Qwen2.5-VL)": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**text))}
     vae_config = {k: v for k, v in (found.get("vae") or SD3_VAE).items() if not k.startswith("_")}
     parts = {"vae": AutoencoderKL.from_config(vae_config)}
+    if kind == "z_image":
+        from transformers import Qwen3Config, Qwen3Model
+
+        text = {k: v for k, v in (found.get("text_encoder") or _QWEN3_4B).items() if not k.startswith("_")}
+        parts["text_encoder (Qwen3)"] = Qwen3Model(Qwen3Config(**text))
+        return parts
     if kind == "sd3":
         parts["text_encoder (CLIP-L)"] = clip(found.get("text_encoder") or _CLIP_L, True)
         parts["text_encoder_2 (CLIP-G)"] = clip(found.get("text_encoder_2") or _CLIP_G, True)
@@ -151,11 +193,15 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
     kind, transformer_cfg, found, source = _configs(cfg)
     if transformer_cfg is None:
         return None
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    import diffusers
 
     transformer_cfg = {k: v for k, v in transformer_cfg.items() if not k.startswith("_")}
+    classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
+               "qwen_image": "QwenImageTransformer2DModel", "z_image": "ZImageTransformer2DModel"}
+    if kind not in classes:  # a family without a published architecture here (e.g. flux2_klein)
+        return None
     with torch.device("meta"):
-        cls = SD3Transformer2DModel if kind == "sd3" else FluxTransformer2DModel
+        cls = getattr(diffusers, classes[kind])
         denoiser = cls.from_config(transformer_cfg)
         parts = _text_and_vae(kind, found)
     params = {"transformer": _count(denoiser), **{k: _count(m) for k, m in parts.items()}}
@@ -167,12 +213,18 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
     else:
         trainable = params["transformer"]
     config = denoiser.config
-    hidden = config.num_attention_heads * config.attention_head_dim
     res = resolution or cfg.resolution or 1024
+    if kind == "z_image":  # one stream of image patches and caption tokens; the refiners run on each alone
+        text = cfg.max_sequence_length or 512
+        return Footprint(source, params, trainable, hidden=config.dim,
+                         layers=config.n_layers + 2 * config.n_refiner_layers, tokens=(res // 16) ** 2 + text)
+    hidden = config.num_attention_heads * config.attention_head_dim
     text = cfg.max_sequence_length or (256 if kind == "sd3" else 512)
     if kind == "sd3":
         image_tokens = (res // 8 // config.patch_size) ** 2
         tokens, layers = image_tokens + 77 + text, config.num_layers
+    elif kind == "qwen_image":  # 2x2 packed latent tokens beside the text tokens, 60 dual-stream blocks
+        tokens, layers = (res // 16) ** 2 + text, config.num_layers
     else:
         image_tokens = (res // 16) ** 2
         tokens, layers = image_tokens + text, config.num_layers + config.num_single_layers

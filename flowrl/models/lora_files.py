@@ -60,25 +60,15 @@ class LoraSpec:
 
 
 def model_kind(model: Any) -> str:
-    from flowrl.models.flux import FluxModel
-    from flowrl.models.sd3 import SD3Model
-
-    if isinstance(model, SD3Model):
-        return "sd3"
-    if isinstance(model, FluxModel):
-        return "flux"
-    return "shapes"
+    """The model's family (``flowrl.models.families``: ``sd3``, ``flux``, ``qwen_image``, ...) or ``shapes``."""
+    return getattr(model, "family", None) or "shapes"
 
 
 def default_lora_targets(kind: str) -> list[str]:
-    if kind == "sd3":
-        from flowrl.models.sd3 import SD3_LORA_TARGETS
+    from flowrl.models.families import FAMILIES, lora_targets
 
-        return list(SD3_LORA_TARGETS)
-    if kind == "flux":
-        from flowrl.models.flux import FLUX_LORA_TARGETS
-
-        return list(FLUX_LORA_TARGETS)
+    if kind in FAMILIES:
+        return lora_targets(kind)
     from flowrl.models.shapes import SHAPES_LORA_TARGETS
 
     return list(SHAPES_LORA_TARGETS)
@@ -95,19 +85,18 @@ def lora_spec(model: Any) -> LoraSpec | None:
 
 
 def lora_supported(model: Any) -> bool:
-    """True for the adapters whose base is a diffusers pipeline with ``load_lora_weights`` (SD3, FLUX)."""
-    return model_kind(model) in ("sd3", "flux")
+    """True for the adapters whose base is a diffusers pipeline with ``load_lora_weights`` (every family of
+    ``flowrl.models.families``; not the shapes model)."""
+    from flowrl.models.families import FAMILIES
+
+    return model_kind(model) in FAMILIES
 
 
 def lora_pipeline_class(kind: str):
-    if kind == "sd3":
-        from diffusers import StableDiffusion3Pipeline
+    from flowrl.models.families import FAMILIES, pipeline_class
 
-        return StableDiffusion3Pipeline
-    if kind == "flux":
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
+    if kind in FAMILIES:
+        return pipeline_class(kind)
     raise ExportError(f"the {kind} model has no diffusers pipeline to load a LoRA folder into; export it with "
                       "--format peft or --format merged")
 

@@ -18,6 +18,9 @@ MODELS: Registry = Registry("model")
 
 MODELS.register("sd3", "flowrl.models.sd3:SD3Model.from_pretrained")
 MODELS.register("flux", "flowrl.models.flux:FluxModel.from_pretrained")
+MODELS.register("qwen_image", "flowrl.models.qwen_image:QwenImageModel.from_pretrained")
+MODELS.register("z_image", "flowrl.models.z_image:ZImageModel.from_pretrained")
+MODELS.register("flux2_klein", "flowrl.models.flux2:Flux2KleinModel.from_pretrained")
 MODELS.register("shapes", "flowrl.models.shapes:ShapesModel.from_pretrained")
 
 

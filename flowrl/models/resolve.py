@@ -26,8 +26,14 @@ __all__ = ["PIPELINE_KINDS", "pipeline_kind", "default_dtype", "load_pipeline_mo
            "is_run_dir", "apply_lora_folder", "read_run_config", "load_finetuned"]
 
 
-#: diffusers pipeline classes flowrl has adapters for.
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+def _pipeline_kinds() -> dict[str, str]:
+    from flowrl.models.families import FAMILIES
+
+    return {f.pipeline: f.name for f in FAMILIES.values()}
+
+
+#: diffusers pipeline classes flowrl has adapters for (flowrl.models.families), to their family name.
+PIPELINE_KINDS = _pipeline_kinds()
 
 
 def pipeline_kind(path: str | Path) -> str | None:

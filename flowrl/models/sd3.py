@@ -76,6 +76,8 @@ class SD3Model(FlowModel):
             ``__call__`` default is 7.0).
     """
 
+    family = "sd3"  # its row in flowrl.models.families
+
     uses_cfg = True
 
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,

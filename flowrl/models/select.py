@@ -2,8 +2,9 @@
 
     --model shapes|PATH                         the shipped shapes model, a saved shapes model, or a diffusers
                                                 pipeline directory (SD3 / FLUX: model_index.json)
-    --model sd3|flux [--path DIR_OR_HUB_ID]     a Stable Diffusion 3 / FLUX.1 pipeline (default: the hub id
-                                                flowrl's recipes use)
+    --model sd3|flux|qwen_image|... [--path DIR_OR_HUB_ID]
+                                                a pipeline of a family of flowrl.models.families (default: the
+                                                hub id flowrl's recipes use)
         [--lora RUN_DIR_OR_EXPORT]              plus a LoRA: a run directory of ``flowrl train`` (its newest
                                                 checkpoint; the EMA when kept) or an exported folder
                                                 (``flowrl export --format diffusers`` or ``peft``)
@@ -24,8 +25,8 @@ import torch
 
 from .base import FlowModel
 
-from .resolve import (apply_lora_folder, default_dtype, is_run_dir, load_finetuned, load_named_model,
-                      load_pipeline_model, pipeline_kind)
+from .resolve import (PIPELINE_KINDS, apply_lora_folder, default_dtype, is_run_dir, load_finetuned,
+                      load_named_model, load_pipeline_model, pipeline_kind)
 
 __all__ = ["add_model_args", "model_from_args", "describe_model"]
 
@@ -63,7 +64,7 @@ def model_from_args(args: argparse.Namespace, device: torch.device | str) -> Flo
         model = load_finetuned(args.run, device=device, use_ema=not args.no_ema, dtype=args.dtype)
         model.description = f"run {args.run}"
         return model
-    if spec in ("sd3", "flux"):
+    if spec in PIPELINE_KINDS.values():
         base = args.path
         if args.lora and is_run_dir(Path(args.lora)):
             model = load_finetuned(args.lora, device=device, use_ema=not args.no_ema, base_path=base,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_tiny_sd3", "build_tiny_flux", "tiny_pipeline_components", "TINY_RESOLUTION",
+__all__ = ["build_tiny", "TINY_FAMILIES", "build_tiny_sd3", "build_tiny_flux", "tiny_pipeline_components", "TINY_RESOLUTION",
            "TINY_MAX_SEQUENCE_LENGTH", "TINY_CLIP_MAX_LENGTH"]
 
 #: Image side length the tiny pipelines are meant for: 64 px -> 8x8 latents (16 FLUX tokens).
@@ -206,10 +206,38 @@ def tiny_pipeline_components(kind: str, workdir: str | Path) -> dict:
     raise ValueError(f"unknown tiny pipeline kind {kind!r}; valid: 'sd3', 'flux'")
 
 
-def _build(kind: str, path: str | Path | None) -> Path:
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+#: Tiny pipelines of the other families: kind -> (diffusers pipeline class name, "module:components function").
+#: Each family keeps its tiny components in its own module of flowrl.testing.
+TINY_FAMILIES = {
+    "qwen_image": ("QwenImagePipeline", "flowrl.testing.tiny_qwen_image:qwen_image_components"),
+    "z_image": ("ZImagePipeline", "flowrl.testing.tiny_z_image:z_image_components"),
+    "flux2_klein": ("Flux2KleinPipeline", "flowrl.testing.tiny_flux2:flux2_klein_components"),
+}
 
-    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[kind]
+
+def _components(kind: str, workdir: Path) -> tuple[type, dict]:
+    """``(pipeline class, constructor keywords)`` of the tiny pipeline ``kind``."""
+    import importlib
+
+    import diffusers
+
+    if kind in ("sd3", "flux"):
+        cls = diffusers.StableDiffusion3Pipeline if kind == "sd3" else diffusers.FluxPipeline
+        return cls, tiny_pipeline_components(kind, workdir)
+    if kind not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; valid: sd3, flux, {', '.join(TINY_FAMILIES)}")
+    class_name, target = TINY_FAMILIES[kind]
+    module, function = target.split(":")
+    return getattr(diffusers, class_name), getattr(importlib.import_module(module), function)(workdir)
+
+
+def build_tiny(kind: str, path: str | Path | None = None) -> Path:
+    """Build the tiny pipeline of family ``kind`` (``sd3``, ``flux`` or a key of :data:`TINY_FAMILIES`) and
+    ``save_pretrained`` it to ``path`` (None: a per-user cache directory, built once). Returns the directory."""
+    return _build(kind, path)
+
+
+def _build(kind: str, path: str | Path | None) -> Path:
     if path is None:
         path = _cache_dir() / kind
         if (path / "model_index.json").is_file():
@@ -220,7 +248,7 @@ def _build(kind: str, path: str | Path | None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.parent / f".{path.name}.{uuid.uuid4().hex}"
     try:
-        components = tiny_pipeline_components(kind, staging / "_work")
+        cls, components = _components(kind, staging / "_work")
         cls(**components).save_pretrained(str(staging), safe_serialization=True)
         shutil.rmtree(staging / "_work", ignore_errors=True)
         if path.exists() and (path / "model_index.json").is_file() and path.parent == _cache_dir():

@@ -1,0 +1,120 @@
+"""The FLUX.2 [klein] adapter reproduces ``Flux2KleinPipeline``: a flowrl Euler ODE rollout from the same noise equals
+the pipeline's images (with CFG: the base model; without: the distilled one), the schedule equals the pipeline's
+(empirical mu), and the latent space is the transformer's (patchified, batch-norm normalised)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl.models.base import LoraSettings, unwrap
+from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+
+ATOL = 1e-5
+PROMPTS = ["a red cat", "a blue square on a wooden table"]
+
+
+@pytest.fixture(scope="module")
+def tiny_klein(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return build_tiny("flux2_klein", tmp_path_factory.mktemp("tiny") / "flux2_klein")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load(path, **kwargs):
+    from flowrl.models.flux2 import Flux2KleinModel
+
+    kwargs.setdefault("resolution", TINY_RESOLUTION)
+    kwargs.setdefault("max_sequence_length", TINY_MAX_SEQUENCE_LENGTH)
+    return Flux2KleinModel.from_pretrained(path, **kwargs)
+
+
+def _euler(velocity_fn, x, sigmas, cond):
+    for i in range(len(sigmas) - 1):
+        x = x + (sigmas[i + 1] - sigmas[i]) * velocity_fn(x, sigmas[i], cond)
+    return x
+
+
+def _pipeline_images(model, x_t, steps, guidance):
+    with torch.no_grad():
+        return model.pipeline(prompt=list(PROMPTS), latents=x_t.clone(), guidance_scale=guidance, num_inference_steps=steps,
+                              height=TINY_RESOLUTION, width=TINY_RESOLUTION,
+                              max_sequence_length=model.max_sequence_length, output_type="pt").images
+
+
+def test_shapes_and_latent_space(tiny_klein):
+    model = load(tiny_klein)
+    assert model.latent_shape == (128, 4, 4) and model.uses_cfg and model.default_guidance == 4.0
+    cond = model.encode_prompts(PROMPTS)
+    assert cond["prompt_embeds"].shape == (2, TINY_MAX_SEQUENCE_LENGTH, 48)  # hidden states 9, 18, 27 stacked
+    ref, _ = model.pipeline.encode_prompt(PROMPTS, max_sequence_length=model.max_sequence_length)
+    torch.testing.assert_close(cond["prompt_embeds"], ref, rtol=1e-5, atol=1e-6)
+    images = torch.rand(2, 3, 64, 64)
+    z = model.encode_images(images)
+    assert z.shape == (2, 128, 4, 4)
+    vae = model.pipeline.vae
+    raw = vae.encode(images * 2 - 1).latent_dist.mode()
+    mean, std = vae.bn.running_mean.view(1, -1, 1, 1), (vae.bn.running_var.view(1, -1, 1, 1) + 1e-4).sqrt()
+    torch.testing.assert_close(z, (type(model.pipeline)._patchify_latents(raw) - mean) / std, rtol=1e-5, atol=1e-5)
+    out = model.decode(z)
+    assert out.shape == (2, 3, 64, 64) and 0 <= out.min() and out.max() <= 1
+
+
+@pytest.mark.parametrize("steps,guidance", [(1, 4.0), (3, 4.0), (3, 1.0)])
+def test_sampling_matches_the_pipeline(tiny_klein, steps, guidance):
+    model = load(tiny_klein)
+    x_t = torch.randn(2, *model.latent_shape)
+    with torch.no_grad():
+        ours = _euler(model.velocity_fn(guidance), x_t, model.sigmas(steps), model.encode_prompts(PROMPTS))
+        torch.testing.assert_close(model.decode(ours), _pipeline_images(model, x_t, steps, guidance), rtol=0,
+                                   atol=ATOL)
+
+
+def test_distilled_klein_has_no_cfg(tiny_klein, tmp_path):
+    from diffusers import Flux2KleinPipeline
+
+    from flowrl.models.flux2 import Flux2KleinModel
+    from flowrl.testing.tiny_flux2 import flux2_klein_components
+
+    model = Flux2KleinModel(Flux2KleinPipeline(**flux2_klein_components(tmp_path, distilled=True)),
+                            resolution=64, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)
+    assert not model.uses_cfg and model.default_guidance == 1.0 and model.velocity_fn(4.0) == model.velocity
+    x_t = torch.randn(2, *model.latent_shape)
+    with torch.no_grad():
+        ours = _euler(model.velocity_fn(), x_t, model.sigmas(4), model.encode_prompts(PROMPTS))
+        torch.testing.assert_close(model.decode(ours), _pipeline_images(model, x_t, 4, 4.0), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("steps,resolution", [(4, 64), (28, 64), (50, 128)])
+def test_sigmas_equal_the_pipeline_schedule(tiny_klein, steps, resolution):
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    model = load(tiny_klein, resolution=resolution)
+    scheduler = copy.deepcopy(model.pipeline.scheduler)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps),
+                            mu=compute_empirical_mu((resolution // 16) ** 2, steps))
+    torch.testing.assert_close(model.sigmas(steps), scheduler.sigmas, rtol=0, atol=1e-6)
+
+
+def test_lora_targets_and_reference(tiny_klein):
+    model = load(tiny_klein, lora=LoraSettings(rank=4, alpha=8))
+    module = unwrap(model.denoiser)
+    adapted = [n for n, _ in module.named_modules() if n.endswith(".lora_A")]
+    for target in model.default_lora_targets():
+        assert any(n.removesuffix(".lora_A").endswith("." + target) for n in adapted), target
+    x, sigma, cond = torch.randn(2, *model.latent_shape), torch.tensor(0.5), model.encode_prompts(PROMPTS)
+    with model.reference():
+        base = model.velocity(x, sigma, cond)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    assert (model.velocity(x, sigma, cond) - base).abs().max() > 1e-4
+    with model.reference():
+        torch.testing.assert_close(model.velocity(x, sigma, cond), base, rtol=0, atol=0)
