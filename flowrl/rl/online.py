@@ -58,14 +58,16 @@ IMAGE_PLOTS = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": 
                "policy": ["train/approx_kl", "train/kl_ref", "hack/kl_to_base"],
                "hack_accuracy": ["hack/accuracy*", "hack/heldout/*"], "hack_objects": ["hack/extra_object*"],
                "hack_pixels": ["hack/bg_shift", "hack/drift_pixel"], "hack_background": ["hack/bg_[rgb]*"],
-               "hack_features": ["hack/drift_feature", "hack/diversity"], "hack_flow": ["hack/fm_to_base"]}
+               "hack_features": ["hack/drift_feature", "hack/diversity"], "hack_flow": ["hack/fm_to_base"],
+               "discriminator": ["adv/d_acc", "adv/d_acc_fresh"]}
 IMAGE_PLOT_UNITS = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
                     "grad_norm": "gradient norm before clipping", "signal": "fraction",
                     "policy": "KL (nats per element)", "hack_accuracy": "accuracy / held-out reward",
                     "hack_objects": "extra objects per image (rate, mean count)",
                     "hack_pixels": "RGB distance (0-255)", "hack_background": "mean background colour (0-255)",
                     "hack_features": "feature cosine distance",
-                    "hack_flow": "mean squared velocity gap to the base on the policy's samples"}
+                    "hack_flow": "mean squared velocity gap to the base on the policy's samples",
+                    "discriminator": "adversarial discriminator accuracy (fresh: before stepping on the epoch's samples)"}
 
 
 @dataclass
