@@ -178,3 +178,19 @@ def test_a_run_with_the_base_tail_trains_its_own_steps_and_evaluates_the_pipelin
     assert [r["epoch"] for r in rows if "train/loss" in r] == [1, 2]
     assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-3 for r in rows if "train/ratio_mean" in r)  # on-policy
     assert any("eval/shapes/accuracy" in r for r in rows if r["epoch"] == 2)
+
+
+def test_reward_adaptive_anchor_in_a_run_scales_each_samples_kl(tiny_shapes_dir, tmp_path):
+    """A floor equal to the weight is the uniform KL (the same loss); a low floor frees the unrewarded samples
+    (mean scale below 1, a smaller loss at the same KL to the base)."""
+    kl = {"train.kl_coef": 0.5, "run.max_epochs": 2, "eval.every_epochs": 2}  # the KL is 0 until the first step
+    run(tiny_shapes_dir, tmp_path / "uniform", **kl)
+    run(tiny_shapes_dir, tmp_path / "full", **kl, **{"train.kl_reward_adaptive": "true", "train.kl_floor": 0.5})
+    run(tiny_shapes_dir, tmp_path / "free", **kl, **{"train.kl_reward_adaptive": "true", "train.kl_floor": 0.005})
+    last = {name: [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "train/loss" in r][-1]
+            for name in ("uniform", "full", "free")}
+    assert last["uniform"]["train/kl_ref"] > 0
+    assert last["full"]["train/kl_scale"] == 1.0
+    assert last["full"]["train/loss"] == pytest.approx(last["uniform"]["train/loss"], rel=1e-5, abs=1e-12)
+    assert 0.005 / 0.5 < last["free"]["train/kl_scale"] < 1.0
+    assert last["free"]["train/kl_ref"] == pytest.approx(last["uniform"]["train/kl_ref"], rel=1e-5)  # same 1st step
