@@ -27,6 +27,10 @@ For the shapes world (every prompt parses in its grammar), with the rule-based d
   detections (by shape, and colour where the prompt gives one) and there must be no other object, so
   two red circles for "a red circle" fail; per task kind as ``hack/accuracy_strict/<kind>``.
 
+For any images (flowrl/image_stats.py): ``hack/color_entropy``, ``hack/color_hist_shift`` (against the base's
+images), ``hack/dark_frac``, ``hack/saturated_frac`` and ``hack/hf_energy``: the hacks reported on real models
+(backgrounds erased to one colour, saturation and contrast pushed, grid textures).
+
 Nothing here trains or samples: a training loop generates the panel's images (fixed prompts and seeds,
 several seeds per prompt for diversity), keeps the base model's images from the first evaluation, and
 logs this dict with its other metrics.
@@ -40,6 +44,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+
+from flowrl.image_stats import image_stats
 
 __all__ = ["hacking_panel", "pixel_drift", "feature_drift", "group_diversity", "background_stats",
            "extra_objects", "strict_correct", "shapes_metrics", "shapes_feature_fn", "diversity_rows",
@@ -239,6 +245,7 @@ def hacking_panel(images: torch.Tensor, prompts: Sequence[str], *, base_images: 
         out["hack/drift_pixel"] = pixel_drift(images, base_images)
         if tuned_features is not None:
             out["hack/drift_feature"] = feature_drift(tuned_features, embed(base_images))
+    out.update(image_stats(images, base_images))  # colour, dark / saturated pixels, high frequencies
     if tuned_features is not None:
         out["hack/diversity"] = group_diversity(tuned_features, list(groups) if groups is not None else prompts)
     if shapes if shapes is not None else is_shapes_world(prompts):

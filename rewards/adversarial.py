@@ -16,7 +16,10 @@ minimised by Adam (betas 0.5, 0.999), lr 1e-4. Reward (the raw head output, no s
     r = 0.7 * D(g) + 0.3 * mean_{all P patches} D(p)
 
 on the same tokens the head was trained on: :meth:`Backbone.forward` is the only path from images to
-tokens, for real, fake and scored images alike.
+tokens, for real, fake and scored images alike. With ``clip_margin=c`` (IRRL's clipped-linear discriminator
+reward) the reward is ``min(r, c)``: linear while the discriminator still tells the sample from the references,
+flat once it is fooled past the margin, so the policy earns nothing by pushing further into the region the
+discriminator calls real (where a head that lags the policy is easiest to exploit).
 
 Departures from Adv-GRPO's code, with reasons: its hinge terms are halved (``0.5 (real + fake)``); flowrl
 uses the sum as written in its formula (with Adam the factor only rescales the loss, not the step).
@@ -26,7 +29,9 @@ patches, so the reward is deterministic. It samples patch indices with replaceme
 
 Loop API (see :class:`AdversarialReward`): ``reward(images, prompts, metadata)`` scores;
 ``update(fake_images, prompts, metadata)`` takes ``d_steps`` discriminator steps against freshly drawn
-references and returns metrics; ``state_dict()`` / ``load_state_dict()`` hold the head, the optimizer and
+references and returns metrics (``adv/d_acc_fresh``: the accuracy on the new fakes before any step on them,
+the held-out view of whether the discriminator separates); ``measure(...)`` returns the same metrics without a
+step (epochs on which the schedule keeps the discriminator frozen); ``state_dict()`` / ``load_state_dict()`` hold the head, the optimizer and
 the generator of the draws (resume is exact); ``grad_sync`` averages the head's gradients across
 processes. :class:`DiscriminatorSchedule` says which epochs train the discriminator and which the
 generator; :func:`trainable_rewards` finds the rewards with an ``update`` inside a composed reward.
@@ -34,6 +39,7 @@ generator; :func:`trainable_rewards` finds the rewards with an ``update`` inside
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -48,7 +54,7 @@ from .backbones import Backbone, BackboneFeatures, load_backbone
 from .base import Reward, RewardError, RewardOutput, to_image_tensor
 
 __all__ = ["AdversarialReward", "DiscriminatorHead", "DiscriminatorSchedule", "hinge_loss", "discriminator_loss",
-           "head_reward", "select_patches", "trainable_rewards"]
+           "head_reward", "clipped_linear", "select_patches", "trainable_rewards"]
 
 GradSync = Callable[[list[torch.Tensor]], None]
 
@@ -108,6 +114,12 @@ def head_reward(head: nn.Module, features: BackboneFeatures, global_weight: floa
     global_score = head(features.global_token)
     patch_score = head(features.patch_tokens).mean(-1)
     return global_weight * global_score + patch_weight * patch_score, global_score, patch_score
+
+
+def clipped_linear(scores: torch.Tensor, margin: float) -> torch.Tensor:
+    """IRRL's clipped-linear discriminator reward ``min(scores, margin)`` (``[B] -> [B]``): the gradient is the
+    identity below the margin and zero above it, so fooling the discriminator past the margin earns nothing."""
+    return scores.clamp(max=margin)
 
 
 @dataclass
@@ -178,6 +190,8 @@ class AdversarialReward(Reward):
         max_references: at most this many reference images are read.
         patch_samples: patch tokens per image in the loss (64).
         global_weight, patch_weight: reward weights (0.7, 0.3).
+        clip_margin: IRRL's clipped-linear reward ``min(r, clip_margin)`` (None: the raw ``r``). On the hinge
+            loss's scale 0 is the decision boundary and 1 the margin the head pushes references to.
         patch_loss_weight: weight of the patch hinge term (0.3).
         hidden: head width (512).
         lr, betas: Adam's (1e-4, (0.5, 0.999)).
@@ -198,7 +212,8 @@ class AdversarialReward(Reward):
     def __init__(self, backbone: str = "shapes", backbone_path: str | None = None, image_size: int | None = None,
                  references: str = "shapes", pairing: str = "prompt", reference_split: str = "train",
                  max_references: int = 4096, patch_samples: int = 64, global_weight: float = 0.7,
-                 patch_weight: float = 0.3, patch_loss_weight: float = 0.3, hidden: int = 512, lr: float = 1e-4,
+                 patch_weight: float = 0.3, clip_margin: float | None = None, patch_loss_weight: float = 0.3,
+                 hidden: int = 512, lr: float = 1e-4,
                  betas: Sequence[float] = (0.5, 0.999), d_steps: int = 1, seed: int = 0,
                  head_path: str | None = None, rank: int = 0, world_size: int = 1,
                  grad_sync: GradSync | None = None, device: str = "cpu", batch_size: int = 64):
@@ -208,6 +223,11 @@ class AdversarialReward(Reward):
                             (hidden, "hidden"), (d_steps, "d_steps"), (batch_size, "batch_size")):
             _positive(value, what)
         _positive(lr, "lr", float)
+        if clip_margin is not None and (isinstance(clip_margin, bool) or not isinstance(clip_margin, (int, float))
+                                        or not -10 <= clip_margin <= 10):
+            raise RewardError(f"adversarial: clip_margin must be a number in [-10, 10] (the head's logit scale) or "
+                              f"null, got {clip_margin!r}")
+        self.clip_margin = None if clip_margin is None else float(clip_margin)
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise RewardError(f"adversarial: betas must be two numbers in [0, 1), got {betas!r}")
         self.backbone: Backbone = load_backbone(backbone, backbone_path, image_size=image_size, device=device)
@@ -256,8 +276,12 @@ class AdversarialReward(Reward):
         with context:
             scores, global_score, patch_score = head_reward(self.head, self.features(images), self.global_weight,
                                                             self.patch_weight)
-        return RewardOutput(scores.float(), {f"{self.name}/global": global_score.detach().float(),
-                                             f"{self.name}/patch": patch_score.detach().float()})
+            details = {f"{self.name}/global": global_score.detach().float(),
+                       f"{self.name}/patch": patch_score.detach().float()}
+            if self.clip_margin is not None:
+                details[f"{self.name}/clipped"] = (scores.detach() > self.clip_margin).float()
+                scores = clipped_linear(scores, self.clip_margin)
+        return RewardOutput(scores.float(), details)
 
     # --------------------------------------------------------------------------------------- training
 
@@ -287,8 +311,18 @@ class AdversarialReward(Reward):
         Returns:
             ``adv/d_loss``, ``adv/d_loss_global``, ``adv/d_loss_patch``, ``adv/d_real``, ``adv/d_fake`` (mean
             global logits), ``adv/d_acc``, ``adv/matched_frac`` (references of the sample's prompt),
-            averaged over the steps, and ``adv/d_updates`` (updates so far).
+            averaged over the steps, ``adv/d_acc_fresh`` (the accuracy of the first step, before the head has
+            stepped on these fakes) and ``adv/d_updates`` (updates so far).
         """
+        return self._steps(fake_images, prompts, self.d_steps)
+
+    def measure(self, fake_images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict[str, float]:
+        """The metrics of :meth:`update` on one fresh draw of references, without a step (the head, the
+        optimizer and the update count are unchanged; the draws' generator advances, and is checkpointed)."""
+        return self._steps(fake_images, prompts, 0)
+
+    def _steps(self, fake_images: Any, prompts: Sequence[str], steps: int) -> dict[str, float]:
+        """``steps`` discriminator steps (0: measure only); see :meth:`update`."""
         fake = to_image_tensor(fake_images)
         prompts = list(prompts)
         batch = fake.shape[0]
@@ -302,30 +336,37 @@ class AdversarialReward(Reward):
         with torch.no_grad():  # the backbone is frozen: the fake tokens serve every step
             fake_features = self.features(fake)
         totals: dict[str, float] = {}
+        fresh = math.nan
+        rounds = max(steps, 1)
         self.head.train()
-        for _ in range(self.d_steps):
+        for step in range(rounds):
             seeds = self._local(torch.randint(0, 2**62, (self.world_size * batch,), generator=self.generator), batch)
             real, matched = self.references.draw(prompts, seeds, self.paired, self.backbone.resize)
             real_index = self._draw_patches(batch, self.backbone.num_patches)
             fake_index = self._draw_patches(batch, self.backbone.num_patches)
             with torch.no_grad():
                 real_features = self.features(real)
-            loss, parts = discriminator_loss(self.head, real_features, fake_features, real_index, fake_index,
-                                             self.patch_loss_weight)
-            self.optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            if self.grad_sync is not None:
-                self.grad_sync([p.grad for p in self.head.parameters()])
-            self.optimizer.step()
+            with torch.set_grad_enabled(steps > 0):
+                loss, parts = discriminator_loss(self.head, real_features, fake_features, real_index, fake_index,
+                                                 self.patch_loss_weight)
+            if step == 0:  # the head has not stepped on these fakes yet: a held-out accuracy
+                fresh = float(parts["acc"])
+            if steps > 0:
+                self.optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+                if self.grad_sync is not None:
+                    self.grad_sync([p.grad for p in self.head.parameters()])
+                self.optimizer.step()
             values = {"d_loss": float(loss.detach()), "d_loss_global": float(parts["global"]),
                       "d_loss_patch": float(parts["patch"]), "d_real": float(parts["real"]),
                       "d_fake": float(parts["fake"]), "d_acc": float(parts["acc"]),
                       "matched_frac": float(matched.float().mean())}
             for key, value in values.items():
-                totals[key] = totals.get(key, 0.0) + value / self.d_steps
+                totals[key] = totals.get(key, 0.0) + value / rounds
         self.head.eval()
-        self.updates += 1
+        self.updates += int(steps > 0)
         metrics = {f"adv/{key}": value for key, value in totals.items()}
+        metrics["adv/d_acc_fresh"] = fresh
         metrics["adv/d_updates"] = float(self.updates)
         return metrics
 

@@ -200,8 +200,9 @@ def handle_compare(state: DemoState, models, prompts, seeds, steps, guidance, sa
 
 def _hacking_table(result, prompts: list[str], seeds: list[int]):
     """The reward-hacking panel (flowrl/hacking.py) of each model's images: drift against the first model's
-    images of the same noise, diversity across the seeds of a prompt, and for the shapes world extra objects,
-    background shift from white and strict-count accuracy."""
+    images of the same noise, diversity across the seeds of a prompt, the image statistics of any world
+    (flowrl/image_stats.py: colour entropy and histogram shift, dark / saturated pixel fractions, high-frequency
+    energy), and for the shapes world extra objects, background shift from white and strict-count accuracy."""
     import pandas as pd
 
     from flowrl.hacking import hacking_panel, is_shapes_world, shapes_feature_fn
@@ -414,8 +415,10 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                         c_status = gr.Markdown(elem_id="compare-status")
                         c_hack = gr.Dataframe(label="Reward hacking: what the reward cannot see (drift from the "
                                               "first model's images of the same noise, diversity over seeds, "
-                                              "extra objects, background shift from white in 0-255 units, "
-                                              "strict-count accuracy)", interactive=False, elem_id="compare-hacking")
+                                              "colour entropy in bits and histogram shift from the first model, "
+                                              "dark / saturated pixel and high-frequency energy fractions; for "
+                                              "shapes: extra objects, background shift from white in 0-255 "
+                                              "units, strict-count accuracy)", interactive=False, elem_id="compare-hacking")
                         with gr.Accordion("Scores of every image", open=False):
                             c_table = gr.Dataframe(interactive=False, elem_id="compare-table")
                 c_sampler.change(lambda s: NOISE_DEFAULTS.get(s, 0.7), c_sampler, c_noise, api_visibility="private")

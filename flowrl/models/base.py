@@ -272,8 +272,21 @@ class FlowModel(nn.Module):
 
         LoRA: the same network with its adapters disabled. Full fine-tuning: a frozen copy of the
         weights taken when the reference was first needed (call :meth:`freeze_reference` before
-        training starts).
+        training starts). Re-entrant: a nested ``reference()`` (the base model's tail steps of a base-model
+        drawing, flowrl/rl/base_tail.py) leaves the outer one in force.
         """
+        if self.__dict__.get("_in_reference", False):
+            yield
+            return
+        self.__dict__["_in_reference"] = True
+        try:
+            with self._reference_weights():
+                yield
+        finally:
+            self.__dict__["_in_reference"] = False
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
         if self.lora is not None:
             module = unwrap(self.denoiser)
             module.disable_adapters()

@@ -29,6 +29,11 @@ Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
   process with accumulation ``2a`` and two processes with accumulation ``a`` take the same step;
   ``train.drop_zero_advantage=true`` first drops samples whose advantage is 0 at every step, as Flow-GRPO
   does (constant groups then no longer dilute the policy gradient against the KL);
+- regularisers against reward hacking, all off by default: ``train.kl_reward_adaptive`` (CRD's reward-adaptive
+  anchor on the KL to the base: each sample's weight ``kl_coef (m + r (1 - m))``), ``train.elastic_reset``
+  (Elastic Reset: the policy reset to its EMA and the EMA to the base every few epochs;
+  flowrl/rl/elastic_reset.py) and ``sampling.base_last_steps`` (the base model denoises the last steps of every
+  rollout and evaluation; flowrl/rl/base_tail.py);
 - gradients flow through both branches of classifier-free guidance (``train.cfg_grad=full``); Flow-GRPO
   detaches the unconditional branch (``cond_only``).
 """
@@ -42,9 +47,10 @@ import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
+from flowrl.rl.elastic_reset import ElasticResetConfig
 from flowrl.rl.online import OnlineConfig
 
-__all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
+__all__ = ["TrainConfig", "Config", "train_epoch", "reward_adaptive_kl_scale", "main", "RECIPE"]
 
 
 @dataclass
@@ -55,6 +61,11 @@ class TrainConfig:
     kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # the KL weight to the reference (Flow-GRPO's beta)
     # flowrl: kl_coef multiplies the exact Gaussian KL; flow_grpo: a Flow-GRPO beta, beta_t = beta |dt_t|.
     kl_coef_units: Literal["flowrl", "flow_grpo"] = "flowrl"
+    # CRD's reward-adaptive anchor: sample i's KL weight is kl_coef (m + r_i (1 - m)), r_i = clip(A_i, +-kl_adv_clip)
+    # / (2 kl_adv_clip) + 0.5 and m = kl_floor / kl_coef: rewarded samples are held to the base, unrewarded ones free.
+    kl_reward_adaptive: bool = False
+    kl_floor: float = field(default=1e-4, metadata=bounds(ge=0))  # the KL weight at reward weight 0
+    kl_adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
     # full: back-propagate through both CFG branches; cond_only: detach the unconditional one (Flow-GRPO).
     cfg_grad: Literal["full", "cond_only"] = "full"
     # Drop samples whose advantage is 0 at every trained step before averaging (Flow-GRPO).
@@ -72,6 +83,8 @@ class TrainConfig:
     # Flow-DPPO: the exact KL(old || new) of a step (per element with sampling.reduction=mean) beyond which a row
     # that keeps moving the way its advantage pushes is masked.
     dppo_threshold: float = field(default=1e-5, metadata=bounds(gt=0))
+    # Elastic Reset: every every_epochs epochs the policy <- its EMA (decay ema_decay per epoch), the EMA <- the base.
+    elastic_reset: ElasticResetConfig | None = None
 
     RENAMED: ClassVar[dict[str, str]] = {"kl_beta": "kl_coef", "kl_beta_units": "kl_coef_units"}
 
@@ -87,6 +100,13 @@ class Config(OnlineConfig):
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def check(self) -> None:
+        if self.train.kl_reward_adaptive:
+            if self.train.kl_coef == 0:
+                fail("train.kl_reward_adaptive", "the reward-adaptive anchor weights the KL to the base; set "
+                     "train.kl_coef > 0 (its weight at reward weight 1)")
+            if self.train.kl_floor > self.train.kl_coef:
+                fail("train.kl_floor", f"{self.train.kl_floor} exceeds kl_coef {self.train.kl_coef} (the weight at "
+                     "reward weight 0 cannot exceed the weight at reward weight 1)")
         if self.sampling.step == "ode":
             fail("sampling.step", "Flow-GRPO trains stochastic steps; choose flow_sde, dance_sde or cps")
         if self.train.minibatches > self.sampling.samples_per_epoch:
@@ -105,6 +125,16 @@ def _kl_weights(cfg: TrainConfig, sigmas: torch.Tensor) -> torch.Tensor:
     if cfg.kl_coef_units == "flow_grpo":
         return cfg.kl_coef * (sigmas[:-1] - sigmas[1:]).abs().double()
     return torch.full((sigmas.numel() - 1,), cfg.kl_coef, dtype=torch.float64)
+
+
+def reward_adaptive_kl_scale(train: TrainConfig, advantages: torch.Tensor) -> torch.Tensor:
+    """``[b]`` CRD's per-sample KL scale ``m + r (1 - m)`` (``r = reward_weights(A)``, ``m = kl_floor / kl_coef``)
+    for advantages ``[b]``: 1 at advantage ``+kl_adv_clip`` and above, ``m`` at ``-kl_adv_clip`` and below
+    (docs/trainers.md, "CRD"); it multiplies each step's ``kl_coef`` weight."""
+    from flowrl.core.forward_losses import reward_adaptive_kl_weight, reward_weights
+
+    r = reward_weights(advantages, adv_clip=train.kl_adv_clip)
+    return reward_adaptive_kl_weight(r, kl_coef=1.0, kl_floor=train.kl_floor / train.kl_coef)
 
 
 def _policy_loss(train: TrainConfig, out, traj, rows, t: int, advantages: torch.Tensor, reduction: str):
@@ -181,19 +211,25 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                 out = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m)
                 policy, kl_old = _policy_loss(train, out, traj, m, t, advantages[m, t].to(device),
                                               cfg.sampling.reduction)
-                loss, kl = policy.loss, torch.zeros((), device=device)
+                loss, kl, extra = policy.loss, torch.zeros((), device=device), {}
                 if train.kl_coef > 0:
                     with torch.no_grad(), model.reference():
                         ref_mean = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m).mean
-                    kl = gaussian_kl(out.mean, ref_mean, out.std, reduction=cfg.sampling.reduction).mean()
-                    loss = loss + float(kl_weights[t]) * kl
+                    kl_rows = gaussian_kl(out.mean, ref_mean, out.std, reduction=cfg.sampling.reduction)  # [b]
+                    kl = kl_rows.mean()
+                    if train.kl_reward_adaptive:
+                        scale = reward_adaptive_kl_scale(train, advantages[m, t].to(device)).to(kl_rows.dtype)
+                        loss = loss + float(kl_weights[t]) * (scale * kl_rows).mean()
+                        extra["train/kl_scale"] = float(scale.mean())
+                    else:
+                        loss = loss + float(kl_weights[t]) * kl
                 units = len(steps) if train.aggregation == "token_mean" else 1
                 dist.backward(loss * pass_scale(p, n_global, dist, units), model.denoiser, sync=p.sync)
                 if p.weight:
                     stats.add(len(m), **{"train/loss": float(loss.detach()), "train/ratio_mean": float(policy.ratio_mean),
                                          "train/clip_frac": float(policy.clip_frac),
                                          "train/approx_kl": float(policy.approx_kl), "train/kl_ref": float(kl.detach()),
-                                         **({} if kl_old is None else {"train/kl_old": float(kl_old)})})
+                                         **({} if kl_old is None else {"train/kl_old": float(kl_old)}), **extra})
                     if progress is not None:
                         progress.update(len(m))
             grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist,
@@ -212,6 +248,12 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
     run, model = online.run, online.model
+    elastic = None
+    if cfg.train.elastic_reset is not None:
+        from flowrl.rl.elastic_reset import ElasticReset
+
+        elastic = ElasticReset(model, cfg.train.elastic_reset)  # before `with run`: its base is the starting model
+        run.track(elastic_reset=elastic)
 
     with run:
         while run.next_epoch():
@@ -224,6 +266,8 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                 with online.training(passes) as bar:
                     metrics.update(train_epoch(model, online.optimizer, rollouts, advantages, valid, cfg, online.dist,
                                                epoch, ema=online.ema, health=run.health, progress=bar))
+            if elastic is not None:
+                metrics.update(elastic.end_epoch(model, epoch))
             online.end_epoch(metrics, rollouts)
     return run.finish()
 

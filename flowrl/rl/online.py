@@ -58,14 +58,19 @@ IMAGE_PLOTS = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": 
                "policy": ["train/approx_kl", "train/kl_ref", "hack/kl_to_base"],
                "hack_accuracy": ["hack/accuracy*", "hack/heldout/*"], "hack_objects": ["hack/extra_object*"],
                "hack_pixels": ["hack/bg_shift", "hack/drift_pixel"], "hack_background": ["hack/bg_[rgb]*"],
-               "hack_features": ["hack/drift_feature", "hack/diversity"], "hack_flow": ["hack/fm_to_base"]}
+               "hack_features": ["hack/drift_feature", "hack/diversity"], "hack_flow": ["hack/fm_to_base"],
+               "hack_image": ["hack/color_hist_shift", "hack/dark_frac", "hack/saturated_frac", "hack/hf_energy"],
+               "hack_entropy": ["hack/color_entropy"], "discriminator": ["adv/d_acc", "adv/d_acc_fresh"]}
 IMAGE_PLOT_UNITS = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
                     "grad_norm": "gradient norm before clipping", "signal": "fraction",
                     "policy": "KL (nats per element)", "hack_accuracy": "accuracy / held-out reward",
                     "hack_objects": "extra objects per image (rate, mean count)",
                     "hack_pixels": "RGB distance (0-255)", "hack_background": "mean background colour (0-255)",
                     "hack_features": "feature cosine distance",
-                    "hack_flow": "mean squared velocity gap to the base on the policy's samples"}
+                    "hack_flow": "mean squared velocity gap to the base on the policy's samples",
+                    "hack_image": "fraction (histogram shift: total variation to the base's colours)",
+                    "hack_entropy": "colour entropy (bits, 512 cells)",
+                    "discriminator": "adversarial discriminator accuracy (fresh: before stepping on the epoch's samples)"}
 
 
 @dataclass
@@ -160,8 +165,20 @@ class OnlineLoop:
         self.ema = build_ema(model.trainable_parameters(), ema_decay)  # the prepared (possibly sharded) ones
         run.track(model=TrainableWeights(model), optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
                   tracker=self.tracker)
-        run.evaluation(lambda epoch, should_stop: self.evaluator(model, epoch, self.ema, should_stop))
+        # sampling.base_last_steps: the base model takes the tail of every rollout and evaluation (from this level).
+        self.tail_sigma = None
+        if rollouts and s.base_last_steps:
+            from flowrl.rl.base_tail import tail_sigma
+
+            self.tail_sigma = tail_sigma(self.sigmas, s.base_last_steps)
+        run.evaluation(self._evaluate)
         self._train_start = time.perf_counter()
+
+    def _evaluate(self, epoch: int, should_stop) -> dict[str, float]:
+        from flowrl.rl.base_tail import base_tail
+
+        with base_tail(self.model, self.tail_sigma):
+            return self.evaluator(self.model, epoch, self.ema, should_stop)
 
     def _prepare_model(self, model=None):
         """Build the model of ``cfg.model`` (unless one is given), move it to this process's device and
@@ -201,6 +218,11 @@ class OnlineLoop:
         from flowrl.rl.collect import collect_epoch
 
         cfg, dist, s = self.cfg, self.dist, self.cfg.sampling
+        if self.tail_sigma is not None:
+            from flowrl.rl.base_tail import base_tail_velocity
+
+            velocity_fn = base_tail_velocity(self.model, velocity_fn or self.model.velocity_fn(s.guidance),
+                                             self.model.velocity_fn(s.guidance), self.tail_sigma)
         bar = tqdm(total=s.samples_per_epoch // dist.world_size, desc=f"epoch {epoch + 1} sampling", leave=False,
                    disable=not dist.is_main, dynamic_ncols=True)
         with bar, self.precision():

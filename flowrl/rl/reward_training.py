@@ -57,13 +57,13 @@ class RewardTraining:
 
         Returns:
             The rewards' ``adv/*`` metrics (averaged over processes; prefixed by the reward's index when there
-            are several), ``adv/d_epoch`` (1 on discriminator-only epochs) and ``adv/skipped_nonfinite``.
+            are several; on epochs the schedule keeps the discriminator frozen, those of ``measure``, no step, so
+            ``adv/d_acc_fresh`` is a curve over every epoch), ``adv/d_epoch`` (1 on discriminator-only epochs) and ``adv/skipped_nonfinite``.
         """
         if not self.rewards:
             return {}
         metrics: dict[str, float] = {"adv/d_epoch": float(not self.schedule.trains_generator(epoch))}
-        if not self.schedule.trains_discriminator(epoch):
-            return metrics
+        train = self.schedule.trains_discriminator(epoch)
         # One NaN image would poison the head for good, and every process must pass the same batch size:
         # an epoch with a non-finite image anywhere skips the update everywhere.
         finite = bool(torch.isfinite(rollouts.images).all())
@@ -72,7 +72,11 @@ class RewardTraining:
             return metrics
         for i, trainable in enumerate(self.rewards):
             prefix = "adv/" if len(self.rewards) == 1 else f"adv/{i}/"
-            for key, value in trainable.update(rollouts.images, rollouts.prompts, rollouts.metadata).items():
+            # A frozen epoch still measures the discriminator (adv/d_acc_fresh every epoch: its accuracy curve).
+            step = trainable.update if train else getattr(trainable, "measure", None)
+            if step is None:
+                continue
+            for key, value in step(rollouts.images, rollouts.prompts, rollouts.metadata).items():
                 local = torch.tensor([float(value)], dtype=torch.float64)
                 metrics[prefix + key.removeprefix("adv/")] = float(self.dist.gather(local).mean())
         return metrics

@@ -44,10 +44,23 @@ class SamplingConfig:
     # bfloat16, step math and losses in float32). Rollout and re-scoring use the same one, so the on-policy
     # ratio stays 1; evaluation always runs in the model's own dtype.
     precision: Literal["float32", "bfloat16"] = "float32"
+    # The base model takes the last K steps of every rollout and evaluation (MixGRPO users' fix for late-step
+    # hacking; flowrl/rl/base_tail.py); the training window must end before them. 0: the policy takes every step.
+    base_last_steps: int = field(default=0, metadata=bounds(ge=0, le=999))
 
     def check(self) -> None:
         w = self.window
         trainable = self.num_steps - 1
+        k = self.base_last_steps
+        if k >= self.num_steps:
+            fail("base_last_steps", f"{k} of a {self.num_steps}-step schedule leaves the policy no step; use at "
+                 f"most {self.num_steps - 1}")
+        if k and self.step != "ode":
+            end = window_end(w, trainable)
+            if end > self.num_steps - k:
+                fail("base_last_steps", f"the base model takes steps {self.num_steps - k}..{self.num_steps - 1} but "
+                     f"the training window reaches step {end - 1}; the policy is trained on its own steps only: set "
+                     f"window.size / window.max_start so that the window ends by step {self.num_steps - k - 1}")
         if w.size is not None and w.start + w.size > trainable:
             fail("window", f"start {w.start} + size {w.size} exceeds the {trainable} trainable steps of "
                  f"a {self.num_steps}-step schedule (the last step is deterministic)")
@@ -61,6 +74,15 @@ class SamplingConfig:
     @property
     def samples_per_epoch(self) -> int:
         return self.groups_per_epoch * self.group_size
+
+
+def window_end(w: WindowConfig, trainable: int) -> int:
+    """One past the last step the window ``w`` can train, of ``trainable`` trainable steps."""
+    if w.size is None:
+        return trainable
+    if w.mode == "fixed":
+        return w.start + w.size
+    return (w.max_start if w.max_start is not None else trainable - w.size) + w.size
 
 
 def rollout_step(cfg: SamplingConfig, sigmas: torch.Tensor):

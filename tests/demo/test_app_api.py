@@ -41,7 +41,8 @@ def test_compare_returns_a_grid_and_scores(client):
     assert "18 images" in status
     headers, rows = _table(hacking)
     assert headers[0] == "model" and {"drift_pixel", "extra_object_rate", "bg_shift", "accuracy_strict",
-                                      "diversity"} <= set(headers)
+                                      "diversity", "color_entropy", "color_hist_shift", "dark_frac",
+                                      "saturated_frac", "hf_energy"} <= set(headers)
     assert [r[0] for r in rows] == ["base", "flow_grpo", "lora"]
     drift = headers.index("drift_pixel")
     assert rows[0][drift] is None or rows[0][drift] != rows[0][drift]  # the first model is the reference: no drift

@@ -111,7 +111,7 @@ def test_bad_config_missing_model_and_missing_checkpoint_are_one_line_errors(tin
     assert bad.stderr.strip() == ("flowrl train: config error: sampling.group_sise: unknown key (did you mean "
                                   "'group_size'?); valid keys: num_steps, eval_num_steps, step, noise_level, reduction, "
                                   "guidance, eval_guidance, window, group_size, groups_per_epoch, batch_size, "
-                                  "precision")
+                                  "precision, base_last_steps")
     missing = cli(str(CONFIG), f"model.path={tmp_path / 'nowhere'}", f"run.output_dir={tmp_path / 'o'}")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "shapes model at" in missing.stderr and "is missing model.json" in missing.stderr

@@ -17,7 +17,7 @@ from PIL import Image
 
 import rewards
 from flowrl.data.shapes import prompt_rows
-from rewards.adversarial import (AdversarialReward, DiscriminatorSchedule, discriminator_loss, head_reward,
+from rewards.adversarial import (AdversarialReward, DiscriminatorSchedule, clipped_linear, discriminator_loss, head_reward,
                                  hinge_loss, trainable_rewards)
 from rewards.adversarial_refs import ImageReferences, ShapesReferences, load_references
 from rewards.backbones import BackboneFeatures
@@ -112,6 +112,54 @@ def test_reward_scores_the_backbone_tokens_the_head_trains_on():
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_clipped_linear_reward_pays_nothing_past_the_margin():
+    """IRRL's clipped-linear form: below the margin the reward and its gradient are the raw head's, above it
+    the reward is the margin and the gradient is zero (fooling the discriminator further earns nothing)."""
+    assert clipped_linear(torch.tensor([-2.0, 0.0, 0.3, 5.0]), 0.3).tolist() == pytest.approx([-2.0, 0.0, 0.3, 0.3])
+    raw = rewards.load("adversarial")
+    clipped = rewards.load("adversarial", clip_margin=0.87)
+    for r in (raw, clipped):
+        set_head_to_first_coordinate(r)
+    prompts = ["a red circle", "three blue squares", "a green triangle", "two red squares"]
+    images = shapes_batch(prompts, [1, 2, 3, 4])
+    x = images.clone().requires_grad_(True)
+    y = images.clone().requires_grad_(True)
+    r_raw, r_clip = raw(x, prompts), clipped(y, prompts)
+    above = r_raw.scores > 0.87
+    assert above.any() and (~above).any(), r_raw.scores  # the constructed batch straddles the margin
+    assert torch.allclose(r_clip.scores, torch.minimum(r_raw.scores, torch.tensor(0.87)), atol=1e-6)
+    assert r_clip.details["adversarial/clipped"].tolist() == above.float().tolist()
+    r_raw.scores.sum().backward()
+    r_clip.scores.sum().backward()
+    for i in range(len(prompts)):
+        if above[i]:
+            assert float(y.grad[i].abs().max()) == 0.0  # no gradient past the margin
+        else:
+            assert torch.allclose(y.grad[i], x.grad[i], atol=1e-6)
+    with pytest.raises(RewardError, match="clip_margin must be a number"):
+        rewards.load("adversarial", clip_margin="high")
+
+
+def test_measure_reports_the_fresh_accuracy_without_a_step():
+    """``measure`` gives the accuracy on new fakes without touching the head; ``update``'s ``d_acc_fresh`` is
+    the first step's accuracy, before the head has learned from those fakes (so a head that only memorised
+    last epoch's samples shows it)."""
+    prompts = ["a red circle", "two green squares", "a circle and a square", "a blue triangle"]
+    fakes = shapes_batch(prompts, [0, 1, 2, 3], np.full((4, 3), 0.8))
+    reward = rewards.load("adversarial", d_steps=4, lr=1e-3, patch_samples=16)
+    head = {k: v.clone() for k, v in reward.head.state_dict().items()}
+    measured = reward.measure(fakes, prompts)
+    assert reward.updates == 0 and not reward.optimizer.state  # no step, no Adam state
+    assert all(torch.equal(v, reward.head.state_dict()[k]) for k, v in head.items())
+    assert measured["adv/d_acc_fresh"] == measured["adv/d_acc"]  # one draw, nothing averaged
+    trained = [reward.update(fakes, prompts) for _ in range(20)]
+    assert trained[-1]["adv/d_updates"] == 20
+    # After steps on this (colour-cast) batch the head separates it; the first step's accuracy lags the
+    # average over the steps on the first update (it is measured before any of them).
+    assert trained[-1]["adv/d_acc_fresh"] == 1.0
+    assert trained[0]["adv/d_acc_fresh"] <= trained[0]["adv/d_acc"]
+
+
 # ------------------------------------------------------------------------------------------- training
 
 
@@ -177,7 +225,7 @@ def test_update_metrics_and_steps():
     before = [p.clone() for p in reward.head.parameters()]
     metrics = reward.update(shapes_batch(prompts, [0, 1, 2, 3], np.full((4, 3), 0.8)), prompts)
     assert set(metrics) == {"adv/d_loss", "adv/d_loss_global", "adv/d_loss_patch", "adv/d_real", "adv/d_fake",
-                            "adv/d_acc", "adv/matched_frac", "adv/d_updates"}
+                            "adv/d_acc", "adv/d_acc_fresh", "adv/matched_frac", "adv/d_updates"}
     assert metrics["adv/d_loss"] == pytest.approx(metrics["adv/d_loss_global"] + 0.3 * metrics["adv/d_loss_patch"])
     assert reward.optimizer.state_dict()["state"][0]["step"].item() == 3  # three Adam steps
     assert any(not torch.equal(a, b) for a, b in zip(before, reward.head.parameters()))

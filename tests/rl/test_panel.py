@@ -187,8 +187,12 @@ def test_the_discriminator_trains_on_its_epochs_and_the_policy_on_the_others(tin
     rows = [r for r in run(tiny_shapes_dir, tmp_path / "run", *ADVERSARIAL, epochs=4) if "adv/d_epoch" in r]
     assert [r["adv/d_epoch"] for r in rows] == [1.0, 0.0, 1.0, 0.0]
     # Discriminator epochs (0, 2) update the head and take no policy step; generator epochs the reverse.
-    assert [r.get("adv/d_updates") for r in rows] == [1.0, None, 2.0, None]
+    # Generator epochs measure the frozen head without a step: the count stays, the accuracy is a curve
+    # over every epoch (and is plotted).
+    assert [r.get("adv/d_updates") for r in rows] == [1.0, 1.0, 2.0, 2.0]
+    assert all(0.0 <= r["adv/d_acc_fresh"] <= 1.0 for r in rows)
     assert ["train/loss" in r for r in rows] == [False, True, False, True]
+    assert (tmp_path / "run" / "plots" / "discriminator.png").is_file()
 
 
 def test_the_discriminator_resumes_exactly(tiny_shapes_dir, tmp_path):
