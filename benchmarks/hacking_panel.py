@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 
 def load(spec: str, device: str = "cpu"):
-    from flowrl.demo.models import load_finetuned
+    from flowrl.models.resolve import load_finetuned
     from flowrl.models.resolve import load_named_model
 
     if spec == "shapes" or (Path(spec) / "model.json").is_file():

@@ -69,7 +69,7 @@ def pipeline_class(kind):
 
 def flowrl_images(run: Path, **kwargs) -> torch.Tensor:
     """Images of flowrl's own model at the run's checkpoint (``load_finetuned``, EMA when kept)."""
-    from flowrl.demo.models import load_finetuned
+    from flowrl.models.resolve import load_finetuned
     from flowrl.generate import generate
 
     model = load_finetuned(run, **kwargs)
@@ -192,7 +192,7 @@ def test_bad_exports_are_one_line_errors(tiny_shapes_dir, tmp_path, capsys):
     assert export_main([str(full), "--format", "merged", "--out", str(tmp_path / "busy")]) == 2
     assert "is not an empty directory" in capsys.readouterr().err
     assert export_main([str(full), "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
-    from flowrl.demo.models import load_finetuned
+    from flowrl.models.resolve import load_finetuned
     from flowrl.models.shapes import ShapesModel
 
     merged, tuned = ShapesModel.from_pretrained(tmp_path / "merged"), load_finetuned(full)

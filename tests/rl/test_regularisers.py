@@ -145,9 +145,9 @@ def test_the_base_takes_every_step_at_or_below_the_tail_level():
 
 
 def test_reference_is_reentrant(tiny_shapes_dir):
-    from flowrl.sample import load_model_arg
+    from flowrl.models.resolve import load_named_model
 
-    model = load_model_arg(str(tiny_shapes_dir))
+    model = load_named_model(str(tiny_shapes_dir))
     model.freeze_reference()
     trained = model.denoiser
     with model.reference():
