@@ -18,7 +18,7 @@ Dr.GRPO); Yu et al. 2025 (DAPO); Ahmadian et al. 2024 (RLOO for LLMs); Zheng et 
 4. Old log-probs (and the reference's, when KL is on) are re-scored with the same inputs and the same
    micro-batches training will use, so the ratio is exactly 1 before the first update. Then for each inner
    epoch and minibatch: clipped policy loss (token ratio; GSPO: sequence ratio ``exp(mean_t log ratio)``),
-   plus ``beta * k3`` KL to the reference (LoRA adapters off, or a frozen copy), accumulated over
+   plus ``train.kl_coef * k3`` KL to the reference (LoRA adapters off, or a frozen copy), accumulated over
    micro-batches, one optimizer step per minibatch.
 
 Choices and departures (docs/vlm.md has the formulas):
@@ -60,8 +60,8 @@ class Variant:
     estimator: Literal["group", "rloo"] = "group"
     std_scope: Literal["group", "batch", "none"] = "group"
     aggregation: str = "seq_mean_token_mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_range: float = 0.2
+    clip_range_high: float = 0.2
     ratio: Literal["token", "sequence"] = "token"
     dynamic_sampling: bool = False
     overlong_penalty: bool = False
@@ -73,11 +73,11 @@ VARIANTS: dict[str, Variant] = {
     # Dr.GRPO: no std division, no per-sequence length normalisation (sum / (B * token budget)).
     "dr_grpo": Variant(std_scope="none", aggregation="seq_mean_token_sum_norm"),
     # DAPO: clip-higher, token-level mean, dynamic sampling, soft overlong penalty.
-    "dapo": Variant(aggregation="token_mean", clip_high=0.28, dynamic_sampling=True, overlong_penalty=True),
+    "dapo": Variant(aggregation="token_mean", clip_range_high=0.28, dynamic_sampling=True, overlong_penalty=True),
     # RLOO: leave-one-out baseline, no std.
     "rloo": Variant(estimator="rloo", std_scope="none", aggregation="seq_mean_token_mean"),
     # GSPO: sequence-level ratio exp(mean_t log ratio), clipped to a very narrow range.
-    "gspo": Variant(ratio="sequence", clip_low=3e-4, clip_high=4e-4),
+    "gspo": Variant(ratio="sequence", clip_range=3e-4, clip_range_high=4e-4),
 }
 
 
@@ -112,8 +112,6 @@ class AlgorithmConfig:
     std_scope: Literal["group", "batch", "none"] | None = None
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                          "seq_mean_token_sum_norm"] | None = None
-    clip_low: float | None = field(default=None, metadata=bounds(ge=0, lt=1))
-    clip_high: float | None = field(default=None, metadata=bounds(ge=0))
     dynamic_sampling: bool | None = None
     overlong_penalty: bool | None = None
     overlong_cache: int | None = field(default=None, metadata=bounds(ge=1))  # None: a quarter of the budget
@@ -124,12 +122,15 @@ class AlgorithmConfig:
     gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))
     step_weight: float = field(default=1.0, metadata=bounds(ge=0))
     kl: Literal["none", "k3"] = "none"
-    kl_beta: float = field(default=0.0, metadata=bounds(ge=0))
 
-    def resolved(self) -> Variant:
+    def resolved(self, train: "TrainConfig | None" = None) -> Variant:
+        """The variant's settings with this config's (and ``train``'s clip ranges') non-null values over them."""
         base = VARIANTS[self.variant]
-        return Variant(**{name: getattr(self, name) if getattr(self, name) is not None else getattr(base, name)
-                          for name in Variant.__dataclass_fields__ if hasattr(self, name)},
+        values = {name: getattr(self, name) if getattr(self, name, None) is not None else getattr(base, name)
+                  for name in Variant.__dataclass_fields__ if hasattr(self, name)}
+        if train is not None:
+            values.update({n: getattr(train, n) for n in ("clip_range", "clip_range_high") if getattr(train, n) is not None})
+        return Variant(**{**{n: getattr(base, n) for n in ("clip_range", "clip_range_high")}, **values},
                        ratio=base.ratio)
 
 
@@ -138,6 +139,10 @@ class TrainConfig:
     inner_epochs: int = field(default=1, metadata=bounds(ge=1))
     minibatches: int = field(default=1, metadata=bounds(ge=1))  # optimizer steps per inner epoch
     micro_batch_size: int = field(default=32, metadata=bounds(ge=1))  # episodes per backward, per process
+    # The ratio clip [1 - clip_range, 1 + clip_range_high]; null: the variant's (see VARIANTS).
+    clip_range: float | None = field(default=None, metadata=bounds(ge=0, lt=1))
+    clip_range_high: float | None = field(default=None, metadata=bounds(ge=0))
+    kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # weight of the k3 KL to the reference
 
 
 @dataclass
@@ -178,7 +183,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=20))
 
-    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock"}
+    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock",
+                                         "algorithm.kl_beta": "train.kl_coef", "algorithm.clip_low": "train.clip_range",
+                                         "algorithm.clip_high": "train.clip_range_high"}
 
     def check(self) -> None:
         a = self.algorithm
@@ -188,8 +195,8 @@ class Config:
         if v.ratio == "sequence" and a.turn_credit != "outcome":
             fail("algorithm.turn_credit", "gspo's sequence-level ratio needs one advantage per episode; use "
                  "turn_credit: outcome")
-        if a.kl != "none" and a.kl_beta == 0:
-            fail("algorithm.kl_beta", f"kl is {a.kl!r} but kl_beta is 0; set kl_beta > 0 or kl: none")
+        if a.kl != "none" and self.train.kl_coef == 0:
+            fail("train.kl_coef", f"algorithm.kl is {a.kl!r} but train.kl_coef is 0; set kl_coef > 0 or kl: none")
         if not self.reward.answer:
             fail("reward.answer", "name at least one answer reward, e.g. {exact: 1.0}")
         from flowrl.envs.rewards import ANSWER_REWARDS
@@ -226,7 +233,7 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
     from flowrl.envs.epoch import rollout_logp_gap, trained_conversation
     from flowrl.envs.rollout import sample_seed
 
-    a, v, t = cfg.algorithm, cfg.algorithm.resolved(), cfg.train
+    a, v, t = cfg.algorithm, cfg.algorithm.resolved(cfg.train), cfg.train
     temperature = cfg.sampling.temperature
     N = len(batch.episodes)
     rng = random.Random(sample_seed(cfg.run.seed, epoch, 7))
@@ -286,10 +293,10 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
                 per_seq = ((logp - item["old"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
                 seq_adv = (adv * mask).sum(1) / mask.sum(1).clamp(min=1)
                 out = clipped_policy_loss(per_seq, torch.zeros_like(per_seq), seq_adv, (mask.sum(1) > 0).float(),
-                                          eps_low=v.clip_low, eps_high=v.clip_high, aggregation="token_mean")
+                                          clip_range=v.clip_range, clip_range_high=v.clip_range_high, aggregation="token_mean")
                 scale = mb_valid / n_valid
             else:
-                out = clipped_policy_loss(logp, item["old"], adv, mask, eps_low=v.clip_low, eps_high=v.clip_high,
+                out = clipped_policy_loss(logp, item["old"], adv, mask, clip_range=v.clip_range, clip_range_high=v.clip_range_high,
                                           aggregation=v.aggregation)
                 scale = {"token_mean": mb_tok / n_tok, "seq_mean_token_mean": mb_valid / n_valid,
                          "seq_mean_token_sum": len(micro) / n_seq,
@@ -303,7 +310,7 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
                 agg = "token_mean" if v.ratio == "sequence" else v.aggregation
                 kl_scale = scale if v.ratio != "sequence" else mb_tok / n_tok
                 kl_value = aggregate(kl, mask, agg)
-                loss = loss + a.kl_beta * kl_value * kl_scale
+                loss = loss + t.kl_coef * kl_value * kl_scale
             # DDP averages gradients over processes; the loss is already normalised globally, so undo it.
             dist.backward(loss * dist.world_size, module, sync=j == len(micros) - 1)
             w = mb_tok

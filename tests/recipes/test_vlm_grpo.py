@@ -68,7 +68,7 @@ def test_ratio_is_exactly_one_before_the_first_update(tiny_vlm, tmp_path):
 def test_every_variant_takes_a_step(tiny_vlm, tmp_path, variant):
     extra = [f"algorithm.variant={variant}"]
     if variant == "grpo":
-        extra += ["algorithm.kl=k3", "algorithm.kl_beta=0.1", "model.lora={rank: 4, alpha: 8}"]
+        extra += ["algorithm.kl=k3", "train.kl_coef=0.1", "model.lora={rank: 4, alpha: 8}"]
     run_recipe(GRPO, overrides(tiny_vlm, tmp_path, *extra))
     m = last(tmp_path)
     assert m["train/grad_norm"] > 0 and torch.isfinite(torch.tensor(m["train/loss"]))
