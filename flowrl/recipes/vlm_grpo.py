@@ -117,8 +117,8 @@ class AlgorithmConfig:
     overlong_cache: int | None = field(default=None, metadata=bounds(ge=1))  # None: a quarter of the budget
     eps: float = field(default=1e-4, metadata=bounds(gt=0))
     adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
-    # Turn-level credit: outcome (every token gets its episode's advantage), gigpo, turn_return.
-    turn_credit: Literal["outcome", "gigpo", "turn_return"] = "outcome"
+    # Turn-level credit: outcome (every token gets its episode's advantage), gigpo, turn_return, trloo.
+    turn_credit: Literal["outcome", "gigpo", "turn_return", "trloo"] = "outcome"
     gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))
     step_weight: float = field(default=1.0, metadata=bounds(ge=0))
     kl: Literal["none", "k3"] = "none"

@@ -56,6 +56,21 @@ def test_split_holds_out_combinations():
         assert a and b and not a & b, kind
     for kind in ("color", "shape"):  # nothing to hold out: in both splits, on fresh scenes
         assert train[kind] == held[kind]
+    # A quarter of each family's combinations, rounded up: 5 of 18 (colour, shape) pairs, 3 of 12 relations.
+    assert (len(held["count"]), len(held["exists"]), len(held["position"])) == (5, 5, 6)
+    assert (len(train["count"]), len(train["exists"]), len(train["position"])) == (13, 13, 18)
+    # A held-out pair is asked about by neither count nor exists in training.
+    pairs = lambda specs: {(s.color, s.shape) for s in specs}  # noqa: E731
+    assert pairs(held["count"]) == pairs(held["exists"])
+    assert not pairs(held["count"]) & (pairs(train["count"]) | pairs(train["exists"]))
+    # A held-out relation is held out with its mirror ("a above b" is "b below a").
+    mirror = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+    relations = lambda specs: {(s.shape, s.relation, s.other) for s in specs}  # noqa: E731
+    assert {(b, mirror[r], a) for a, r, b in relations(held["position"])} == relations(held["position"])
+    assert not relations(held["position"]) & relations(train["position"])
+    # Every relation word is still trained with more than one second shape.
+    for relation in mirror:
+        assert len({s.other for s in train["position"] if s.relation == relation}) >= 2, relation
     # Every word of a held-out question is known from training questions (it is the combination that is new).
     train_words = {w for specs in train.values() for s in specs for w in s.text().split()}
     assert all(w in train_words for specs in held.values() for s in specs for w in s.text().split())
