@@ -91,3 +91,27 @@ def test_normalize_answer():
     assert normalize_answer("Red!") == "red"
     assert normalize_answer("no") == "no"
     assert normalize_answer("zero") == "0"
+
+
+def test_descriptions_list_every_object_in_reading_order():
+    from flowrl.data.shapes import Scene, SceneObject
+    from flowrl.data.vqa import describe_objects
+
+    # Two rows: the top row (centres 5 px apart, under half an object) read left to right, then the bottom.
+    scene = Scene((SceneObject("square", "blue", 25, 8, 10), SceneObject("circle", "red", 6, 26, 10),
+                   SceneObject("triangle", "green", 5, 11, 10)), 32)
+    assert describe_objects(scene) == "green triangle , blue square , red circle"
+    # On real examples: one "colour shape" per object, and the words are the tokenizer's.
+    from flowrl.policies.shapes_vlm import VOCAB_WORDS
+
+    for e in sample_vqa("train", 20, seed=4):
+        parts = e.description().split(" , ")
+        assert sorted(parts) == sorted(f"{o.color} {o.shape}" for o in e.scene.objects)
+        assert all(w in VOCAB_WORDS for w in e.description().split())
+
+
+def test_images_are_rendered_once_and_read_only():
+    e = sample_vqa("train", 1, seed=6)[0]
+    first = e.image()
+    assert e.image() is first and not first.flags.writeable
+    assert vqa_eval_set(5)[0] is vqa_eval_set(5)[0]  # the fixed set is built once per process
