@@ -32,7 +32,8 @@ from flowrl.data.vqa import COUNT_ANSWERS, MAX_OBJECTS, QuestionSpec, _example_s
 from .base import Observation, StepResult, Task
 from .tools import ToolCallError, ToolSpec, extract_answer, has_tool_call, parse_tool_calls
 
-__all__ = ["ZoomEnv", "OverviewEnv", "CropEnv", "zoom_tasks", "zoom_eval_tasks", "QUADRANTS", "ZOOM_KINDS", "ZOOM_TOOL", "zoom_prompt",
+__all__ = ["ZoomEnv", "OverviewEnv", "CropEnv", "zoom_tasks", "zoom_eval_tasks", "QUADRANTS", "ZOOM_KINDS", "ZOOM_TOOL",
+           "zoom_prompt",
            "demonstration", "TOOL_PENALTY"]
 
 QUADRANTS = ("top_left", "top_right", "bottom_left", "bottom_right")

@@ -13,7 +13,7 @@ Dr.GRPO); Yu et al. 2025 (DAPO); Ahmadian et al. 2024 (RLOO for LLMs); Zheng et 
    dynamic sampling drops groups whose rewards are all equal and plays more rounds until the epoch has
    ``groups_per_epoch`` informative groups (at most ``max_sampling_rounds``).
 3. Advantages on the whole epoch (``flowrl.core``): group (GRPO, DAPO, GSPO), group without std (Dr.GRPO),
-   or leave-one-out (RLOO) per episode; or per turn with GiGPO / discounted turn returns. Each token of an
+   or leave-one-out (RLOO) per episode; or per turn with GiGPO / discounted turn returns / TRLOO. Each token of an
    action gets its turn's advantage.
 4. Off-policy (several minibatches or inner epochs), old log-probs are re-scored with the same inputs and
    micro-batches training will use, before any update; on-policy (one minibatch, one inner epoch) that pass
@@ -132,7 +132,8 @@ class AlgorithmConfig:
         values = {name: getattr(self, name) if getattr(self, name, None) is not None else getattr(base, name)
                   for name in Variant.__dataclass_fields__ if hasattr(self, name)}
         if train is not None:
-            values.update({n: getattr(train, n) for n in ("clip_range", "clip_range_high") if getattr(train, n) is not None})
+            values.update({n: getattr(train, n) for n in ("clip_range", "clip_range_high")
+                           if getattr(train, n) is not None})
         return Variant(**{**{n: getattr(base, n) for n in ("clip_range", "clip_range_high")}, **values},
                        ratio=base.ratio)
 
@@ -288,11 +289,12 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
                 per_seq = ((logp - old) * mask).sum(1) / mask.sum(1).clamp(min=1)
                 seq_adv = (adv * mask).sum(1) / mask.sum(1).clamp(min=1)
                 out = clipped_policy_loss(per_seq, torch.zeros_like(per_seq), seq_adv, (mask.sum(1) > 0).float(),
-                                          clip_range=v.clip_range, clip_range_high=v.clip_range_high, aggregation="token_mean")
+                                          clip_range=v.clip_range, clip_range_high=v.clip_range_high,
+                                          aggregation="token_mean")
                 scale = mb_valid / n_valid
             else:
-                out = clipped_policy_loss(logp, old, adv, mask, clip_range=v.clip_range, clip_range_high=v.clip_range_high,
-                                          aggregation=v.aggregation)
+                out = clipped_policy_loss(logp, old, adv, mask, clip_range=v.clip_range,
+                                          clip_range_high=v.clip_range_high, aggregation=v.aggregation)
                 scale = {"token_mean": mb_tok / n_tok, "seq_mean_token_mean": mb_valid / n_valid,
                          "seq_mean_token_sum": len(micro) / n_seq,
                          "seq_mean_token_sum_norm": len(micro) * mask.shape[1] / (n_seq * budget)}[v.aggregation]

@@ -104,7 +104,8 @@ def test_zoom_baselines_show_the_plain_question_on_the_overview_or_the_right_qua
 
     task = zoom_tasks("eval", 1, seed=3, kinds=("count",))[0]
     over, full = get_env("shapes_zoom_overview"), get_env("shapes_zoom_crop")
-    assert over.max_turns == full.max_turns == 1 and over.eval_tasks(3)[0].question == get_env("shapes_zoom").eval_tasks(3)[0].question
+    assert over.max_turns == full.max_turns == 1
+    assert over.eval_tasks(3)[0].question == get_env("shapes_zoom").eval_tasks(3)[0].question
     a, b = over.make().reset(task), full.make().reset(task)
     assert a.text == b.text == task.question  # no tool offered
     assert np.array_equal(a.images[0], overview(task))
