@@ -292,22 +292,46 @@ def renamed_keys(cls: type) -> dict[str, str]:
     return dict(getattr(cls, "RENAMED", {}) or {})
 
 
-def _apply_renames(cls: type, data: dict, path: str) -> dict:
-    renames = renamed_keys(cls)
-    if not renames or not any(key in data for key in renames):
-        return data
-    data = dict(data)
-    for old, new in renames.items():
-        if old not in data:
-            continue
-        value = data.pop(old)
-        old_path, new_path = (f"{path}.{old}" if path else old), (f"{path}.{new}" if path else new)
-        if old_path not in _warned_renames:
-            _warned_renames.add(old_path)
-            import sys
+def _warn_rename(old_path: str, new_path: str) -> None:
+    if old_path not in _warned_renames:
+        _warned_renames.add(old_path)
+        import sys
 
-            print(f"flowrl: warning: config key {old_path!r} is deprecated; use {new_path!r} (the old name works "
-                  "until the next release)", file=sys.stderr, flush=True)
+        print(f"flowrl: warning: config key {old_path!r} is deprecated; use {new_path!r} (the old name works "
+              "until the next release)", file=sys.stderr, flush=True)
+
+
+def _pop_dotted(data: dict, old: str) -> tuple[dict, bool, Any]:
+    """``data`` without the (maybe dotted: ``section.key``) key ``old``, whether it was there, and its value.
+    Sections on the way are copied, never changed in place."""
+    *sections, last = old.split(".")
+    chain = [data]
+    for section in sections:
+        child = chain[-1].get(section)
+        if not isinstance(child, dict):
+            return data, False, None
+        chain.append(child)
+    if last not in chain[-1]:
+        return data, False, None
+    copies = [dict(node) for node in chain]
+    value = copies[-1].pop(last)
+    for parent, section, child in zip(copies[:-1], sections, copies[1:]):
+        parent[section] = child
+    return copies[0], True, value
+
+
+def _apply_renames(cls: type, data: dict, path: str) -> dict:
+    """Moves the deprecated keys of ``cls`` to their new places. An old key may be dotted (``algorithm.kl_beta``:
+    a key of a section moved to another section), the new path is relative to ``cls``."""
+    renames = renamed_keys(cls)
+    if not renames:
+        return data
+    for old, new in renames.items():
+        data, found, value = _pop_dotted(data, old)
+        if not found:
+            continue
+        old_path, new_path = (f"{path}.{old}" if path else old), (f"{path}.{new}" if path else new)
+        _warn_rename(old_path, new_path)
         *sections, last = new.split(".")
         node = data
         for section in sections:
@@ -323,22 +347,20 @@ def _apply_renames(cls: type, data: dict, path: str) -> dict:
 
 def renamed_path(cls: type | None, keys: list[str]) -> list[str]:
     """``keys`` (a dotted path into config class ``cls``) with every deprecated name on the way replaced by its
-    new one (a one-line warning each), e.g. ``["train", "kl_beta"]`` -> ``["train", "kl_coef"]``."""
+    new one (a one-line warning each), e.g. ``["train", "kl_beta"]`` -> ``["train", "kl_coef"]``; a dotted old
+    name (``algorithm.kl_beta`` of the root) matches several keys at once."""
     out: list[str] = []
     rest = list(keys)
     while rest:
-        key = rest.pop(0)
-        new = renamed_keys(cls).get(key) if cls is not None and dataclasses.is_dataclass(cls) else None
-        if new is not None:
-            old_path, new_path = ".".join(out + [key]), ".".join(out + new.split("."))
-            if old_path not in _warned_renames:
-                _warned_renames.add(old_path)
-                import sys
-
-                print(f"flowrl: warning: config key {old_path!r} is deprecated; use {new_path!r} (the old name works "
-                      "until the next release)", file=sys.stderr, flush=True)
-            rest = new.split(".") + rest
+        renames = renamed_keys(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
+        matched = next((n for n in range(len(rest), 0, -1) if ".".join(rest[:n]) in renames), 0)
+        if matched:
+            old = ".".join(rest[:matched])
+            new = renames[old]
+            _warn_rename(".".join(out + [old]), ".".join(out + new.split(".")))
+            rest = new.split(".") + rest[matched:]
             continue
+        key = rest.pop(0)
         out.append(key)
         hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
         cls = _section_type(hints[key]) if key in hints else None
@@ -349,13 +371,19 @@ def _renamed_mapping(cls: type | None, data: dict) -> dict:
     """A parsed YAML mapping with the deprecated keys of ``cls`` (and of its sections) moved to their new names."""
     if cls is None or not dataclasses.is_dataclass(cls) or not isinstance(data, dict):
         return data
+    for old in [k for k in renamed_keys(cls) if "." in k]:  # a section's key moved elsewhere: move it first
+        data, found, value = _pop_dotted(data, old)
+        if found:
+            data = {**data, old: value}
     out: dict = {}
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
-        keys = renamed_path(cls, [key]) if key in renamed_keys(cls) else [key]
+        keys = renamed_path(cls, str(key).split(".")) if key in renamed_keys(cls) else [key]
         if len(keys) == 1:
             section = _section_type(hints[keys[0]]) if keys[0] in hints else None
-            out[keys[0]] = _renamed_mapping(section, value) if section is not None else value
+            value = _renamed_mapping(section, value) if section is not None else value
+            moved = out.get(keys[0])  # keys an earlier deprecated name moved into this section
+            out[keys[0]] = {**value, **moved} if isinstance(moved, dict) and isinstance(value, dict) else value
             continue
         node = out
         for part in keys[:-1]:

@@ -16,8 +16,9 @@ Registered (docs/algorithms.md, "Advantages" and "Step-level credit"):
 - ``outcome`` (Flow-GRPO): every trained step gets the sample's normalised reward;
 - ``tp_grpo`` (TurningPoint-GRPO): incremental step rewards from ODE completions, turning points;
 - ``cosine`` (dense cosine credit, CoCA): the outcome advantage weighted by each step's progress;
-- ``gigpo`` and ``turn_return`` (multi-turn agents, ``T`` = turns): GiGPO's episode + anchor-state step
-  advantages, and per-turn discounted returns normalised per group and turn.
+- ``gigpo``, ``turn_return`` and ``trloo`` (multi-turn agents, ``T`` = turns): GiGPO's episode + anchor-state
+  step advantages, per-turn discounted returns normalised per group and turn, and TRLOO's turn-level
+  leave-one-out baseline.
 
 The outcome normalisation (``normalizer``: ``group`` | ``rloo`` | ``per_prompt``) is an option of the
 estimators that use it, not a second registry. A new estimator registers here with
@@ -37,7 +38,8 @@ from flowrl.core.credit import stepwise_group_advantages, turning_point_rewards
 from flowrl.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "NORMALIZERS", "CreditBatch", "register_estimator", "outcome_advantages",
-           "outcome_estimator", "tp_grpo_estimator", "cosine_estimator", "gigpo_estimator", "turn_return_estimator"]
+           "outcome_estimator", "tp_grpo_estimator", "cosine_estimator", "gigpo_estimator", "turn_return_estimator",
+           "trloo_estimator"]
 
 NORMALIZERS = ("group", "rloo", "per_prompt")
 
@@ -234,3 +236,14 @@ def turn_return_estimator(batch: CreditBatch, *, std_scope: str = "group", eps: 
     adv = turn_return_advantages(batch.turn_rewards, batch.turn_mask, batch.group_ids, gamma=gamma,
                                  std_scope=_turn_std_scope(std_scope), eps=eps, clip=clip)
     return adv, {}
+
+
+@register_estimator("trloo", needs=("turn_rewards",))
+def trloo_estimator(batch: CreditBatch, *, clip: float | None = 5.0, gamma: float = 1.0,
+                    **_: object) -> tuple[Tensor, dict[str, float]]:
+    """TRLOO (:func:`flowrl.core.turn_credit.trloo_advantages`): each turn's discounted return minus the mean
+    return of the *other* episodes of its group at that turn; no std division (``std_scope`` is ignored).
+    Returns ``([N, K], {})``."""
+    from flowrl.core.turn_credit import trloo_advantages
+
+    return trloo_advantages(batch.turn_rewards, batch.turn_mask, batch.group_ids, gamma=gamma, clip=clip), {}

@@ -544,7 +544,7 @@ def awm_loss(
         policy = _reduce(-adv * ratio, reduction)
         ratio_mean, clip_frac = ratio.detach().mean(), torch.zeros((), dtype=ratio.dtype, device=v.device)
     else:
-        out = clipped_policy_loss(logp, old, adv, eps_low=float(clip_range), aggregation="token_mean")
+        out = clipped_policy_loss(logp, old, adv, clip_range=float(clip_range), aggregation="token_mean")
         policy = out.loss * (batch if reduction == "sum" else 1)
         ratio_mean, clip_frac = out.ratio_mean, out.clip_frac
 

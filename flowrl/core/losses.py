@@ -102,25 +102,25 @@ def _check_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a number > 0; received {value!r}")
 
 
-def _check_clip_ranges(eps_low: Any, eps_high: Any, dual_clip: Any) -> float:
-    """Validate PPO's clip arguments; returns ``eps_high`` (``None`` means ``eps_low``)."""
-    if not (isinstance(eps_low, (int, float)) and 0.0 <= eps_low < 1.0):
-        raise ValueError(f"eps_low must be a number in [0, 1); received {eps_low!r}")
-    if eps_high is None:
-        eps_high = eps_low
-    if not (isinstance(eps_high, (int, float)) and eps_high >= 0.0):
-        raise ValueError(f"eps_high must be a number >= 0 or None (= eps_low); received {eps_high!r}")
+def _check_clip_ranges(clip_range: Any, clip_range_high: Any, dual_clip: Any) -> float:
+    """Validate PPO's clip arguments; returns ``clip_range_high`` (``None`` means ``clip_range``)."""
+    if not (isinstance(clip_range, (int, float)) and 0.0 <= clip_range < 1.0):
+        raise ValueError(f"clip_range must be a number in [0, 1); received {clip_range!r}")
+    if clip_range_high is None:
+        clip_range_high = clip_range
+    if not (isinstance(clip_range_high, (int, float)) and clip_range_high >= 0.0):
+        raise ValueError(f"clip_range_high must be a number >= 0 or None (= clip_range); received {clip_range_high!r}")
     if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
         raise ValueError(f"dual_clip must be a number > 1 or None to disable; received {dual_clip!r}")
-    return eps_high
+    return clip_range_high
 
 
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_range: float, clip_range_high: float,
                        dual_clip: float | None) -> tuple[Tensor, Tensor]:
-    """Per element ``max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`` (dual clip: for ``A < 0`` at most
+    """Per element ``max(-A rho, -A clip(rho, 1 - clip_range, 1 + clip_range_high))`` (dual clip: for ``A < 0`` at most
     ``-A c``) and where a clip changed the objective."""
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range_high)
     # torch.where instead of max: the clipped branch is exactly constant, and ties get the plain gradient.
     is_clipped = clipped > unclipped
     loss = torch.where(is_clipped, clipped.detach(), unclipped)
@@ -189,15 +189,15 @@ def clipped_policy_loss(
     advantages: Tensor,
     mask: Tensor | None = None,
     *,
-    eps_low: float,
-    eps_high: float | None = None,
+    clip_range: float,
+    clip_range_high: float | None = None,
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
 ) -> LossOutput:
     """PPO/GRPO clipped surrogate with optional clip-higher (DAPO) and dual clip.
 
     Per element, with ``rho = exp(clamp(logp - old_logp, -20, 20))``:
-    ``L = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``; with dual clip ``c > 1``, for ``A < 0``
+    ``L = max(-A rho, -A clip(rho, 1 - clip_range, 1 + clip_range_high))``; with dual clip ``c > 1``, for ``A < 0``
     ``L = min(L, -A c)``. ``L`` is then reduced with :func:`aggregate`.
 
     Where a clip is active the element's loss is a constant, so its gradient is exactly zero; elsewhere
@@ -216,9 +216,9 @@ def clipped_policy_loss(
         old_logp: same shape, log-probs under the policy that generated the samples.
         advantages: ``[B]`` (broadcast over T) or ``[B, T]``.
         mask: ``[B, T]`` bool or float (``[B]`` when ``logp`` is ``[B]``); ``None`` = all ones.
-        eps_low: lower clip range, ``rho >= 1 - eps_low``; in ``[0, 1)``.
-        eps_high: upper clip range, ``rho <= 1 + eps_high``; ``None`` means ``eps_low``. DAPO's
-            clip-higher uses ``eps_high > eps_low``.
+        clip_range: lower clip range, ``rho >= 1 - clip_range``; in ``[0, 1)``.
+        clip_range_high: upper clip range, ``rho <= 1 + clip_range_high``; ``None`` means ``clip_range``. DAPO's
+            clip-higher uses ``clip_range_high > clip_range``.
         dual_clip: ``c > 1`` caps the loss of negative-advantage elements at ``-A c``; ``None`` disables.
         aggregation: see :func:`aggregate`. Default ``"token_mean"``.
 
@@ -226,7 +226,7 @@ def clipped_policy_loss(
         :class:`LossOutput`.
     """
     _check_choice("aggregation", aggregation, AGGREGATIONS)
-    eps_high = _check_clip_ranges(eps_low, eps_high, dual_clip)
+    clip_range_high = _check_clip_ranges(clip_range, clip_range_high, dual_clip)
     logp2 = _as_2d(logp, "logp")
     if tuple(old_logp.shape) != tuple(logp.shape):
         raise ValueError(
@@ -252,7 +252,7 @@ def clipped_policy_loss(
     # gradient through exp.
     log_ratio = torch.where(m != 0, log_ratio, torch.zeros_like(log_ratio))
     ratio = log_ratio.exp()
-    loss, is_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
+    loss, is_clipped = _clipped_surrogate(ratio, adv, clip_range, clip_range_high, dual_clip)
 
     with torch.no_grad():
         ratio_mean = _masked_token_mean(ratio, m)
@@ -310,8 +310,8 @@ def ratio_norm_policy_loss(
     std: float | Tensor,
     dt: float | Tensor,
     *,
-    eps_low: float,
-    eps_high: float | None = None,
+    clip_range: float,
+    clip_range_high: float | None = None,
     dual_clip: float | None = None,
     reduction: str = "mean",
 ) -> LossOutput:
@@ -321,7 +321,7 @@ def ratio_norm_policy_loss(
     exact KL between the old and the new transition, differentiable through ``mean``)::
 
         log_rho_norm_i = (logp_i - old_logp_i + kl_i) * std_i
-        L_i            = max(-A_i rho_i, -A_i clip(rho_i, 1 - eps_low, 1 + eps_high)) / |dt_i|,
+        L_i            = max(-A_i rho_i, -A_i clip(rho_i, 1 - clip_range, 1 + clip_range_high)) / |dt_i|,
                          rho_i = exp(log_rho_norm_i)
 
     and the loss is ``mean_i L_i``. Adding ``kl`` centres the log-ratio (its mean over the old transition's
@@ -338,7 +338,7 @@ def ratio_norm_policy_loss(
         old_mean: ``[B, ...]`` the sampling policy's transition mean (recorded at rollout).
         std: the transition's per-element std: a float or one value per row (``[B]`` or ``[B, 1, ...]``), > 0.
         dt: the step length ``sigma_t - sigma_{t+1}`` (its sign is ignored): a float or ``[B]``, != 0.
-        eps_low / eps_high / dual_clip: as :func:`clipped_policy_loss`, applied to the normalised ratio.
+        clip_range / clip_range_high / dual_clip: as :func:`clipped_policy_loss`, applied to the normalised ratio.
         reduction: the reduction of the log-probs (``mean``: divided by ``D``, Flow-GRPO's and GRPO-Guard's;
             ``sum``), used for ``kl`` too.
 
@@ -347,7 +347,7 @@ def ratio_norm_policy_loss(
         k3 estimate from the raw ratio ``exp(logp - old_logp)``.
     """
     _check_choice("reduction", reduction, ("mean", "sum"))
-    eps_high = _check_clip_ranges(eps_low, eps_high, dual_clip)
+    clip_range_high = _check_clip_ranges(clip_range, clip_range_high, dual_clip)
     logp, old_logp, adv, mean, old_mean, s = _step_rows(logp, old_logp, advantages, mean, old_mean, std)
     step = _per_row_value("dt", dt, logp).abs()
     if not bool((step > 0).all()):
@@ -356,7 +356,7 @@ def ratio_norm_policy_loss(
     raw = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = ((logp - old_logp + bias) * s).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
-    elems, is_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
+    elems, is_clipped = _clipped_surrogate(ratio, adv, clip_range, clip_range_high, dual_clip)
     loss = (elems / step).mean()
     with torch.no_grad():
         approx_kl = (torch.expm1(raw) - raw).mean()

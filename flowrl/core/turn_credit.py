@@ -14,6 +14,12 @@ gradient-free; a recipe spreads a turn's advantage over that turn's tokens.
   episode of its group visited gets step part exactly 0. Defaults: ``gamma = 0.95``, ``w = 1``.
 - :func:`turn_return_advantages`: ``G_ik`` normalised within (group, turn index): per-turn discounted
   returns with a group baseline, for environments without repeated states.
+- :func:`trloo_advantages` (TRLOO, Liu et al. 2026, "Dr. Kernel: Reinforcement Learning Done Right for
+  Triton Kernel Generations", KernelGYM): turn-level REINFORCE leave-one-out. Among the ``n`` episodes of a
+  group that played turn ``k``, ``A_ik = G_ik - mean_{j != i} G_jk = n / (n - 1) (G_ik - mean_j G_jk)``: the
+  baseline leaves the episode itself out, so it does not shrink its own signal by ``(n - 1) / n`` as a
+  group mean does (GRPO's self-inclusion bias), and there is no std division. A (group, turn) cell with a
+  single episode keeps its return as it is (no baseline), as in the authors' code; default ``gamma = 1``.
 
 Departures from the GiGPO code (verl-agent), following flowrl's conventions (docs/vlm.md): standard
 deviations are population stds (``unbiased=False``) with ``eps`` added, as everywhere in
@@ -30,7 +36,7 @@ from torch import Tensor
 
 from flowrl.core.advantages import group_advantages
 
-__all__ = ["discounted_turn_returns", "gigpo_advantages", "turn_return_advantages", "anchor_index"]
+__all__ = ["discounted_turn_returns", "gigpo_advantages", "turn_return_advantages", "trloo_advantages", "anchor_index"]
 
 
 def _check(turn_rewards: Tensor, turn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -159,3 +165,38 @@ def turn_return_advantages(turn_rewards: Tensor, turn_mask: Tensor | None, group
         if bool(m.any()):
             adv[m] = group_advantages(returns[m], key[m], std_scope=std_scope, eps=eps, clip=clip)
         return adv
+
+
+def trloo_advantages(turn_rewards: Tensor, turn_mask: Tensor | None, group_ids: Tensor | Sequence[Hashable], *,
+                     gamma: float = 1.0, clip: float | None = None) -> Tensor:
+    """TRLOO: ``A_ik = G_ik - mean_{j != i} G_jk`` over the episodes of ``i``'s group that played turn ``k``
+    (see the module docstring).
+
+    Args:
+        turn_rewards: ``[B, K]`` per-turn rewards.
+        turn_mask: ``[B, K]`` valid turns; None = all.
+        group_ids: ``[B]`` episode groups.
+        gamma: discount of the turn returns ``G`` (the authors' default 1).
+        clip: the advantages are clamped to ``[-clip, clip]``; None (default) disables.
+
+    Returns:
+        ``[B, K]`` advantages, 0 at masked turns; a cell with one episode gets its return ``G_ik``.
+    """
+    r, m = _check(turn_rewards, turn_mask)
+    B, K = r.shape
+    with torch.no_grad():
+        returns = discounted_turn_returns(r, m, gamma=gamma)
+        inverse = _group_index(group_ids, B, r.device)
+        cell = (inverse[:, None] * K + torch.arange(K, device=r.device)[None, :])[m]
+        values = returns[m]
+        n_cells = int(cell.max()) + 1 if cell.numel() else 0
+        sums = torch.zeros(n_cells, dtype=values.dtype, device=r.device).index_add_(0, cell, values)
+        counts = torch.zeros(n_cells, dtype=values.dtype, device=r.device).index_add_(0, cell, torch.ones_like(values))
+        n = counts[cell]
+        # Leave-one-out mean of the others; a lone episode has no others and keeps its return.
+        others = torch.where(n > 1, (sums[cell] - values) / (n - 1).clamp(min=1), torch.zeros_like(values))
+        adv = torch.zeros_like(r)
+        adv[m] = values - others
+        if clip is not None:
+            adv = adv.clamp(-clip, clip)
+        return torch.where(m, adv, torch.zeros_like(adv))

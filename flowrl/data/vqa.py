@@ -19,16 +19,22 @@ the same colour and another shape, or the same shape and another colour; an ``ex
 answer is no shows an object of the asked colour or of the asked shape. A position question's objects are
 separated by at least half an object along the asked axis, so "no" means the opposite relation holds.
 
-**Splits.** ``count``, ``position`` and ``exists`` questions belong to one split each by a stable hash of
-their text (25% held out): the eval split asks about combinations (e.g. *blue squares*, *the triangle
-above the circle*) that no training question names, on scenes drawn from their own seeds. ``color`` (3
-questions) and ``shape`` (6) have no combination to hold out; they are in both splits, with fresh scenes,
-and are reported separately like every kind.
+**Splits.** What is held out is a *combination*, and a quarter of each kind's combinations (rounded up)
+is: 5 of the 18 (colour, shape) pairs, whose ``count`` and ``exists`` questions are all eval-only (a held-out
+pair is asked about in neither kind during training), and 3 of the 12 spatial relations between two shapes
+(a relation and its mirror, "the triangle above the circle" = "the circle below the triangle", are one
+combination: 6 of the 24 ``position`` questions). The choice is a stable ranking by hash, so the split is
+fixed. The eval split asks only about held-out combinations, on scenes drawn from their own seeds; every
+word of it is known from training questions. ``color`` (3 questions) and ``shape`` (6) have no combination
+to hold out; they are in both splits, with fresh scenes, and are reported separately like every kind.
+Training scenes still *show* held-out pairs (as distractors, and in the train-only descriptions of
+:func:`describe_objects`): what is new at evaluation is the question that binds them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -40,7 +46,7 @@ from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, RESOLUTION, SHAPES, S
 
 __all__ = ["QUESTION_KINDS", "VQAExample", "QuestionSpec", "all_questions", "split_questions", "make_example",
            "sample_vqa", "vqa_eval_set", "normalize_answer", "answer_vocabulary", "question_words",
-           "EVAL_FRACTION"]
+           "EVAL_FRACTION", "DESCRIBE_QUESTION", "describe_objects", "held_out_combinations"]
 
 QUESTION_KINDS = ("count", "color", "shape", "position", "exists")
 VQA_RELATIONS = ("left of", "right of", "above", "below")
@@ -48,6 +54,7 @@ COUNT_ANSWERS = (0, 1, 2, 3)
 EVAL_FRACTION = 0.25
 MAX_OBJECTS = 4
 _OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+DESCRIBE_QUESTION = "what is there?"
 _NUMBER_WORDS = {"zero": "0", "none": "0", "one": "1", "two": "2", "three": "3", "four": "4",
                  "five": "5", "six": "6"}
 
@@ -96,9 +103,22 @@ class VQAExample:
     spec: QuestionSpec = field(repr=False, default=None)
 
     def image(self, resolution: int | None = None) -> np.ndarray:
-        """The scene rendered as ``[H, W, 3]`` uint8 (at ``resolution`` px if given)."""
-        scene = self.scene if resolution is None else _rescale(self.scene, resolution)
-        return render(scene)
+        """The scene rendered as ``[H, W, 3]`` uint8 (at ``resolution`` px if given), read-only.
+
+        The native rendering is kept: an episode asks for it twice (the observation and the judge's image),
+        and a fixed evaluation set once per evaluation."""
+        if resolution is not None:
+            return render(_rescale(self.scene, resolution))
+        cached = self.__dict__.get("_image")
+        if cached is None:
+            cached = render(self.scene)
+            cached.setflags(write=False)
+            self.__dict__["_image"] = cached
+        return cached
+
+    def description(self) -> str:
+        """The answer to :data:`DESCRIBE_QUESTION` about this scene (:func:`describe_objects`)."""
+        return describe_objects(self.scene)
 
 
 def _rescale(scene: Scene, resolution: int) -> Scene:
@@ -123,9 +143,34 @@ def all_questions() -> dict[str, list[QuestionSpec]]:
     }
 
 
+def _combination(spec: QuestionSpec) -> str:
+    """The combination a question asks about: the unit the split holds out (see the module docstring)."""
+    if spec.kind in ("count", "exists"):
+        return f"pair:{spec.color} {spec.shape}"
+    if spec.kind == "position":  # a relation and its mirror are the same combination
+        return "relation:" + min(f"{spec.shape} {spec.relation} {spec.other}",
+                                 f"{spec.other} {_OPPOSITE[spec.relation]} {spec.shape}")
+    return f"{spec.kind}:{spec.text()}"
+
+
+@lru_cache(maxsize=1)
+def held_out_combinations() -> frozenset[str]:
+    """The eval split's combinations: per family (pairs, relations), the ``ceil(EVAL_FRACTION * n)`` with the
+    smallest stable hash."""
+    families: dict[str, set[str]] = {}
+    for kind in ("count", "exists", "position"):
+        for spec in all_questions()[kind]:
+            key = _combination(spec)
+            families.setdefault(key.split(":")[0], set()).add(key)
+    held: set[str] = set()
+    for keys in families.values():
+        ranked = sorted(keys, key=lambda k: hashlib.sha256(f"shapes-vqa-split-v2:{k}".encode()).digest())
+        held.update(ranked[:math.ceil(EVAL_FRACTION * len(ranked))])
+    return frozenset(held)
+
+
 def _in_eval_split(spec: QuestionSpec) -> bool:
-    digest = hashlib.sha256(f"shapes-vqa-split-v1:{spec.text()}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < EVAL_FRACTION
+    return _combination(spec) in held_out_combinations()
 
 
 @lru_cache(maxsize=2)
@@ -262,8 +307,37 @@ def sample_vqa(split: str, n: int, seed: int = 0, start: int = 0, kinds: tuple[s
 def vqa_eval_set(n: int = 500, seed: int = 4321, kinds: tuple[str, ...] = QUESTION_KINDS,
                  resolution: int = RESOLUTION) -> list[VQAExample]:
     """The fixed held-out evaluation set: the first ``n`` examples of the eval split's stream (kinds
-    balanced: ``n / len(kinds)`` each)."""
-    return sample_vqa("eval", n, seed=seed, kinds=kinds, resolution=resolution)
+    balanced: ``n / len(kinds)`` each). Built once per process (with its renderings): every evaluation of a
+    run asks for the same set."""
+    return list(_eval_set(n, seed, tuple(kinds), resolution))
+
+
+@lru_cache(maxsize=8)
+def _eval_set(n: int, seed: int, kinds: tuple[str, ...], resolution: int) -> tuple[VQAExample, ...]:
+    return tuple(sample_vqa("eval", n, seed=seed, kinds=kinds, resolution=resolution))
+
+
+# ----------------------------------------------------------------------------- descriptions
+
+
+def describe_objects(scene: Scene) -> str:
+    """Every object of ``scene`` as ``colour shape``, in reading order: rows from the top (an object starts a
+    new row when its centre is more than half the largest object size below the row's first), left to right
+    within a row; comma-separated, e.g. ``"red circle , blue square"``.
+
+    The dense perception target of supervised training (several supervised tokens per image where a
+    question has one): it names each object's colour and shape and, through the order, where it is.
+    """
+    k = scene.resolution / RESOLUTION
+    band = MAX_SIZE * k / 2
+    rows: list[list[SceneObject]] = []
+    for obj in sorted(scene.objects, key=lambda o: (o.cy, o.cx)):
+        if rows and obj.cy - rows[-1][0].cy <= band:
+            rows[-1].append(obj)
+        else:
+            rows.append([obj])
+    ordered = [o for row in rows for o in sorted(row, key=lambda o: o.cx)]
+    return " , ".join(f"{o.color} {o.shape}" for o in ordered)
 
 
 # ----------------------------------------------------------------------------- answers

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["EpochBatch", "score_episodes", "collect_epoch", "turn_advantages", "epoch_metrics", "trained_conversation",
-           "rollout_logp_gap"]
+           "rollout_logp_gap", "token_advantages", "micro_batches", "minibatch_plan", "shard"]
 
 
 def _seed(*parts: int) -> int:
@@ -202,3 +202,30 @@ def rollout_logp_gap(episodes: list, rescored: dict[tuple[int, ...], tuple[torch
             total += float((rollout - trained).abs().sum())
             count += rollout.numel()
     return total / max(count, 1.0)
+
+
+def token_advantages(inputs, turn_adv: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` advantages: each trained token gets the advantage of the turn it belongs to."""
+    idx = inputs.turn_index.clamp(min=0)
+    adv = torch.gather(turn_adv, 1, idx.clamp(max=turn_adv.shape[1] - 1))
+    return torch.where(inputs.turn_index >= 0, adv, torch.zeros_like(adv))
+
+
+def micro_batches(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i:i + size] for i in range(0, len(indices), size)]
+
+
+def minibatch_plan(n: int, inner_epochs: int, minibatches: int, rng) -> list[list[int]]:
+    """The epoch's minibatches (the same on every process): the episodes in order for one inner epoch, a
+    fresh permutation per inner epoch otherwise, cut into ``minibatches`` parts."""
+    plans = []
+    for _ in range(inner_epochs):
+        order = list(range(n)) if inner_epochs == 1 else rng.sample(range(n), n)
+        size = math.ceil(n / minibatches)
+        plans += [order[i:i + size] for i in range(0, n, size)]
+    return plans
+
+
+def shard(items: list, dist) -> list:
+    """This process's contiguous part of ``items``."""
+    return items[dist.rank * len(items) // dist.world_size:(dist.rank + 1) * len(items) // dist.world_size]

@@ -1,23 +1,54 @@
 """Held-out evaluation of a policy on an environment: greedy decoding, exact-match accuracy per task kind,
-tool use per kind."""
+tool use per kind, and what the policy answers per kind (a kind answered by a constant is visible as a
+top-answer share of 1)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
-__all__ = ["evaluate_policy", "format_kind_table"]
+__all__ = ["evaluate_policy", "evaluate_with_baselines", "format_kind_table", "answer_distribution",
+           "first_zoom_quadrant", "ZOOM_BASELINES"]
+
+# One-turn baselines on the zoom environment's held-out tasks: the plain question on the overview (what the
+# tool must beat) and on the right quadrant at full resolution (what a perfect zoom gives).
+ZOOM_BASELINES = ("shapes_zoom_overview", "shapes_zoom_crop")
+
+
+def answer_distribution(episodes) -> dict[str, dict[str, int]]:
+    """``{kind: {normalised answer: count}}`` of the episodes' final answers, most common first ("" for an
+    episode that never answered)."""
+    from flowrl.data.vqa import normalize_answer
+    from flowrl.envs.tools import extract_answer
+
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    for e in episodes:
+        by_kind[e.task.kind][normalize_answer(extract_answer(e.answer)) if e.answered else ""] += 1
+    return {kind: dict(counts.most_common()) for kind, counts in sorted(by_kind.items())}
+
+
+def first_zoom_quadrant(episode) -> str | None:
+    """The quadrant of the episode's first zoom (from its anchors ``("zoom", quadrants so far)``), or None."""
+    for anchor in episode.anchors:
+        if isinstance(anchor, tuple) and len(anchor) == 2 and anchor[0] == "zoom" and anchor[1]:
+            return anchor[1][0]
+    return None
 
 
 def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
                     max_new_tokens: int = 16, prefix: str | None = None, progress=None,
-                    system_prompt: str | None = None) -> dict[str, float]:
+                    system_prompt: str | None = None, answers: dict | None = None) -> dict[str, float]:
     """Accuracy of greedy episodes on the first ``n`` held-out tasks of ``env_name``.
 
+    Args:
+        answers: if given, filled with :func:`answer_distribution` of the episodes.
+
     Returns:
-        ``{prefix + "accuracy": overall, prefix + kind: accuracy of that kind, ...}`` and, for multi-turn
-        environments, ``prefix + "tool_calls/" + kind`` (mean tool calls per episode) and the fraction of
-        episodes that ended in an error or the turn limit. ``prefix`` defaults to ``eval/<env short name>/``
-        (``eval/vqa/`` for ``shapes_vqa``).
+        ``{prefix + "accuracy": overall, prefix + kind: accuracy of that kind, ...}``,
+        ``prefix + "top_answer_share/" + kind`` (the share of the most common answer: 1 means the kind is
+        answered by a constant), and, for multi-turn environments, ``prefix + "tool_calls/" + kind`` (mean tool
+        calls per episode), ``prefix + "correct_quadrant"`` (of the episodes that zoomed, the share whose first
+        zoom was the quadrant holding the objects) and the fraction of episodes that ended in an error or the
+        turn limit. ``prefix`` defaults to ``eval/<env short name>/`` (``eval/vqa/`` for ``shapes_vqa``).
     """
     from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import exact_match
@@ -52,6 +83,15 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
     for kind in spec.kinds:
         if by_kind.get(kind):
             metrics[f"{prefix}{kind}"] = sum(by_kind[kind]) / len(by_kind[kind])
+    distribution = answer_distribution(episodes)
+    for kind, counts in distribution.items():
+        metrics[f"{prefix}top_answer_share/{kind}"] = max(counts.values()) / sum(counts.values())
+    if answers is not None:
+        answers.update(distribution)
+    zoomed = [(first_zoom_quadrant(e), e.task) for e in episodes]
+    zoomed = [(q, t) for q, t in zoomed if q is not None and isinstance(t.data, dict) and "quadrant" in t.data]
+    if zoomed:
+        metrics[f"{prefix}correct_quadrant"] = sum(q == t.data["quadrant"] for q, t in zoomed) / len(zoomed)
     if turns > 1:
         for kind in spec.kinds:
             if tools.get(kind):
@@ -61,17 +101,38 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
     return metrics
 
 
+def evaluate_with_baselines(policy, env_name: str, n: int, *, baselines: bool = True, **kwargs) -> dict[str, float]:
+    """:func:`evaluate_policy`, plus (for ``shapes_zoom`` with ``baselines``) the same policy on the same tasks
+    in each of :data:`ZOOM_BASELINES` (one turn; ``eval/zoom_overview/...``, ``eval/zoom_crop/...``)."""
+    metrics = evaluate_policy(policy, env_name, n, **kwargs)
+    if baselines and env_name == "shapes_zoom":
+        kwargs.pop("max_turns", None)
+        kwargs.pop("answers", None)
+        for name in ZOOM_BASELINES:
+            metrics.update(evaluate_policy(policy, name, n, **kwargs))
+    return metrics
+
+
 def torch_bool(values):
     import torch
 
     return torch.tensor(values, dtype=torch.bool)
 
 
-def format_kind_table(metrics: dict[str, float], prefix: str, kinds) -> str:
-    """A two-column table of accuracy per kind, then overall."""
+def format_kind_table(metrics: dict[str, float], prefix: str, kinds, answers: dict | None = None) -> str:
+    """A table of accuracy per kind, then overall; with ``answers`` (:func:`answer_distribution`) a column of
+    the most common answers of each kind and their shares."""
     width = max([len("overall")] + [len(k) for k in kinds])
-    lines = [f"{'kind'.ljust(width)}  accuracy", f"{'-' * width}  --------"]
-    lines += [f"{k.ljust(width)}  {metrics[prefix + k]:8.3f}" for k in kinds if prefix + k in metrics]
+    head = f"{'kind'.ljust(width)}  accuracy" + ("  answers (share)" if answers else "")
+    lines = [head, f"{'-' * width}  --------" + ("  " + "-" * 15 if answers else "")]
+    for k in kinds:
+        if prefix + k not in metrics:
+            continue
+        line = f"{k.ljust(width)}  {metrics[prefix + k]:8.3f}"
+        if answers and answers.get(k):
+            total = sum(answers[k].values())
+            line += "  " + ", ".join(f"{a or '(none)'} {c / total:.2f}" for a, c in list(answers[k].items())[:4])
+        lines.append(line)
     lines += [f"{'-' * width}  --------", f"{'overall'.ljust(width)}  {metrics[prefix + 'accuracy']:8.3f}"]
     return "\n".join(lines)
 
@@ -100,7 +161,8 @@ def vqa_eval_main(argv: list[str]) -> int:
 
     parser = OneLineParser(prog="flowrl eval --task", description="Held-out accuracy of a VLM policy on Shapes-VQA "
                                                                   "(or the zoom environment), per question kind.")
-    parser.add_argument("--task", choices=("vqa", "zoom"), required=True)
+    parser.add_argument("--task", choices=("vqa", "zoom", "zoom_overview", "zoom_crop"), required=True,
+                        help="zoom_overview / zoom_crop: one-turn baselines on the zoom tasks")
     parser.add_argument("--model", default="shapes_vlm", help="shapes_vlm (the shipped model, default), a model "
                                                               "folder, or a run directory with model/")
     parser.add_argument("--n", type=positive_int, default=None, help="examples (default 500 for vqa, 200 for zoom)")
@@ -125,19 +187,21 @@ def vqa_eval_main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     env = f"shapes_{args.task}"
-    n = args.n or (500 if args.task == "vqa" else 200)
+    n = args.n or (500 if args.task == "vqa" else 200)  # the zoom tasks and their baselines: 200
     start = time.perf_counter()
-    metrics = evaluate_policy(policy, env, n, batch_size=args.batch_size, max_turns=args.max_turns)
+    answers: dict = {}
+    metrics = evaluate_policy(policy, env, n, batch_size=args.batch_size, max_turns=args.max_turns, answers=answers)
     from flowrl.envs.registry import get_env
 
     prefix = f"eval/{args.task}/"
-    print(format_kind_table(metrics, prefix, get_env(env).kinds))
+    print(format_kind_table(metrics, prefix, get_env(env).kinds, answers))
     for key, value in metrics.items():
-        if "tool_calls" in key or key.endswith("_frac"):
+        if "tool_calls" in key or key.endswith("_frac") or key.endswith("correct_quadrant"):
             print(f"{key.removeprefix(prefix)}: {value:.3f}")
     print(f"({n} held-out examples, greedy, {time.perf_counter() - start:.1f} s)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": args.model, "task": args.task, "n": n, **metrics}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"model": args.model, "task": args.task, "n": n, **metrics,
+                                               "answers": answers}, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

@@ -31,12 +31,24 @@ def _zoom() -> EnvSpec:
     return EnvSpec("shapes_zoom", ZoomEnv, zoom_tasks, zoom_eval_tasks, ZOOM_KINDS, 3)
 
 
-_BUILDERS = {"shapes_vqa": _vqa, "shapes_zoom": _zoom}
+def _zoom_baseline(env: str) -> Callable[[], EnvSpec]:
+    def build() -> EnvSpec:
+        from flowrl.envs import zoom
+
+        cls = {"overview": zoom.OverviewEnv, "crop": zoom.CropEnv}[env]
+        return EnvSpec(f"shapes_zoom_{env}", cls, zoom.zoom_tasks, zoom.zoom_eval_tasks, zoom.ZOOM_KINDS, 1)
+
+    return build
+
+
+# shapes_zoom_overview / shapes_zoom_crop: one-turn baselines on the zoom tasks (flowrl/envs/zoom.py).
+_BUILDERS = {"shapes_vqa": _vqa, "shapes_zoom": _zoom, "shapes_zoom_overview": _zoom_baseline("overview"),
+             "shapes_zoom_crop": _zoom_baseline("crop")}
 ENV_NAMES = tuple(_BUILDERS)
 
 
 def get_env(name: str) -> EnvSpec:
-    """The environment ``name`` (``shapes_vqa`` or ``shapes_zoom``)."""
+    """The environment ``name`` (``shapes_vqa``, ``shapes_zoom`` or a zoom baseline)."""
     if name not in _BUILDERS:
         from flowrl.registry import UnknownNameError
 

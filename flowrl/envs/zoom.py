@@ -8,8 +8,13 @@ included, so spamming errors does not pay); answering ends the episode.
 
 Task kinds (objects are drawn inside one quadrant, so one zoom shows everything that matters):
 
-- ``count``: a Shapes-VQA count question ("how many red circles are there?") with distractors of the same
-  colour and another shape: at low resolution the shapes blur together, so the tool pays.
+- ``count``: a Shapes-VQA count question ("how many red circles are there?") whose distractors all share
+  the asked colour (at least one, of another shape): counting the colour is not enough, and at low
+  resolution the shapes blur together, so the tool pays.
+
+Baselines for the same held-out tasks (:class:`OverviewEnv`, :class:`CropEnv`; ``shapes_zoom_overview`` and
+``shapes_zoom_crop`` in :mod:`flowrl.envs.registry`): one turn on the overview with the plain question (what
+the tool must beat), and one turn on the right quadrant at full resolution (what a perfect zoom gives).
 - ``color``: "what colour is the square?" with the square alone in the scene: the low-resolution view
   suffices, so a call only costs 0.05.
 """
@@ -22,12 +27,13 @@ import numpy as np
 from PIL import Image
 
 from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, SHAPES, Scene, SceneObject, render
-from flowrl.data.vqa import QuestionSpec, _example_seed, make_example, split_questions
+from flowrl.data.vqa import COUNT_ANSWERS, MAX_OBJECTS, QuestionSpec, _example_seed, split_questions
 
 from .base import Observation, StepResult, Task
 from .tools import ToolCallError, ToolSpec, extract_answer, has_tool_call, parse_tool_calls
 
-__all__ = ["ZoomEnv", "zoom_tasks", "zoom_eval_tasks", "QUADRANTS", "ZOOM_KINDS", "ZOOM_TOOL", "zoom_prompt",
+__all__ = ["ZoomEnv", "OverviewEnv", "CropEnv", "zoom_tasks", "zoom_eval_tasks", "QUADRANTS", "ZOOM_KINDS", "ZOOM_TOOL",
+           "zoom_prompt",
            "demonstration", "TOOL_PENALTY"]
 
 QUADRANTS = ("top_left", "top_right", "bottom_left", "bottom_right")
@@ -52,8 +58,8 @@ def _task(kind: str, split: str, seed: int) -> Task:
     quadrant = rng.choice(QUADRANTS)
     if kind == "count":
         spec = rng.choice(split_questions(split)["count"])
-        example = make_example(spec, seed)
-        local, answer, question = example.scene, example.answer, example.question
+        local, answer, question = _count_scene(spec, rng), None, spec.text()
+        answer = str(sum(o.shape == spec.shape and o.color == spec.color for o in local.objects))
     elif kind == "color":
         shape, color = rng.choice(SHAPES), rng.choice(COLORS)
         size = rng.uniform(MIN_SIZE, MAX_SIZE)
@@ -65,6 +71,22 @@ def _task(kind: str, split: str, seed: int) -> Task:
     scene = _offset(local, quadrant)
     return Task(question, answer, kind, data={"scene": scene, "quadrant": quadrant, "seed": seed},
                 group=(question, seed))
+
+
+def _count_scene(spec: QuestionSpec, rng: random.Random) -> Scene:
+    """A 32 px scene for a count question: 0-3 targets and 1-3 distractors of the asked colour and another
+    shape (at most 4 objects)."""
+    from flowrl.data.vqa import _scene
+
+    n = rng.choice(COUNT_ANSWERS)
+    while True:
+        objects = [(spec.shape, spec.color)] * n
+        objects += [(rng.choice([s for s in SHAPES if s != spec.shape]), spec.color)
+                    for _ in range(rng.randint(1, max(1, MAX_OBJECTS - n)))]
+        rng.shuffle(objects)
+        scene = _scene(rng, objects, 32)
+        if scene is not None:
+            return scene
 
 
 def zoom_tasks(split: str, n: int, seed: int, start: int = 0, kinds: tuple[str, ...] = ZOOM_KINDS) -> list[Task]:
@@ -120,6 +142,31 @@ class ZoomEnv:
         text = "{image}" * len(images)
         return StepResult(Observation(text=text, images=images, role="tool", anchor=("zoom", tuple(self.zooms))),
                           -TOOL_PENALTY * len(calls), False, {"tool_call": float(len(calls))})
+
+
+class OverviewEnv:
+    """Baseline: the plain question on the overview, one answer (no tool offered)."""
+
+    max_turns = 1
+
+    def reset(self, task: Task) -> Observation:
+        self.task = task
+        return Observation(text=task.question, images=[overview(task)], anchor=("start",))
+
+    def image(self, task: Task):
+        return full_image(task)
+
+    def step(self, action_text: str) -> StepResult:
+        return StepResult(None, 0.0, True, {"answer": extract_answer(action_text)})
+
+
+class CropEnv(OverviewEnv):
+    """Baseline: the plain question on the quadrant that holds the objects, at full resolution (a perfect zoom
+    without the tool call)."""
+
+    def reset(self, task: Task) -> Observation:
+        self.task = task
+        return Observation(text=task.question, images=[crop(task, task.data["quadrant"])], anchor=("start",))
 
 
 def demonstration(task: Task, use_tool: bool) -> list:

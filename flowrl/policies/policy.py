@@ -307,7 +307,8 @@ class TokenPolicy:
 
     # ------------------------------------------------------------------------------------------ scoring
 
-    def score(self, inputs: PolicyInputs, *, temperature: float = 1.0, module=None) -> torch.Tensor:
+    def score(self, inputs: PolicyInputs, *, temperature: float = 1.0, module=None,
+              with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of the batch's own tokens: ``logp[b, t] = log softmax(logits[b, t-1] / T)[ids[b, t]]``.
 
         Only positions from the first trained token onward are computed (``logits_to_keep``), so long
@@ -319,15 +320,19 @@ class TokenPolicy:
             module: the module to run (e.g. the DDP-wrapped model in training); default: the policy's model,
                 or the reference inside :meth:`reference`.
 
+            with_entropy: also return the entropy of the tempered distribution at each trained position.
+
         Returns:
-            ``[B, T]`` float32, 0 where ``inputs.loss_mask`` is 0.
+            ``[B, T]`` float32, 0 where ``inputs.loss_mask`` is 0; with ``with_entropy`` a pair
+            ``(logp, entropy)`` of that shape (the entropy is detached: a diagnostic, not a loss term).
         """
         inputs = inputs.to(self.device)
         ids, mask = inputs.input_ids, inputs.loss_mask
         T = ids.shape[1]
         trained = mask.sum(0).nonzero()
         if trained.numel() == 0:
-            return torch.zeros(mask.shape, device=self.device)
+            zeros = torch.zeros(mask.shape, device=self.device)
+            return (zeros, zeros.clone()) if with_entropy else zeros
         first = max(int(trained[0]), 1)
         keep = T - first + 1  # logits at positions first-1 .. T-1 predict tokens first .. T
         model = module if module is not None else (self._scoring_model or self.model)
@@ -335,10 +340,18 @@ class TokenPolicy:
         logits = out.logits[:, -keep:-1].float() / temperature
         logits = _ban(logits, self.banned_token_ids)
         targets = ids[:, first:]
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
-        full = torch.zeros(mask.shape, device=self.device, dtype=logp.dtype)
-        full = torch.cat([full[:, :first], logp], dim=1)
-        return torch.where(mask > 0, full, torch.zeros_like(full))
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logp = log_probs.gather(-1, targets[..., None])[..., 0]
+        head = torch.zeros(mask.shape[0], first, device=self.device, dtype=logp.dtype)
+        full = torch.cat([head, logp], dim=1)
+        full = torch.where(mask > 0, full, torch.zeros_like(full))
+        if not with_entropy:
+            return full
+        with torch.no_grad():
+            p = log_probs.exp()  # banned ids have p = 0 (and log p = -inf): they contribute nothing
+            entropy = -(p * torch.where(p > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
+            entropy = torch.cat([head.detach(), entropy], dim=1)
+        return full, torch.where(mask > 0, entropy, torch.zeros_like(entropy))
 
     # ------------------------------------------------------------------------------------------ generation
 

@@ -19,7 +19,7 @@ import torch
 
 from flowrl.config import bounds
 
-__all__ = ["ShapesVLMConfig", "build_tokenizer", "build_processor", "build_model", "SHIPPED_VLM", "VOCAB_WORDS",
+__all__ = ["ShapesVLMConfig", "mrope_sections", "build_tokenizer", "build_processor", "build_model", "SHIPPED_VLM", "VOCAB_WORDS",
            "resolve_model_path"]
 
 SHIPPED_VLM = Path(__file__).parent / "shapes_vlm_checkpoint"
@@ -61,6 +61,30 @@ class ShapesVLMConfig:
     vision_heads: int = field(default=4, metadata=bounds(ge=1))
     patch_size: int = field(default=4, metadata=bounds(ge=1))
     image_size: int = field(default=32, metadata=bounds(ge=8))
+    # Multimodal RoPE of the text model. Qwen2-VL splits the rotary half-dimension into (temporal, height,
+    # width) sections in order of *decreasing* frequency, so the width axis gets the lowest frequencies:
+    # at theta 10000 and sections [4, 6, 6] the width phase moves by at most ~0.01 rad across a 4 x 4 token
+    # grid, and "left of" cannot be read from positions. A small theta (e.g. 10) gives every section
+    # frequencies of 0.1-1 rad per position. None: the sections [h - 2 * (3h // 8), 3h // 8, 3h // 8] of
+    # the rotary half-dimension h.
+    rope_theta: float = field(default=10000.0, metadata=bounds(gt=1))
+    mrope_section: list[int] | None = None
+
+
+def mrope_sections(config: ShapesVLMConfig) -> list[int]:
+    """The (temporal, height, width) M-RoPE sections: ``config.mrope_section`` or the default split.
+
+    Raises:
+        ValueError: the sections do not add up to half the attention head dimension.
+    """
+    half = config.hidden_size // config.heads // 2  # the sections split the rotary half-dimension
+    if config.mrope_section is None:
+        return [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    sections = [int(x) for x in config.mrope_section]
+    if len(sections) != 3 or min(sections) < 0 or sum(sections) != half:
+        raise ValueError(f"model.mrope_section {sections} must be three numbers >= 0 (temporal, height, width) "
+                         f"adding up to half the head dimension ({half} = hidden_size / heads / 2)")
+    return sections
 
 
 def build_tokenizer():
@@ -105,14 +129,13 @@ def build_model(config: ShapesVLMConfig | None = None, seed: int = 0):
     config = config or ShapesVLMConfig()
     processor = build_processor(config)
     tok = processor.tokenizer
-    head_dim = config.hidden_size // config.heads
-    half = head_dim // 2  # M-RoPE sections (temporal, height, width) split the rotary half-dimension
-    sections = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    sections = mrope_sections(config)
     hf_config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                          num_hidden_layers=config.layers, num_attention_heads=config.heads,
                          num_key_value_heads=config.kv_heads, max_position_embeddings=1024,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections},
+                         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta),
+                                          "mrope_section": sections},
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          tie_word_embeddings=True),
         vision_config=dict(depth=config.vision_layers, embed_dim=config.vision_width, hidden_size=config.hidden_size,

@@ -55,7 +55,7 @@ __all__ = ["TrainConfig", "Config", "train_epoch", "reward_adaptive_kl_scale", "
 
 @dataclass
 class TrainConfig:
-    clip_range: float = field(default=1e-4, metadata=bounds(gt=0, lt=1))  # eps_low
+    clip_range: float = field(default=1e-4, metadata=bounds(gt=0, lt=1))  # the lower ratio clip
     clip_range_high: float | None = field(default=None, metadata=bounds(gt=0))  # DAPO clip-higher
     dual_clip: float | None = field(default=None, metadata=bounds(gt=1))
     kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # the KL weight to the reference (Flow-GRPO's beta)
@@ -148,7 +148,7 @@ def _policy_loss(train: TrainConfig, out, traj, rows, t: int, advantages: torch.
     old_logp = traj.log_probs[rows, t].to(device)
     if not train.needs_old_means:
         return clipped_policy_loss(out.log_prob[:, None], old_logp[:, None], advantages[:, None], None,
-                                   eps_low=train.clip_range, eps_high=train.clip_range_high,
+                                   clip_range=train.clip_range, clip_range_high=train.clip_range_high,
                                    dual_clip=train.dual_clip, aggregation="token_mean"), None
     old_mean = traj.means[rows, t].to(device)
     with torch.no_grad():
@@ -158,7 +158,7 @@ def _policy_loss(train: TrainConfig, out, traj, rows, t: int, advantages: torch.
                                 threshold=train.dppo_threshold, reduction=reduction), kl_old
     dt = float(traj.sigmas[t] - traj.sigmas[t + 1])
     return ratio_norm_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std, dt,
-                                  eps_low=train.clip_range, eps_high=train.clip_range_high, dual_clip=train.dual_clip,
+                                  clip_range=train.clip_range, clip_range_high=train.clip_range_high, dual_clip=train.dual_clip,
                                   reduction=reduction), kl_old
 
 

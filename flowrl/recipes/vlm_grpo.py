@@ -13,13 +13,16 @@ Dr.GRPO); Yu et al. 2025 (DAPO); Ahmadian et al. 2024 (RLOO for LLMs); Zheng et 
    dynamic sampling drops groups whose rewards are all equal and plays more rounds until the epoch has
    ``groups_per_epoch`` informative groups (at most ``max_sampling_rounds``).
 3. Advantages on the whole epoch (``flowrl.core``): group (GRPO, DAPO, GSPO), group without std (Dr.GRPO),
-   or leave-one-out (RLOO) per episode; or per turn with GiGPO / discounted turn returns. Each token of an
+   or leave-one-out (RLOO) per episode; or per turn with GiGPO / discounted turn returns / TRLOO. Each token of an
    action gets its turn's advantage.
-4. Old log-probs (and the reference's, when KL is on) are re-scored with the same inputs and the same
-   micro-batches training will use, so the ratio is exactly 1 before the first update. Then for each inner
-   epoch and minibatch: clipped policy loss (token ratio; GSPO: sequence ratio ``exp(mean_t log ratio)``),
-   plus ``beta * k3`` KL to the reference (LoRA adapters off, or a frozen copy), accumulated over
-   micro-batches, one optimizer step per minibatch.
+4. Off-policy (several minibatches or inner epochs), old log-probs are re-scored with the same inputs and
+   micro-batches training will use, before any update; on-policy (one minibatch, one inner epoch) that pass
+   is skipped and the training forward's own log-probs, detached, are the old ones (ratio exactly 1, the
+   same gradient, ~20-25% less compute). The reference's log-probs are scored when KL is on. Then for each
+   inner epoch and minibatch: clipped policy loss (token ratio; GSPO: sequence ratio
+   ``exp(mean_t log ratio)``), plus ``train.kl_coef * k3`` KL to the reference (LoRA adapters off, or a
+   frozen copy), accumulated over micro-batches, one optimizer step per minibatch. ``train/entropy`` is the
+   policy's (tempered) entropy per trained token, from the training forward.
 
 Choices and departures (docs/vlm.md has the formulas):
 - the loss is normalised by *global* counts (tokens, sequences, or sequences x the token budget for
@@ -27,14 +30,14 @@ Choices and departures (docs/vlm.md has the formulas):
   processes with accumulation ``a`` take the same step;
 - log-probs are those of ``softmax(logits / temperature)``; top-p only shapes sampling;
 - the rollout's own log-probs are kept for diagnostics (``train/rollout_logp_gap``), not used as the old
-  policy: a generation kernel (KV cache) rounds differently from a full forward pass;
+  policy: a generation kernel (KV cache) rounds differently from a full forward pass, and on-policy the
+  forward's own detached log-probs cost nothing and make the ratio exactly 1;
 - a malformed tool call, an empty answer or a cut-off action is counted and scored as what it is, never an
   error.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -60,8 +63,8 @@ class Variant:
     estimator: Literal["group", "rloo"] = "group"
     std_scope: Literal["group", "batch", "none"] = "group"
     aggregation: str = "seq_mean_token_mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_range: float = 0.2
+    clip_range_high: float = 0.2
     ratio: Literal["token", "sequence"] = "token"
     dynamic_sampling: bool = False
     overlong_penalty: bool = False
@@ -73,11 +76,11 @@ VARIANTS: dict[str, Variant] = {
     # Dr.GRPO: no std division, no per-sequence length normalisation (sum / (B * token budget)).
     "dr_grpo": Variant(std_scope="none", aggregation="seq_mean_token_sum_norm"),
     # DAPO: clip-higher, token-level mean, dynamic sampling, soft overlong penalty.
-    "dapo": Variant(aggregation="token_mean", clip_high=0.28, dynamic_sampling=True, overlong_penalty=True),
+    "dapo": Variant(aggregation="token_mean", clip_range_high=0.28, dynamic_sampling=True, overlong_penalty=True),
     # RLOO: leave-one-out baseline, no std.
     "rloo": Variant(estimator="rloo", std_scope="none", aggregation="seq_mean_token_mean"),
     # GSPO: sequence-level ratio exp(mean_t log ratio), clipped to a very narrow range.
-    "gspo": Variant(ratio="sequence", clip_low=3e-4, clip_high=4e-4),
+    "gspo": Variant(ratio="sequence", clip_range=3e-4, clip_range_high=4e-4),
 }
 
 
@@ -112,24 +115,26 @@ class AlgorithmConfig:
     std_scope: Literal["group", "batch", "none"] | None = None
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                          "seq_mean_token_sum_norm"] | None = None
-    clip_low: float | None = field(default=None, metadata=bounds(ge=0, lt=1))
-    clip_high: float | None = field(default=None, metadata=bounds(ge=0))
     dynamic_sampling: bool | None = None
     overlong_penalty: bool | None = None
     overlong_cache: int | None = field(default=None, metadata=bounds(ge=1))  # None: a quarter of the budget
     eps: float = field(default=1e-4, metadata=bounds(gt=0))
     adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
-    # Turn-level credit: outcome (every token gets its episode's advantage), gigpo, turn_return.
-    turn_credit: Literal["outcome", "gigpo", "turn_return"] = "outcome"
+    # Turn-level credit: outcome (every token gets its episode's advantage), gigpo, turn_return, trloo.
+    turn_credit: Literal["outcome", "gigpo", "turn_return", "trloo"] = "outcome"
     gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))
     step_weight: float = field(default=1.0, metadata=bounds(ge=0))
     kl: Literal["none", "k3"] = "none"
-    kl_beta: float = field(default=0.0, metadata=bounds(ge=0))
 
-    def resolved(self) -> Variant:
+    def resolved(self, train: "TrainConfig | None" = None) -> Variant:
+        """The variant's settings with this config's (and ``train``'s clip ranges') non-null values over them."""
         base = VARIANTS[self.variant]
-        return Variant(**{name: getattr(self, name) if getattr(self, name) is not None else getattr(base, name)
-                          for name in Variant.__dataclass_fields__ if hasattr(self, name)},
+        values = {name: getattr(self, name) if getattr(self, name, None) is not None else getattr(base, name)
+                  for name in Variant.__dataclass_fields__ if hasattr(self, name)}
+        if train is not None:
+            values.update({n: getattr(train, n) for n in ("clip_range", "clip_range_high")
+                           if getattr(train, n) is not None})
+        return Variant(**{**{n: getattr(base, n) for n in ("clip_range", "clip_range_high")}, **values},
                        ratio=base.ratio)
 
 
@@ -138,6 +143,10 @@ class TrainConfig:
     inner_epochs: int = field(default=1, metadata=bounds(ge=1))
     minibatches: int = field(default=1, metadata=bounds(ge=1))  # optimizer steps per inner epoch
     micro_batch_size: int = field(default=32, metadata=bounds(ge=1))  # episodes per backward, per process
+    # The ratio clip [1 - clip_range, 1 + clip_range_high]; null: the variant's (see VARIANTS).
+    clip_range: float | None = field(default=None, metadata=bounds(ge=0, lt=1))
+    clip_range_high: float | None = field(default=None, metadata=bounds(ge=0))
+    kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # weight of the k3 KL to the reference
 
 
 @dataclass
@@ -162,6 +171,7 @@ class EvalConfig:
     at_start: bool = True
     num_examples: int = field(default=500, metadata=bounds(ge=1))
     batch_size: int = field(default=100, metadata=bounds(ge=1))
+    baselines: bool = True  # shapes_zoom: also the one-turn overview and full-resolution crop baselines
 
 
 @dataclass
@@ -178,7 +188,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=20))
 
-    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock"}
+    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock",
+                                         "algorithm.kl_beta": "train.kl_coef", "algorithm.clip_low": "train.clip_range",
+                                         "algorithm.clip_high": "train.clip_range_high"}
 
     def check(self) -> None:
         a = self.algorithm
@@ -188,8 +200,8 @@ class Config:
         if v.ratio == "sequence" and a.turn_credit != "outcome":
             fail("algorithm.turn_credit", "gspo's sequence-level ratio needs one advantage per episode; use "
                  "turn_credit: outcome")
-        if a.kl != "none" and a.kl_beta == 0:
-            fail("algorithm.kl_beta", f"kl is {a.kl!r} but kl_beta is 0; set kl_beta > 0 or kl: none")
+        if a.kl != "none" and self.train.kl_coef == 0:
+            fail("train.kl_coef", f"algorithm.kl is {a.kl!r} but train.kl_coef is 0; set kl_coef > 0 or kl: none")
         if not self.reward.answer:
             fail("reward.answer", "name at least one answer reward, e.g. {exact: 1.0}")
         from flowrl.envs.rewards import ANSWER_REWARDS
@@ -208,30 +220,26 @@ class Config:
             fail("train.minibatches", "more minibatches than episodes per epoch")
 
 
-def _token_advantages(inputs, turn_adv: torch.Tensor) -> torch.Tensor:
-    """``[b, T]`` advantages: each trained token gets the advantage of the turn it belongs to."""
-    idx = inputs.turn_index.clamp(min=0)
-    adv = torch.gather(turn_adv, 1, idx.clamp(max=turn_adv.shape[1] - 1))
-    return torch.where(inputs.turn_index >= 0, adv, torch.zeros_like(adv))
-
-
-def _micro_batches(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[i:i + size] for i in range(0, len(indices), size)]
-
-
 def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: Config, dist, epoch: int,
                 progress=None) -> dict[str, float]:
-    """Re-score old (and reference) log-probs, then the clipped-loss updates of one epoch on this process's shard."""
-    from flowrl.core.losses import clipped_policy_loss, kl_estimate
-    from flowrl.envs.epoch import rollout_logp_gap, trained_conversation
+    """The clipped-loss updates of one epoch on this process's shard.
+
+    Off-policy updates (several minibatches or inner epochs) re-score the old (and reference) log-probs
+    before any update. On-policy (one minibatch, one inner epoch) there is no such pass: the old log-probs
+    are the training forward's own, detached (ratio exactly 1, the same gradient), and the rollout's are
+    compared with them for ``train/rollout_logp_gap``.
+    """
+    from flowrl.core.losses import aggregate, clipped_policy_loss, kl_estimate
+    from flowrl.envs.epoch import (micro_batches, minibatch_plan, rollout_logp_gap, shard, token_advantages,
+                                   trained_conversation)
     from flowrl.envs.rollout import sample_seed
 
-    a, v, t = cfg.algorithm, cfg.algorithm.resolved(), cfg.train
+    a, v, t = cfg.algorithm, cfg.algorithm.resolved(cfg.train), cfg.train
     temperature = cfg.sampling.temperature
     N = len(batch.episodes)
-    rng = random.Random(sample_seed(cfg.run.seed, epoch, 7))
+    on_policy = t.inner_epochs == 1 and t.minibatches == 1
     budget = cfg.sampling.max_new_tokens * (cfg.env.max_turns or max(e.num_turns for e in batch.episodes))
-    # Inputs, old and reference log-probs per micro-batch, computed once before any update.
+    # Inputs (and old / reference log-probs when needed) per micro-batch, computed once before any update.
     cache: dict[tuple[int, ...], dict] = {}
 
     def prepared(ids: list[int]) -> dict:
@@ -239,27 +247,21 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
         if key not in cache:
             inputs = policy.build_inputs([trained_conversation(batch.episodes[i]) for i in ids])
             with torch.no_grad():
-                old = policy.score(inputs, temperature=temperature)
+                old = None if on_policy else policy.score(inputs, temperature=temperature)
                 ref = None
                 if a.kl != "none":
                     with policy.reference():
                         ref = policy.score(inputs, temperature=temperature)
             cache[key] = {"inputs": inputs, "old": old, "ref": ref,
-                          "adv": _token_advantages(inputs, turn_adv[ids]).to(old.device)}
+                          "adv": token_advantages(inputs, turn_adv[ids]).to(policy.device)}
         return cache[key]
 
-    # The minibatch plan (same on every process): a permutation of the epoch's episodes per inner epoch.
-    plans = []
-    for _ in range(t.inner_epochs):
-        order = list(range(N)) if t.inner_epochs == 1 else rng.sample(range(N), N)
-        size = math.ceil(N / t.minibatches)
-        plans += [order[i:i + size] for i in range(0, N, size)]
-    # Old log-probs of every micro-batch first, before any update: the ratio is exactly 1 at the first update.
+    plans = minibatch_plan(N, t.inner_epochs, t.minibatches, random.Random(sample_seed(cfg.run.seed, epoch, 7)))
+    # Inputs (off-policy: old log-probs) of every micro-batch first, before any update: the ratio is 1 at the first.
     for minibatch in plans:
-        mine = minibatch[dist.rank * len(minibatch) // dist.world_size:(dist.rank + 1) * len(minibatch) // dist.world_size]
-        for micro in _micro_batches(mine, t.micro_batch_size):
+        for micro in micro_batches(shard(minibatch, dist), t.micro_batch_size):
             prepared(micro)
-    gap = rollout_logp_gap(batch.episodes, {ids: (item["inputs"].loss_mask, item["old"]) for ids, item in cache.items()})
+    scored: dict[tuple[int, ...], tuple] = {}  # micro-batch -> (loss mask, log-probs of the first pass)
 
     sums: dict[str, float] = {}
     count = 0.0
@@ -271,45 +273,45 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
         n_seq = float(len(minibatch))
         n_tok = float(lengths.sum().clamp(min=1))
         n_valid = float((lengths > 0).sum().clamp(min=1))
-        mine = minibatch[dist.rank * len(minibatch) // dist.world_size:(dist.rank + 1) * len(minibatch) // dist.world_size]
-        micros = _micro_batches(mine, t.micro_batch_size)
+        micros = micro_batches(shard(minibatch, dist), t.micro_batch_size)
         optimizer.zero_grad(set_to_none=True)
         for j, micro in enumerate(micros):
             item = prepared(micro)
             inputs = item["inputs"]
-            logp = policy.score(inputs, temperature=temperature, module=module)
+            logp, entropy = policy.score(inputs, temperature=temperature, module=module, with_entropy=True)
             mask = inputs.loss_mask.to(logp.device)
+            old = item["old"] if item["old"] is not None else logp.detach()
+            scored.setdefault(tuple(micro), (inputs.loss_mask, old))
             adv = item["adv"]
             mb_tok = float(mask.sum().clamp(min=1))
             mb_valid = float((mask.sum(1) > 0).sum().clamp(min=1))
             if v.ratio == "sequence":
-                per_seq = ((logp - item["old"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+                per_seq = ((logp - old) * mask).sum(1) / mask.sum(1).clamp(min=1)
                 seq_adv = (adv * mask).sum(1) / mask.sum(1).clamp(min=1)
                 out = clipped_policy_loss(per_seq, torch.zeros_like(per_seq), seq_adv, (mask.sum(1) > 0).float(),
-                                          eps_low=v.clip_low, eps_high=v.clip_high, aggregation="token_mean")
+                                          clip_range=v.clip_range, clip_range_high=v.clip_range_high,
+                                          aggregation="token_mean")
                 scale = mb_valid / n_valid
             else:
-                out = clipped_policy_loss(logp, item["old"], adv, mask, eps_low=v.clip_low, eps_high=v.clip_high,
-                                          aggregation=v.aggregation)
+                out = clipped_policy_loss(logp, old, adv, mask, clip_range=v.clip_range,
+                                          clip_range_high=v.clip_range_high, aggregation=v.aggregation)
                 scale = {"token_mean": mb_tok / n_tok, "seq_mean_token_mean": mb_valid / n_valid,
                          "seq_mean_token_sum": len(micro) / n_seq,
                          "seq_mean_token_sum_norm": len(micro) * mask.shape[1] / (n_seq * budget)}[v.aggregation]
             loss = out.loss * scale
             kl_value = torch.zeros(())
             if a.kl != "none":
-                from flowrl.core.losses import aggregate
-
                 kl = kl_estimate(logp, item["ref"], "k3")
                 agg = "token_mean" if v.ratio == "sequence" else v.aggregation
                 kl_scale = scale if v.ratio != "sequence" else mb_tok / n_tok
                 kl_value = aggregate(kl, mask, agg)
-                loss = loss + a.kl_beta * kl_value * kl_scale
+                loss = loss + t.kl_coef * kl_value * kl_scale
             # DDP averages gradients over processes; the loss is already normalised globally, so undo it.
             dist.backward(loss * dist.world_size, module, sync=j == len(micros) - 1)
             w = mb_tok
             for name, value in (("train/loss", out.loss), ("train/ratio_mean", out.ratio_mean),
                                 ("train/clip_frac", out.clip_frac), ("train/approx_kl", out.approx_kl),
-                                ("train/kl_ref", kl_value)):
+                                ("train/kl_ref", kl_value), ("train/entropy", (entropy * mask).sum() / mb_tok)):
                 sums[name] = sums.get(name, 0.0) + float(value.detach()) * w
             count += w
             if progress is not None:
@@ -327,14 +329,14 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
     metrics["train/grad_norm"] = sums["train/grad_norm"] / max(steps, 1)
     metrics["train/optimizer_steps"] = steps
     metrics["train/lr"] = optimizer.param_groups[0]["lr"]
-    metrics["train/rollout_logp_gap"] = gap
+    metrics["train/rollout_logp_gap"] = rollout_logp_gap(batch.episodes, scored)
     return metrics
 
 
 def main(cfg: Config, *, policy=None, dist=None) -> int:
     """Run the configured GRPO-family algorithm. ``policy`` / ``dist`` may be injected (tests)."""
     from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
-    from flowrl.envs.evaluate import evaluate_policy
+    from flowrl.envs.evaluate import evaluate_with_baselines
     from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import AnswerRewards
     from flowrl.run import PolicyWeights, Run
@@ -342,10 +344,10 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     short = cfg.env.name.removeprefix("shapes_")
     run = Run(cfg, "vlm_grpo", dist=dist, counters=("episodes_sampled",),
               plots={"reward": ["train/reward_mean", "train/reward/"], "eval": [f"eval/{short}/"],
-                     "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref"],
+                     "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref", "train/entropy"],
                      "agent": ["train/tool_calls/", "train/malformed_per_episode", "train/turn_limit_per_episode",
                                "train/truncated_per_episode", "train/empty_per_episode"]},
-              units={"reward": "episode reward", "eval": "held-out accuracy", "policy": "fraction / KL (nats)",
+              units={"reward": "episode reward", "eval": "held-out accuracy", "policy": "fraction / KL, entropy (nats)",
                      "agent": "per episode"})
     dist = run.dist
     if policy is None:
@@ -360,9 +362,9 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     module = dist.prepare(policy.model) if dist.world_size > 1 else policy.model
     run.track(model=PolicyWeights(policy), optimizer=optimizer, scheduler=scheduler)
     # Every process evaluates the same set (greedy, deterministic); only the main one logs.
-    run.evaluation(lambda epoch, should_stop: evaluate_policy(
-        policy, cfg.env.name, cfg.eval.num_examples, batch_size=cfg.eval.batch_size, max_turns=cfg.env.max_turns,
-        max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt))
+    run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
+        policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
+        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt))
 
     with run:
         while run.next_epoch():

@@ -6,13 +6,22 @@ prompt and the tool results are context, never targets. The inputs are built by 
 recipes use, so the model is trained on exactly the token layout it will act in.
 
 Data: every batch is a pure function of ``(run.seed, step)``: Shapes-VQA training examples (kinds cycling)
-plus a fraction ``data.zoom_fraction`` of zoom-environment demonstrations, half of which zoom into the
-quadrant that holds the objects before answering and half answer from the low-resolution view. The
-demonstrations teach the tool's format; *when* the tool pays is left to RL (``configs/vlm/shapes_zoom_gigpo.yaml``).
+plus a fraction ``data.zoom_fraction`` of zoom-environment demonstrations. With ``data.describe`` each
+question is followed by a train-only turn "what is there?" whose answer lists the scene's objects in
+reading order (:func:`flowrl.data.vqa.describe_objects`): several supervised tokens per image at the cost
+of a few more text tokens (the image is encoded once), so the vision tower learns shapes and positions, not
+only the one token of a question's answer. The question comes first, so it is trained in exactly the layout
+it is asked in at evaluation. Zoom demonstrations of a count zoom into the quadrant that holds the objects
+(counting at the overview's resolution is a guess, which must not be taught); those of a colour question
+answer from the overview, or zoom with probability ``data.zoom_tool_fraction``. They teach the tool's
+format; *when* the tool pays is left to RL (``configs/vlm/shapes_zoom_gigpo.yaml``). A short stage on zoom
+demonstrations from a base's weights is ``configs/vlm/shapes_zoom_sft.yaml``.
 
 The model is built in code from ``model`` (a ``Qwen2VLForConditionalGeneration``, see
 ``flowrl/policies/shapes_vlm.py``), or continued from ``init_from``. Evaluation (greedy, held-out split)
-logs ``eval/vqa/accuracy`` and one ``eval/vqa/<kind>`` per question kind. The run stops at
+logs ``eval/vqa/accuracy``, one ``eval/vqa/<kind>`` per question kind and
+``eval/vqa/top_answer_share/<kind>`` (1: the kind is answered by a constant); the answers per kind are
+appended to ``output_dir/eval_answers.jsonl``. The run stops at
 ``run.max_epochs`` or ``run.max_minutes``; the model is saved to ``output_dir/model``.
 """
 
@@ -37,7 +46,9 @@ class DataConfig:
     batch_size: int = field(default=64, metadata=bounds(ge=1))
     steps_per_epoch: int = field(default=100, metadata=bounds(ge=1))
     zoom_fraction: float = field(default=0.25, metadata=bounds(ge=0, le=1))
-    zoom_tool_fraction: float = field(default=0.5, metadata=bounds(ge=0, le=1))
+    # Colour demonstrations that zoom anyway (count demonstrations always zoom).
+    zoom_tool_fraction: float = field(default=0.0, metadata=bounds(ge=0, le=1))
+    describe: bool = False  # a train-only "what is there?" turn after each question
 
 
 @dataclass
@@ -78,22 +89,34 @@ class Config:
             fail("model.heads", f"{self.model.heads} does not divide hidden_size {self.model.hidden_size}")
         if self.model.image_size % (2 * self.model.patch_size):
             fail("model.patch_size", f"image_size {self.model.image_size} must be a multiple of 2 x patch_size")
+        from flowrl.policies.shapes_vlm import mrope_sections
+
+        try:
+            mrope_sections(self.model)
+        except ValueError as err:
+            fail("model.mrope_section", str(err).removeprefix("model.mrope_section "))
 
 
 def batch_conversations(cfg: Config, step: int) -> list:
     """The training conversations of ``step`` (a pure function of ``(run.seed, step)``)."""
-    from flowrl.data.vqa import sample_vqa
+    from flowrl.data.vqa import DESCRIBE_QUESTION, sample_vqa
     from flowrl.envs.zoom import demonstration, zoom_tasks
     from flowrl.policies import Turn
 
     n = cfg.data.batch_size
     n_zoom = round(n * cfg.data.zoom_fraction)
     examples = sample_vqa("train", n - n_zoom, seed=cfg.run.seed, start=step * n)
-    conversations = [[Turn("user", e.question, [e.image()]), Turn("assistant", e.answer)] for e in examples]
+    conversations = []
+    for e in examples:
+        turns = [Turn("user", e.question, [e.image()]), Turn("assistant", e.answer)]
+        if cfg.data.describe:
+            turns += [Turn("user", DESCRIBE_QUESTION), Turn("assistant", e.description())]
+        conversations.append(turns)
     if n_zoom:
         rng = random.Random(cfg.run.seed * 1_000_003 + step)
         for task in zoom_tasks("train", n_zoom, seed=cfg.run.seed, start=step * n):
-            conversations.append(demonstration(task, rng.random() < cfg.data.zoom_tool_fraction))
+            use_tool = task.kind == "count" or rng.random() < cfg.data.zoom_tool_fraction
+            conversations.append(demonstration(task, use_tool))
     return conversations
 
 
@@ -117,12 +140,20 @@ def sft_loss(policy, conversations) -> torch.Tensor:
     return total / max(count, 1.0)
 
 
-def _evaluate(cfg: Config, policy) -> dict[str, float]:
-    from flowrl.envs.evaluate import evaluate_policy
+def _evaluate(cfg: Config, policy, epoch: int, output_dir) -> dict[str, float]:
+    """Held-out accuracy per kind; what the policy answered per kind goes to ``eval_answers.jsonl``."""
+    import json
 
-    metrics = evaluate_policy(policy, "shapes_vqa", cfg.eval.num_examples, batch_size=cfg.eval.batch_size)
+    from flowrl.envs.evaluate import evaluate_policy, evaluate_with_baselines
+
+    answers: dict = {}
+    metrics = evaluate_policy(policy, "shapes_vqa", cfg.eval.num_examples, batch_size=cfg.eval.batch_size,
+                              answers=answers)
     if cfg.eval.num_zoom_examples:
-        metrics.update(evaluate_policy(policy, "shapes_zoom", cfg.eval.num_zoom_examples, batch_size=cfg.eval.batch_size))
+        metrics.update(evaluate_with_baselines(policy, "shapes_zoom", cfg.eval.num_zoom_examples,
+                                               batch_size=cfg.eval.batch_size))
+    with open(output_dir / "eval_answers.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": epoch, "vqa": answers}) + "\n")
     return metrics
 
 
@@ -147,7 +178,7 @@ def main(cfg: Config) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(decay_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
     run.track(model=PolicyWeights(policy), optimizer=optimizer, scheduler=scheduler)
-    run.evaluation(lambda epoch, should_stop: _evaluate(cfg, policy))
+    run.evaluation(lambda epoch, should_stop: _evaluate(cfg, policy, epoch, run.output_dir))
 
     with run:
         while run.next_epoch():

@@ -94,7 +94,7 @@ def test_aggregate_errors():
 def test_clip_clips_positive_advantage():
     # rho = 1.5, eps = 0.2, A = 2: max(-2 * 1.5, -2 * 1.2) = max(-3, -2.4) = -2.4 = -1.2 A; constant -> no gradient
     logp = t(math.log(1.5), requires_grad=True)
-    out = clipped_policy_loss(logp, t(0.0), t(2.0), eps_low=0.2)
+    out = clipped_policy_loss(logp, t(0.0), t(2.0), clip_range=0.2)
     assert isinstance(out, LossOutput)
     close(out.loss, -2.4)
     close(out.clip_frac, 1.0)
@@ -114,7 +114,7 @@ def test_clipped_loss_hand_batch():
     #   mean = 0.14384103622589045.
     old = t(0.3, -1.0, 2.0, 0.0).reshape(2, 2)
     logp = (old + torch.log(t(1.5, 0.5, 0.5, 1.5).reshape(2, 2))).requires_grad_()
-    out = clipped_policy_loss(logp, old, t(2.0, -2.0), eps_low=0.2)
+    out = clipped_policy_loss(logp, old, t(2.0, -2.0), clip_range=0.2)
     close(out.loss, 0.3)
     close(out.clip_frac, 0.5)
     close(out.ratio_mean, 1.0)
@@ -124,35 +124,35 @@ def test_clipped_loss_hand_batch():
     out.loss.backward()
     close(logp.grad, [[0.0, -0.25], [0.0, 0.75]])
     # [B, T] advantages and an explicit all-ones mask give the same
-    out2 = clipped_policy_loss(logp, old, t(2.0, 2.0, -2.0, -2.0).reshape(2, 2), torch.ones(2, 2), eps_low=0.2)
+    out2 = clipped_policy_loss(logp, old, t(2.0, 2.0, -2.0, -2.0).reshape(2, 2), torch.ones(2, 2), clip_range=0.2)
     close(out2.loss, 0.3)
     # masking the two clipped elements: (-1 + 3) / 2 = 1, clip_frac 0
-    out3 = clipped_policy_loss(logp, old, t(2.0, -2.0), torch.tensor([[False, True], [False, True]]), eps_low=0.2)
+    out3 = clipped_policy_loss(logp, old, t(2.0, -2.0), torch.tensor([[False, True], [False, True]]), clip_range=0.2)
     close(out3.loss, 1.0)
     close(out3.clip_frac, 0.0)
     # seq_mean_token_sum: row sums (-2.4 - 1) = -3.4 and (1.6 + 3) = 4.6, mean 0.6
-    close(clipped_policy_loss(logp, old, t(2.0, -2.0), eps_low=0.2, aggregation="seq_mean_token_sum").loss, 0.6)
+    close(clipped_policy_loss(logp, old, t(2.0, -2.0), clip_range=0.2, aggregation="seq_mean_token_sum").loss, 0.6)
 
 
 def test_clip_higher_and_dual_clip():
-    # eps_low 0.2, eps_high 0.28: rho 1.5, A = 1 -> max(-1.5, -1.28) = -1.28; rho 0.5, A = -1 -> max(0.5, 0.8) = 0.8
+    # clip_range 0.2, clip_range_high 0.28: rho 1.5, A = 1 -> max(-1.5, -1.28) = -1.28; rho 0.5, A = -1 -> max(0.5, 0.8) = 0.8
     logp = torch.log(t(1.5, 0.5))
     out = clipped_policy_loss(
-        logp, t(0.0, 0.0), t(1.0, -1.0), eps_low=0.2, eps_high=0.28, aggregation="seq_mean_token_sum"
+        logp, t(0.0, 0.0), t(1.0, -1.0), clip_range=0.2, clip_range_high=0.28, aggregation="seq_mean_token_sum"
     )
     close(out.loss, (-1.28 + 0.8) / 2)
     # Dual clip c = 3, rho = 4, A = -1: max(4, 1.2) = 4, then min(4, -A c = 3) = 3; constant -> no gradient.
     logp = torch.log(t(4.0)).requires_grad_()
-    out = clipped_policy_loss(logp, t(0.0), t(-1.0), eps_low=0.2, dual_clip=3.0)
+    out = clipped_policy_loss(logp, t(0.0), t(-1.0), clip_range=0.2, dual_clip=3.0)
     close(out.loss, 3.0)
     close(out.clip_frac, 1.0)
     out.loss.backward()
     assert torch.equal(logp.grad, t(0.0))
     # below the cap it does nothing: rho 1.5, A = -2 -> 3 < 6; without dual clip rho 4 gives 4
-    close(clipped_policy_loss(torch.log(t(1.5)), t(0.0), t(-2.0), eps_low=0.2, dual_clip=3.0).loss, 3.0)
-    close(clipped_policy_loss(torch.log(t(4.0)), t(0.0), t(-1.0), eps_low=0.2).loss, 4.0)
+    close(clipped_policy_loss(torch.log(t(1.5)), t(0.0), t(-2.0), clip_range=0.2, dual_clip=3.0).loss, 3.0)
+    close(clipped_policy_loss(torch.log(t(4.0)), t(0.0), t(-1.0), clip_range=0.2).loss, 4.0)
     # positive advantages are never dual-clipped: rho 4, A = 1 -> max(-4, -1.2) = -1.2
-    close(clipped_policy_loss(torch.log(t(4.0)), t(0.0), t(1.0), eps_low=0.2, dual_clip=3.0).loss, -1.2)
+    close(clipped_policy_loss(torch.log(t(4.0)), t(0.0), t(1.0), clip_range=0.2, dual_clip=3.0).loss, -1.2)
 
 
 def test_on_policy_loss_is_minus_mean_advantage_and_gradient_is_policy_gradient():
@@ -161,7 +161,7 @@ def test_on_policy_loss_is_minus_mean_advantage_and_gradient_is_policy_gradient(
     logp = torch.randn(B, T, generator=gen, dtype=D).requires_grad_()
     A = torch.randn(B, generator=gen, dtype=D)
     m = torch.rand(B, T, generator=gen) > 0.3
-    out = clipped_policy_loss(logp, logp.detach().clone(), A, m, eps_low=0.2)
+    out = clipped_policy_loss(logp, logp.detach().clone(), A, m, clip_range=0.2)
     mf = m.to(D)
     A_bt = A[:, None].expand(B, T)
     close(out.loss, -(A_bt * mf).sum() / mf.sum(), atol=1e-12)
@@ -178,7 +178,7 @@ def test_masked_padding_with_inf_and_nan_is_ignored():
     logp = t(0.0, float("-inf"), 0.5, 0.5).reshape(2, 2).requires_grad_()
     old = t(0.0, float("nan"), 0.5, 0.5).reshape(2, 2)
     m = torch.tensor([[True, False], [True, True]])
-    out = clipped_policy_loss(logp, old, t(1.0, -3.0), m, eps_low=0.2)
+    out = clipped_policy_loss(logp, old, t(1.0, -3.0), m, clip_range=0.2)
     close(out.loss, 5 / 3)
     close(out.ratio_mean, 1.0)
     close(out.approx_kl, 0.0)
@@ -189,13 +189,13 @@ def test_masked_padding_with_inf_and_nan_is_ignored():
 
 def test_bf16_logp_is_upcast():
     logp = torch.log(torch.tensor([1.5, 1.0])).to(torch.bfloat16)
-    out = clipped_policy_loss(logp, logp.clone(), torch.tensor([1.0, 1.0]), eps_low=0.2)
+    out = clipped_policy_loss(logp, logp.clone(), torch.tensor([1.0, 1.0]), clip_range=0.2)
     assert out.loss.dtype == torch.float32
     close(out.loss, -1.0)
 
 
 def test_ratio_clamp_keeps_loss_finite():
-    out = clipped_policy_loss(t(100.0), t(0.0), t(-1.0), eps_low=0.2)
+    out = clipped_policy_loss(t(100.0), t(0.0), t(-1.0), clip_range=0.2)
     # log-ratio clamped at 20: loss = -A * exp(20) = 485165195.4097903
     close(out.loss, 485165195.4097903, atol=1e-3)
 
@@ -203,15 +203,15 @@ def test_ratio_clamp_keeps_loss_finite():
 def test_clipped_loss_errors():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="advantages.*\\[B\\] = \\[2\\].*\\[3\\]"):
-        clipped_policy_loss(x, x, torch.zeros(3), eps_low=0.2)
+        clipped_policy_loss(x, x, torch.zeros(3), clip_range=0.2)
     with pytest.raises(ValueError, match="old_logp"):
-        clipped_policy_loss(x, torch.zeros(2, 2), torch.zeros(2), eps_low=0.2)
+        clipped_policy_loss(x, torch.zeros(2, 2), torch.zeros(2), clip_range=0.2)
     with pytest.raises(ValueError, match="dual_clip.*> 1.*0.5"):
-        clipped_policy_loss(x, x, torch.zeros(2), eps_low=0.2, dual_clip=0.5)
+        clipped_policy_loss(x, x, torch.zeros(2), clip_range=0.2, dual_clip=0.5)
     with pytest.raises(ValueError, match="aggregation"):
-        clipped_policy_loss(x, x, torch.zeros(2), eps_low=0.2, aggregation="sum")
-    with pytest.raises(ValueError, match="eps_low"):
-        clipped_policy_loss(x, x, torch.zeros(2), eps_low=1.5)
+        clipped_policy_loss(x, x, torch.zeros(2), clip_range=0.2, aggregation="sum")
+    with pytest.raises(ValueError, match="clip_range"):
+        clipped_policy_loss(x, x, torch.zeros(2), clip_range=1.5)
     assert POLICY_LOSSES.get("clipped") is clipped_policy_loss
 
 
@@ -303,7 +303,7 @@ def guard_setup(rows=6, spread=0.3):
 
     def flowrl(v, eps=3e-3):
         mean, logp = current(v)
-        return ratio_norm_policy_loss(logp, old_logp, adv, mean, old_mean, std, dt, eps_low=eps)
+        return ratio_norm_policy_loss(logp, old_logp, adv, mean, old_mean, std, dt, clip_range=eps)
 
     return v, current, old_mean, old_logp, g, sqrt_dt, adv, flowrl
 
@@ -362,7 +362,7 @@ def test_ratio_norm_hand_values():
     def loss(mean, adv, eps):
         logp = -((x_next - mean) ** 2).mean(dim=1) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
         old = -((x_next - old_mean) ** 2).mean(dim=1) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
-        return ratio_norm_policy_loss(logp, old, t(adv), mean, old_mean, s, -0.25, eps_low=eps)
+        return ratio_norm_policy_loss(logp, old, t(adv), mean, old_mean, s, -0.25, clip_range=eps)
 
     rho = math.exp(-0.1)
     mean = t(0.1, 0.3).reshape(1, 2).requires_grad_(True)
@@ -387,7 +387,7 @@ def test_ratio_norm_is_one_on_policy_whatever_the_step():
     # Unchanged policy: mean = old mean, logp = old logp, so the normalised ratio is exactly 1 and the loss -A / |dt|.
     mean = torch.randn(3, 4, dtype=D)
     out = ratio_norm_policy_loss(t(-1.0, -2.0, -3.0), t(-1.0, -2.0, -3.0), t(1.0, -1.0, 3.0), mean, mean.clone(),
-                                 t(0.3, 0.2, 0.1), t(0.1, 0.1, 0.2), eps_low=1e-6)
+                                 t(0.3, 0.2, 0.1), t(0.1, 0.1, 0.2), clip_range=1e-6)
     close(out.ratio_mean, 1.0)
     close(out.loss, (-1.0 / 0.1 + 1.0 / 0.1 - 3.0 / 0.2) / 3)
 
@@ -472,9 +472,9 @@ def test_step_losses_errors():
     with pytest.raises(ValueError, match="threshold must be a number > 0"):
         dppo_policy_loss(x, x, x, m, m, 1.0, threshold=0.0)
     with pytest.raises(ValueError, match="dt must be non-zero"):
-        ratio_norm_policy_loss(x, x, x, m, m, 1.0, 0.0, eps_low=0.1)
-    with pytest.raises(ValueError, match="eps_low"):
-        ratio_norm_policy_loss(x, x, x, m, m, 1.0, 0.1, eps_low=1.5)
+        ratio_norm_policy_loss(x, x, x, m, m, 1.0, 0.0, clip_range=0.1)
+    with pytest.raises(ValueError, match="clip_range"):
+        ratio_norm_policy_loss(x, x, x, m, m, 1.0, 0.1, clip_range=1.5)
     assert POLICY_LOSSES.get("grpo_guard") is ratio_norm_policy_loss
     assert POLICY_LOSSES.get("flow_dppo") is dppo_policy_loss
 

@@ -84,3 +84,32 @@ def test_bad_inputs_are_clear_errors():
         discounted_turn_returns(REWARDS, MASK, gamma=1.5)
     with pytest.raises(ValueError, match="non-finite"):
         discounted_turn_returns(torch.tensor([[float("nan")]]))
+
+
+def test_trloo_reference_values():
+    """TRLOO (Dr. Kernel / KernelGYM): the return of each turn minus the mean return of the *other* episodes of
+    its group at that turn (hand-computed below); a lone (group, turn) cell keeps its return."""
+    from flowrl.core.turn_credit import trloo_advantages
+
+    r = torch.tensor([[-0.05, 1.0], [0.0, 0.0], [-0.05, 0.0], [1.0, 0.0], [0.0, 0.0], [0.5, 0.25]])
+    m = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0], [1, 0], [1, 1]], dtype=torch.bool)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    adv = trloo_advantages(r, m, groups, gamma=1.0)
+    # Returns (gamma 1): [0.95, 1], [0], [-0.05, 0], [1], [0], [0.75, 0.25].
+    # Group 0, turn 0: 0.95 - (0 - 0.05) / 2 = 0.975; 0 - (0.95 - 0.05) / 2 = -0.45; -0.05 - 0.95 / 2 = -0.525.
+    # Group 0, turn 1 (episodes 0 and 2): 1 - 0 = 1 and 0 - 1 = -1. Group 1: 1 and -1. Group 2 is alone.
+    expected = torch.tensor([[0.975, 1.0], [-0.45, 0.0], [-0.525, -1.0], [1.0, 0.0], [-1.0, 0.0], [0.75, 0.25]])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
+    # The authors' form: n / (n - 1) (G - mean over all n), on group 0's first turn.
+    g = torch.tensor([0.95, 0.0, -0.05])
+    torch.testing.assert_close(adv[:3, 0], 3 / 2 * (g - g.mean()), rtol=0, atol=1e-6)
+    # A discount enters through the returns: gamma 0.5 gives episode 0 the return -0.05 + 0.5 = 0.45 at turn 0.
+    half = trloo_advantages(r, m, groups, gamma=0.5)
+    assert abs(float(half[0, 0]) - (0.45 + 0.025)) < 1e-6
+    # Masked turns are 0 and the estimator registry serves it.
+    from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
+
+    batch = CreditBatch(rewards=(r * m).sum(1), group_ids=groups, steps=[0, 1], num_steps=2, turn_rewards=r,
+                        turn_mask=m)
+    via_registry, _ = ADVANTAGE_ESTIMATORS.get("trloo")(batch, gamma=1.0, clip=None)
+    torch.testing.assert_close(via_registry, expected, rtol=0, atol=1e-6)

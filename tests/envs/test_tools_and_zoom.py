@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from flowrl.data.shapes import render
-from flowrl.data.vqa import make_example
 from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, numeric_match
 from flowrl.envs.rollout import SamplingSettings, play_episodes
 from flowrl.envs.tools import ToolCallError, ToolSpec, extract_answer, parse_tool_calls
@@ -70,21 +69,48 @@ def test_answers_and_rule_rewards():
 
 
 def test_zoom_crop_is_the_full_resolution_quadrant():
+    from flowrl.data.shapes import Scene, SceneObject
+
     task = zoom_tasks("train", 4, seed=1, kinds=("count",))[0]
     q = task.data["quadrant"]
-    example = make_example(_count_spec(task), task.data["seed"])
-    # The quadrant holding the objects is exactly the 32 px Shapes-VQA scene, pixel for pixel.
-    assert np.array_equal(crop(task, q), render(example.scene))
+    qx, qy = QUADRANTS.index(q) % 2, QUADRANTS.index(q) // 2
+    local = Scene(tuple(SceneObject(o.shape, o.color, o.cx - 32 * qx, o.cy - 32 * qy, o.size)
+                        for o in task.data["scene"].objects), 32)
+    # The quadrant holding the objects is exactly the 32 px scene of its objects, pixel for pixel.
+    assert np.array_equal(crop(task, q), render(local))
     for other in QUADRANTS:
         if other != q:
             assert (crop(task, other) == 255).all()
     assert overview(task).shape == (32, 32, 3)
 
 
-def _count_spec(task):
-    from flowrl.data.vqa import split_questions
+def test_zoom_count_scenes_need_the_shapes():
+    """Every distractor of a count task shares the asked colour (at least one): counting the colour is wrong."""
+    tasks = zoom_tasks("train", 60, seed=2, kinds=("count",))
+    answers = set()
+    for task in tasks:
+        words = task.question.split()  # "how many <colour> <shape>s are there?"
+        color, shape = words[2], words[3].removesuffix("s")
+        objects = task.data["scene"].objects
+        targets = [o for o in objects if (o.color, o.shape) == (color, shape)]
+        assert str(len(targets)) == task.answer and len(objects) <= 4
+        assert len(objects) > len(targets) and all(o.color == color for o in objects)
+        answers.add(task.answer)
+    assert answers == {"0", "1", "2", "3"}
 
-    return next(s for s in split_questions("train")["count"] if s.text() == task.question)
+
+def test_zoom_baselines_show_the_plain_question_on_the_overview_or_the_right_quadrant():
+    from flowrl.envs.registry import get_env
+
+    task = zoom_tasks("eval", 1, seed=3, kinds=("count",))[0]
+    over, full = get_env("shapes_zoom_overview"), get_env("shapes_zoom_crop")
+    assert over.max_turns == full.max_turns == 1
+    assert over.eval_tasks(3)[0].question == get_env("shapes_zoom").eval_tasks(3)[0].question
+    a, b = over.make().reset(task), full.make().reset(task)
+    assert a.text == b.text == task.question  # no tool offered
+    assert np.array_equal(a.images[0], overview(task))
+    assert np.array_equal(b.images[0], crop(task, task.data["quadrant"]))
+    assert over.make().step("2").done
 
 
 def test_zoom_environment_steps():

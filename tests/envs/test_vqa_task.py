@@ -56,6 +56,21 @@ def test_split_holds_out_combinations():
         assert a and b and not a & b, kind
     for kind in ("color", "shape"):  # nothing to hold out: in both splits, on fresh scenes
         assert train[kind] == held[kind]
+    # A quarter of each family's combinations, rounded up: 5 of 18 (colour, shape) pairs, 3 of 12 relations.
+    assert (len(held["count"]), len(held["exists"]), len(held["position"])) == (5, 5, 6)
+    assert (len(train["count"]), len(train["exists"]), len(train["position"])) == (13, 13, 18)
+    # A held-out pair is asked about by neither count nor exists in training.
+    pairs = lambda specs: {(s.color, s.shape) for s in specs}  # noqa: E731
+    assert pairs(held["count"]) == pairs(held["exists"])
+    assert not pairs(held["count"]) & (pairs(train["count"]) | pairs(train["exists"]))
+    # A held-out relation is held out with its mirror ("a above b" is "b below a").
+    mirror = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+    relations = lambda specs: {(s.shape, s.relation, s.other) for s in specs}  # noqa: E731
+    assert {(b, mirror[r], a) for a, r, b in relations(held["position"])} == relations(held["position"])
+    assert not relations(held["position"]) & relations(train["position"])
+    # Every relation word is still trained with more than one second shape.
+    for relation in mirror:
+        assert len({s.other for s in train["position"] if s.relation == relation}) >= 2, relation
     # Every word of a held-out question is known from training questions (it is the combination that is new).
     train_words = {w for specs in train.values() for s in specs for w in s.text().split()}
     assert all(w in train_words for specs in held.values() for s in specs for w in s.text().split())
@@ -76,3 +91,27 @@ def test_normalize_answer():
     assert normalize_answer("Red!") == "red"
     assert normalize_answer("no") == "no"
     assert normalize_answer("zero") == "0"
+
+
+def test_descriptions_list_every_object_in_reading_order():
+    from flowrl.data.shapes import Scene, SceneObject
+    from flowrl.data.vqa import describe_objects
+
+    # Two rows: the top row (centres 5 px apart, under half an object) read left to right, then the bottom.
+    scene = Scene((SceneObject("square", "blue", 25, 8, 10), SceneObject("circle", "red", 6, 26, 10),
+                   SceneObject("triangle", "green", 5, 11, 10)), 32)
+    assert describe_objects(scene) == "green triangle , blue square , red circle"
+    # On real examples: one "colour shape" per object, and the words are the tokenizer's.
+    from flowrl.policies.shapes_vlm import VOCAB_WORDS
+
+    for e in sample_vqa("train", 20, seed=4):
+        parts = e.description().split(" , ")
+        assert sorted(parts) == sorted(f"{o.color} {o.shape}" for o in e.scene.objects)
+        assert all(w in VOCAB_WORDS for w in e.description().split())
+
+
+def test_images_are_rendered_once_and_read_only():
+    e = sample_vqa("train", 1, seed=6)[0]
+    first = e.image()
+    assert e.image() is first and not first.flags.writeable
+    assert vqa_eval_set(5)[0] is vqa_eval_set(5)[0]  # the fixed set is built once per process

@@ -140,3 +140,30 @@ def test_a_renamed_key_keeps_working_with_a_warning(capsys):
     assert from_dict(Config, {"clock": "cpu", "run": {"clock": "cpu"}}).run.clock == "cpu"  # same value twice is fine
     with pytest.raises(ConfigError, match="set twice"):
         from_dict(Config, {"clock": "cpu", "run": {"clock": "wall"}})
+
+
+def test_vlm_grpo_old_clip_and_kl_keys_move_to_train_with_a_warning(capsys, tmp_path):
+    """``algorithm.kl_beta`` / ``clip_low`` / ``clip_high`` (a section's keys moved to another section) keep
+    working in a file, in a ``a.b=c`` override and in a plain mapping."""
+    from flowrl.config import ConfigError, from_dict
+    from flowrl.recipes.vlm_grpo import Config
+    from pathlib import Path
+
+    from flowrl.train import load_recipe_config
+
+    cfg = from_dict(Config, {"algorithm": {"kl": "k3", "kl_beta": 0.05, "clip_low": 0.1, "clip_high": 0.3}})
+    assert (cfg.train.kl_coef, cfg.train.clip_range, cfg.train.clip_range_high) == (0.05, 0.1, 0.3)
+    assert cfg.algorithm.resolved(cfg.train).clip_range_high == 0.3
+    assert cfg.algorithm.resolved(cfg.train).clip_range == 0.1
+    err = capsys.readouterr().err
+    assert "'algorithm.kl_beta' is deprecated; use 'train.kl_coef'" in err
+    with pytest.raises(ConfigError, match="set twice"):
+        from_dict(Config, {"algorithm": {"kl_beta": 0.05}, "train": {"kl_coef": 0.1}})
+    config = tmp_path / "old.yaml"
+    config.write_text("base: " + str(Path(__file__).resolve().parents[2] / "configs/vlm/shapes_vqa_grpo.yaml")
+                      + "\nalgorithm:\n  kl: k3\n  kl_beta: 0.02\n  clip_high: 0.28\n")
+    _, cfg = load_recipe_config(str(config), ["algorithm.clip_low=0.15"])
+    assert (cfg.train.kl_coef, cfg.train.clip_range, cfg.train.clip_range_high) == (0.02, 0.15, 0.28)
+    assert cfg.algorithm.resolved(cfg.train).clip_range == 0.15
+    # Unset: the variant's defaults.
+    assert from_dict(Config, {"algorithm": {"variant": "dapo"}}).algorithm.resolved().clip_range_high == 0.28

@@ -208,3 +208,22 @@ def test_stop_strings_and_max_tokens(policy):
     assert cut.token_ids == free.token_ids[: first + 1] and cut.finish == "stop"
     assert cut.text.endswith(words[k].strip())
     assert len(free.token_ids) == 6 and torch.allclose(cut.logprobs, free.logprobs[: first + 1])
+
+
+def test_score_can_return_the_entropy_of_the_tempered_distribution(policy):
+    conversations, _ = _play(policy, _multi_turn(policy))
+    inputs = policy.build_inputs(conversations)
+    with torch.no_grad():
+        logp, entropy = policy.score(inputs, temperature=0.7, with_entropy=True)
+        assert torch.equal(logp, policy.score(inputs, temperature=0.7))
+        # The entropy at one trained position, from the full logits by hand.
+        out = policy.model(**inputs.to(policy.device).tensors, use_cache=False)
+    mask = inputs.loss_mask > 0
+    b, t = mask.nonzero()[0].tolist()
+    logits = out.logits[b, t - 1].float() / 0.7
+    if policy.banned_token_ids:
+        logits[policy.banned_token_ids] = float("-inf")
+    p = torch.softmax(logits, -1)
+    expected = -(p[p > 0] * p[p > 0].log()).sum()
+    assert abs(float(entropy[b, t]) - float(expected)) < 1e-4 * max(1.0, float(expected))
+    assert (entropy[~mask] == 0).all() and (entropy[mask] > 0).all()

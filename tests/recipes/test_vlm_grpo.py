@@ -59,6 +59,7 @@ def test_ratio_is_exactly_one_before_the_first_update(tiny_vlm, tmp_path):
     assert m["train/ratio_mean"] == 1.0 and m["train/clip_frac"] == 0.0 and m["train/approx_kl"] == 0.0
     assert m["train/reward_std"] > 0 and m["train/grad_norm"] > 0  # a real update happened
     assert m["train/rollout_logp_gap"] < 1e-5  # the sampler's log-probs are the trainer's
+    assert 0 < m["train/entropy"] < 5.0  # logged every epoch (nats per trained token; ln 96 = 4.56 at most)
     # With a second inner epoch the same samples are scored after an update: the metric sees the change.
     run_recipe(GRPO, overrides(tiny_vlm, tmp_path / "b", "train.inner_epochs=2"))
     assert last(tmp_path / "b")["train/ratio_mean"] != 1.0
@@ -68,7 +69,7 @@ def test_ratio_is_exactly_one_before_the_first_update(tiny_vlm, tmp_path):
 def test_every_variant_takes_a_step(tiny_vlm, tmp_path, variant):
     extra = [f"algorithm.variant={variant}"]
     if variant == "grpo":
-        extra += ["algorithm.kl=k3", "algorithm.kl_beta=0.1", "model.lora={rank: 4, alpha: 8}"]
+        extra += ["algorithm.kl=k3", "train.kl_coef=0.1", "model.lora={rank: 4, alpha: 8}"]
     run_recipe(GRPO, overrides(tiny_vlm, tmp_path, *extra))
     m = last(tmp_path)
     assert m["train/grad_norm"] > 0 and torch.isfinite(torch.tensor(m["train/loss"]))

@@ -32,7 +32,15 @@ def test_sft_learns_and_saves_a_loadable_policy(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0]
-    assert {"eval/vqa/accuracy", "eval/vqa/count", "eval/vqa/position", "eval/zoom/accuracy"} <= set(rows[-1])
+    assert {"eval/vqa/accuracy", "eval/vqa/count", "eval/vqa/position", "eval/zoom/accuracy",
+            "eval/vqa/top_answer_share/shape", "eval/zoom_overview/accuracy", "eval/zoom_crop/count"} <= set(rows[-1])
+    # What the policy answered, per kind, at every evaluation (at start, then 3; the shares agree with the metric).
+    import json
+
+    answers = [json.loads(line) for line in (tmp_path / "eval_answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 and set(answers[-1]["vqa"]) == {"count", "color", "shape", "position", "exists"}
+    shape = answers[-1]["vqa"]["shape"]
+    assert abs(max(shape.values()) / sum(shape.values()) - rows[-1]["eval/vqa/top_answer_share/shape"]) < 1e-9
     policy = TokenPolicy.from_pretrained(tmp_path / "model")
     assert policy.family.name == "qwen2_vl"
 
@@ -45,3 +53,36 @@ def test_sft_resumes_exactly(tmp_path):
     assert a["step"] == b["step"] == 8
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
+
+
+def test_batches_hold_a_description_turn_and_count_demonstrations_zoom():
+    from flowrl.data.vqa import DESCRIBE_QUESTION
+    from flowrl.recipes.vlm_sft import batch_conversations
+
+    _, cfg = load_recipe_config(CONFIG, ["data.batch_size=20", "data.zoom_fraction=0.5"])
+    assert cfg.data.describe and cfg.model.rope_theta < 100
+    conversations = batch_conversations(cfg, step=3)
+    vqa, zoom = conversations[:10], conversations[10:]
+    for turns in vqa:  # the question first (the layout of evaluation), then the train-only description
+        assert [t.role for t in turns] == ["user", "assistant", "user", "assistant"]
+        assert turns[2].text == DESCRIBE_QUESTION and not turns[2].images and " " in turns[3].text
+    for turns in zoom:
+        calls = [t for t in turns if t.role == "assistant" and "<tool_call>" in t.text]
+        is_count = turns[0].text.startswith("how many")
+        assert bool(calls) == is_count  # counts zoom; colour demonstrations answer from the overview
+    assert {t[0].text.startswith("how many") for t in zoom} == {True, False}
+
+
+def test_mrope_sections_must_fill_half_the_head():
+    import pytest
+
+    from flowrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.mrope_section.*adding up to half the head dimension"):
+        load_recipe_config(CONFIG, ["model.mrope_section=[4, 4, 4]"])
+    _, cfg = load_recipe_config(CONFIG, ["model.mrope_section=[2, 7, 7]"])
+    from flowrl.policies.shapes_vlm import build_model
+
+    model, _ = build_model(cfg.model)
+    assert model.config.text_config.rope_parameters["mrope_section"] == [2, 7, 7]
+    assert model.config.text_config.rope_parameters["rope_theta"] == cfg.model.rope_theta
