@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.runs import clean, fmt, mean_std, read_curve, save_figure
+from benchmarks.runs import clean, fmt, mean_std, read_curve, restore_record, save_figure
 
 LENIENT, STRICT, EXTRA = "eval/shapes/accuracy", "hack/accuracy_strict", "hack/extra_object_rate"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -36,6 +36,8 @@ DISCRIMINATOR = "adv/d_acc_fresh"
 def curve(directory: Path) -> dict | None:
     """A run's evaluations: minutes, epochs, every metric of the table and the proxy (the mean training reward of
     the epochs since the previous evaluation; the first evaluation's is the first epoch's)."""
+    if not (directory / "metrics.jsonl").is_file():
+        restore_record(directory)  # a run finished on an earlier machine
     found = read_curve(directory, LENIENT)
     if found is None:
         return None

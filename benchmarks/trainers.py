@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     launched = [] if args.analyse_only else launch(jobs, args.parallel)
     runs = {}
     for job in jobs:
+        if not (job["out"] / "metrics.jsonl").is_file():
+            restore_record(job["out"])  # a run finished on an earlier machine
         curve = read_curve(job["out"], METRIC, initial=base)
         if curve is None:
             print(f"trainers: no evaluated metrics in {job['out']}; left out", flush=True)
