@@ -218,12 +218,14 @@ class HackingPanel:
         once drawn, later calls return them whatever the arguments)."""
         if self._base is None:
             base = images if epoch == 0 else with_reference(
-                model, lambda: self._generate(model, self.prompts, seeds, should_stop))
+                model, lambda: self._generate(model, self.prompts, seeds, should_stop, self.metadata))
             self._base = to_uint8(base)
         return self._base.float() / 255
 
-    def _generate(self, model, prompts: list[str], seeds: list[int], should_stop=None) -> torch.Tensor:
-        """ODE samples of ``prompts`` split over the processes, gathered (every process gets all)."""
+    def _generate(self, model, prompts: list[str], seeds: list[int], should_stop=None,
+                  metadata: list[dict] | None = None) -> torch.Tensor:
+        """ODE samples of ``prompts`` (with their prompt-set rows, which an editing model reads) split over the
+        processes, gathered (every process gets all)."""
         from flowrl.generate import generate
 
         dist = self.dist
@@ -231,7 +233,8 @@ class HackingPanel:
         per = -(-n // dist.world_size)
         rows = list(range(dist.rank * per, min((dist.rank + 1) * per, n)))
         local = generate(model, [prompts[i] for i in rows], [seeds[i] for i in rows], steps=self.steps,
-                         guidance=self.guidance, batch_size=self.batch_size, should_stop=should_stop) if rows else None
+                         guidance=self.guidance, batch_size=self.batch_size, should_stop=should_stop,
+                         metadata=None if metadata is None else [metadata[i] for i in rows]) if rows else None
         return gather_images(dist, local, n, per)
 
     def __call__(self, model, epoch: int, images: torch.Tensor, seeds: list[int], should_stop=None) -> dict[str, float]:
