@@ -25,7 +25,7 @@ from torch import nn
 
 from .base import Cond, LoraSettings
 from .flux import FLUX_LORA_TARGETS, FluxModel
-from .loading import cast_module_, load_pipeline, resolve_dtype, vae_decode, vae_encode
+from .loading import cast_module_, load_pipeline, resolve_dtype, vae_decode
 
 __all__ = ["FluxKontextModel", "FLUX_KONTEXT_DEFAULT_MODEL", "FLUX_KONTEXT_LORA_TARGETS"]
 
@@ -95,10 +95,13 @@ class FluxKontextModel(FluxModel):
         """Source images (each ``[3, H, W]`` in [0, 1], any size) -> latents ``[B, *latent_shape]``: resized to
         the model's resolution with the pipeline's image processor, then the VAE posterior's mean."""
         height, width = self._image_size()
-        processor = self.pipeline.image_processor
-        # preprocess maps [0, 1] to [-1, 1]; vae_encode takes [0, 1], so undo that one affine step
-        images = torch.cat([processor.preprocess(s.unsqueeze(0), height, width) for s in sources]) / 2 + 0.5
-        return vae_encode(self.pipeline.vae, images)
+        processor, vae = self.pipeline.image_processor, self.pipeline.vae
+        param = next(vae.parameters())
+        # the pipeline's own steps: resize + preprocess (to [-1, 1]), then _encode_vae_image's argmax latents
+        images = torch.cat([processor.preprocess(processor.resize(s.unsqueeze(0), height, width), height, width)
+                            for s in sources]).to(device=param.device, dtype=param.dtype)
+        z = vae.encode(images).latent_dist.mode()
+        return ((z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).float()
 
     def _encode(self, prompts: list[str], sources: list[torch.Tensor] | None = None) -> Cond:
         if sources is None:
