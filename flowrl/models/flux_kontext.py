@@ -12,8 +12,9 @@ diffusers (tests/models/test_flux_kontext.py):
   first coordinate is 1 (the pipeline's ``image_ids[..., 0] = 1``), and keeps only the first (noisy-latent) tokens
   of the prediction. The schedule's ``image_seq_len`` counts the noisy latent's tokens only, as the pipeline's.
 - **Resolution.** The pipeline by default snaps the source to one of Kontext's preferred resolutions
-  (``_auto_resize``); flowrl conditions on the source at the model's own resolution, which is the pipeline called
-  with ``_auto_resize=False`` and ``height = width = resolution``.
+  (``_auto_resize``) and scales its output to a ``max_area`` of 1024 x 1024; flowrl draws and conditions at the
+  model's own resolution, which is the pipeline called with ``height = width = resolution``,
+  ``max_area = resolution ** 2`` and ``_auto_resize=False``.
 """
 
 from __future__ import annotations

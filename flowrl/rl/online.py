@@ -47,7 +47,7 @@ __all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "OnlineLoop", "IMAGE_PL
 
 @dataclass
 class DataConfig:
-    train_prompts: str = "shapes:train"  # txt, jsonl or a built-in set
+    train_prompts: str = "shapes:train"  # txt, jsonl, editing shards (a dir of edits-*.tar) or a built-in set
     eval_prompts: str = "shapes:eval"
     num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1, le=100_000))
 

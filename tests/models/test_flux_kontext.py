@@ -55,7 +55,7 @@ def _pipeline(model, x_t, source, steps, guidance, output_type):
         out = model.pipeline(image=source, prompt=PROMPTS, latents=packed, num_inference_steps=steps,
                              guidance_scale=guidance, height=TINY_RESOLUTION, width=TINY_RESOLUTION,
                              max_sequence_length=model.max_sequence_length, output_type=output_type,
-                             _auto_resize=False).images
+                             max_area=TINY_RESOLUTION ** 2, _auto_resize=False).images
     if output_type == "latent":
         return FluxKontextPipeline._unpack_latents(out, TINY_RESOLUTION, TINY_RESOLUTION, model.vae_scale_factor)
     return out

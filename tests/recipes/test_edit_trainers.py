@@ -100,7 +100,7 @@ def test_the_exported_lora_edits_like_flowrl_in_plain_diffusers(edits, tmp_path)
             return pipe(image=source, prompt=prompts, latents=pipe._pack_latents(noise, *noise.shape),
                         num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=TINY_RESOLUTION,
                         width=TINY_RESOLUTION, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH, output_type="pt",
-                        _auto_resize=False).images.cpu()
+                        max_area=TINY_RESOLUTION ** 2, _auto_resize=False).images.cpu()
 
     def base():
         pipe = FluxKontextPipeline.from_pretrained(build_tiny(FAMILY))
