@@ -90,15 +90,17 @@ def read_edit_prompts(pattern_or_dir: str | Path) -> list[EditPrompt]:
     return items
 
 
-def edit_metadata(item: EditPrompt, resolution: int | tuple[int, int]) -> dict:
-    """The metadata a reward sees for ``item``: its own ``json`` fields plus ``source_image`` (``[3, H, W]`` float32
-    in [0, 1], resized to ``resolution`` with bicubic resampling) and ``source_caption`` (the instruction when the
-    shard has no ``src.txt``)."""
+def edit_metadata(item: EditPrompt, resolution: int | tuple[int, int] | None) -> dict:
+    """The metadata a reward (and an editing model) sees for ``item``: its own ``json`` fields plus ``source_image``
+    (``[3, H, W]`` float32 in [0, 1], resized to ``resolution`` with bicubic resampling; None: its own size) and
+    ``source_caption`` (the instruction when the shard has no ``src.txt``)."""
     import numpy as np
     from PIL import Image
 
-    height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
     image = decode_image(item.source, where=f"the source image of {item.key!r}")
-    image = image.resize((width, height), Image.Resampling.BICUBIC)
+    if resolution is not None:
+        height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+        if image.size != (width, height):
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
     return {**item.metadata, "source_image": pixels, "source_caption": item.source_caption or item.prompt}

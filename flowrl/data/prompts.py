@@ -1,5 +1,7 @@
 """Prompt sets: a text file (one prompt per line), a JSONL file (``{"prompt": ..., other keys are
-metadata the rewards receive}``), or a built-in set such as ``shapes:train`` / ``shapes:eval``."""
+metadata the rewards receive}``), editing prompts (webdataset shards of ``<key>.src.png`` + ``<key>.txt``: a
+directory of ``edits-*.tar`` or a ``.tar`` path / brace pattern; the source image travels in each row's metadata as
+``source_image``, flowrl.data.edit_prompts), or a built-in set such as ``shapes:train`` / ``shapes:eval``."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PromptSet", "PromptSetError", "load_prompts"]
+__all__ = ["PromptSet", "PromptSetError", "load_prompts", "is_edit_source"]
 
 
 class PromptSetError(ValueError):
@@ -73,12 +75,35 @@ def _read_lines(path: Path) -> list[str]:
                              f"{err.start}); {fix}") from None
 
 
-def load_prompts(source: str, limit: int | None = None) -> PromptSet:
+def is_edit_source(source: str) -> bool:
+    """``source`` names editing shards: a ``.tar`` path or pattern, or a directory holding ``edits-*.tar``."""
+    path = Path(source)
+    if source.endswith(".tar") or (".tar" in source and "{" in source):
+        return True
+    return path.is_dir() and any(path.glob("edits-*.tar"))
+
+
+def _edit_set(source: str, resolution) -> PromptSet:
+    from flowrl.data.edit_prompts import edit_metadata, read_edit_prompts
+    from flowrl.data.webdataset_io import ShardError
+
+    try:
+        items = read_edit_prompts(source)
+    except ShardError as err:
+        raise PromptSetError(str(err)) from None
+    rows = [edit_metadata(item, resolution) for item in items]
+    return PromptSet([item.prompt for item in items], rows, source)
+
+
+def load_prompts(source: str, limit: int | None = None, *, resolution: int | tuple[int, int] | None = None) -> PromptSet:
     """Load a prompt set.
 
     Args:
-        source: ``path.txt``, ``path.jsonl`` or a built-in name (``shapes:train``, ``shapes:eval``).
+        source: ``path.txt``, ``path.jsonl``, editing shards (see the module docstring) or a built-in name
+            (``shapes:train``, ``shapes:eval``).
         limit: keep the first ``limit`` prompts (for ``shapes:eval``: build that many).
+        resolution: editing shards only: the size (pixels, int or ``(H, W)``) the source images are resized to,
+            the model's (None: each source's own size). Sources are decoded once, ``[3, H, W]`` float32 each.
 
     Raises:
         PromptSetError: missing, unreadable, oversized or binary file, empty set, or a malformed JSONL
@@ -86,6 +111,8 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
     """
     if ":" in source and not Path(source).exists():
         prompt_set = _builtin(source, limit)
+    elif is_edit_source(source):
+        prompt_set = _edit_set(source, resolution)
     else:
         path = Path(source)
         if not path.is_file():

@@ -32,6 +32,7 @@ Cond = dict[str, torch.Tensor]  # each value [B, ...]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
 __all__ = ["Cond", "VelocityFn", "LoraSettings", "FlowModel", "ModelLoadError", "cond_select", "cond_cat",
+           "encode_rows", "source_tensor", "source_digest",
            "unwrap", "DEFAULT_PROMPT_CACHE_SIZE", "ATTENTION_BACKENDS", "check_attention_backend"]
 
 #: Prompts the text-conditioning cache keeps by default (least recently used evicted first).
@@ -67,6 +68,41 @@ def cond_select(cond: Cond, index: torch.Tensor | slice | list[int]) -> Cond:
     return {k: v[index] for k, v in cond.items()}
 
 
+def encode_rows(model, prompts: list[str], metadata: list[dict] | None) -> Cond:
+    """``model``'s Cond for prompts with their prompt-set rows: the rows reach ``encode_prompts`` only for an
+    editing model (:attr:`FlowModel.conditions_on_source`), so every other model is called as before."""
+    if getattr(model, "conditions_on_source", False):
+        return model.encode_prompts(prompts, metadata)
+    return model.encode_prompts(prompts)
+
+
+def source_tensor(value, *, index: int = 0, model: str = "this model") -> torch.Tensor:
+    """An editing prompt's source image as ``[3, H, W]`` float32 in [0, 1]: a tensor of that shape (or
+    ``[1, 3, H, W]``) or a PIL image. A ValueError naming the row and the fix otherwise."""
+    if value is not None and not isinstance(value, torch.Tensor) and hasattr(value, "convert"):  # PIL
+        import numpy as np
+
+        value = torch.from_numpy(np.asarray(value.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[0] == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor) or value.dim() != 3 or value.shape[0] != 3:
+        got = "no source_image" if value is None else f"a {type(value).__name__}" + (
+            f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        raise ValueError(f"prompt {index}: {model} edits a source image and got {got}; give editing prompts "
+                         f"(webdataset shards of <key>.src.png + <key>.txt, flowrl.data.edit_prompts) whose "
+                         f"metadata has source_image, a [3, H, W] tensor in [0, 1] or a PIL image")
+    return value.detach().float().cpu().contiguous()
+
+
+def source_digest(image: torch.Tensor) -> str:
+    """A content hash of a source image ``[3, H, W]`` (its shape and float32 bytes): the cache key's image part."""
+    import hashlib
+
+    digest = hashlib.sha1(str(tuple(image.shape)).encode())
+    digest.update(image.float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def cond_cat(conds: list[Cond]) -> Cond:
     """Concatenate Conds along the batch."""
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
@@ -79,11 +115,15 @@ class FlowModel(nn.Module):
         denoiser: the network that is trained (UNet or transformer).
         latent_shape: ``(C, H, W)`` of one latent.
         uses_cfg: classifier-free guidance applies (False for guidance-distilled FLUX).
+        conditions_on_source: an editing model (a source image beside each prompt).
         default_guidance: the guidance scale used when a recipe does not set one.
     """
 
     latent_shape: tuple[int, int, int]
     uses_cfg: bool = True
+    #: The model edits a source image: ``encode_prompts`` needs each row's ``metadata["source_image"]`` and
+    #: ``_encode(prompts, sources)`` receives them (``[3, H, W]`` float32 in [0, 1] each).
+    conditions_on_source: bool = False
     default_guidance: float = 1.0
 
     def __init__(self, denoiser: nn.Module, *, lora: LoraSettings | None = None,
@@ -105,7 +145,8 @@ class FlowModel(nn.Module):
     # ------------------------------------------------------------------ subclass hooks
 
     def _encode(self, prompts: list[str]) -> Cond:
-        """Encode unique prompts (no caching here) into a Cond with batch ``len(prompts)``."""
+        """Encode unique prompts (no caching here) into a Cond with batch ``len(prompts)``. Editing models
+        (:attr:`conditions_on_source`) take ``_encode(prompts, sources)``, one ``[3, H, W]`` source each."""
         raise NotImplementedError
 
     def _predict(self, denoiser: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
@@ -149,26 +190,45 @@ class FlowModel(nn.Module):
             self._prompt_cache.popitem(last=False)  # the least recently used
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Cond:
+    def encode_prompts(self, prompts: list[str], metadata: list[dict] | None = None) -> Cond:
         """Cond for ``prompts`` (batch ``len(prompts)``) on the model's device, encoding each unique prompt
-        not in the cache once (one batched call) and caching it (least recently used evicted first)."""
+        not in the cache once (one batched call) and caching it (least recently used evicted first).
+
+        ``metadata``: one dict per prompt (the prompt set's rows). Models that condition on a source image
+        (:attr:`conditions_on_source`, the editing models) read each row's ``"source_image"`` and key their
+        cache on the prompt and a hash of the source; every other model ignores it."""
+        if not self.conditions_on_source:
+            return self._encode_cached(prompts, prompts, None)
+        sources = [source_tensor(row.get("source_image") if isinstance(row, dict) else None, index=i,
+                                 model=type(self).__name__) for i, row in enumerate(metadata or [None] * len(prompts))]
+        if len(sources) != len(prompts):
+            raise ValueError(f"encode_prompts: {len(prompts)} prompts but {len(sources)} metadata rows")
+        keys = [f"{p}\x00{source_digest(s)}" for p, s in zip(prompts, sources)]
+        return self._encode_cached(prompts, keys, sources)
+
+    def _encode_cached(self, prompts: list[str], keys: list[str], sources: list[torch.Tensor] | None) -> Cond:
         rows: dict[str, Cond] = {}
-        for prompt in dict.fromkeys(prompts):
-            if prompt in self._prompt_cache:
-                self._prompt_cache.move_to_end(prompt)
-                rows[prompt] = self._prompt_cache[prompt]
-        missing = [p for p in dict.fromkeys(prompts) if p not in rows]
+        for key in dict.fromkeys(keys):
+            if key in self._prompt_cache:
+                self._prompt_cache.move_to_end(key)
+                rows[key] = self._prompt_cache[key]
+        first: dict[str, int] = {}  # each uncached key's first row
+        for i, key in enumerate(keys):
+            if key not in rows and key not in first:
+                first[key] = i
+        missing = list(first.values())
         if missing:
-            encoded = self._encode(missing)
+            texts = [prompts[i] for i in missing]
+            encoded = self._encode(texts) if sources is None else self._encode(texts, [sources[i] for i in missing])
             keep = self.device if self.prompt_cache_device == "model" else torch.device("cpu")
-            for i, prompt in enumerate(missing):
+            for j, i in enumerate(missing):
                 # clone: a row must not keep the whole batch's storage alive in the cache
-                rows[prompt] = {k: v[i : i + 1].detach().to(keep).clone() for k, v in encoded.items()}
+                rows[keys[i]] = {k: v[j : j + 1].detach().to(keep).clone() for k, v in encoded.items()}
                 if self.prompt_cache_size:
-                    self._prompt_cache[prompt] = rows[prompt]
+                    self._prompt_cache[keys[i]] = rows[keys[i]]
             self._evict()
         device = self.device
-        return {k: v.to(device, non_blocking=True) for k, v in cond_cat([rows[p] for p in prompts]).items()}
+        return {k: v.to(device, non_blocking=True) for k, v in cond_cat([rows[key] for key in keys]).items()}
 
     def uncond(self, batch_size: int = 1) -> Cond:
         """The empty-prompt Cond repeated ``batch_size`` times (for classifier-free guidance)."""

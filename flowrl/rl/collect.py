@@ -111,6 +111,7 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
     Returns:
         :class:`EpochRollouts` on the CPU.
     """
+    from flowrl.models.base import encode_rows
     from samplers import initial_noise, rollout
 
     velocity = velocity_fn or model.velocity_fn(guidance)
@@ -136,7 +137,7 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
             for start in range(0, n, batch_size):
                 rows = slice(start, min(start + batch_size, n))
                 prompts = batch.prompts[rows]
-                cond = model.encode_prompts(prompts)
+                cond = encode_rows(model, prompts, batch.metadata[rows])  # editing: the source
                 x_init = initial_noise(model.latent_shape, batch.sample_seeds[rows], device=model.device)
                 traj = rollout(velocity, x_init, step.sigmas, cond=cond, step=step, window=window, iteration=epoch,
                                seed=seed, sample_seeds=batch.sample_seeds[rows], store_x0=store_x0,

@@ -88,8 +88,8 @@ class Evaluator:
         try:
             with self._precision(model):
                 images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
-                                  batch_size=self.cfg.batch_size, progress=bar.update,
-                                  should_stop=should_stop) if rows else None
+                                  batch_size=self.cfg.batch_size, progress=bar.update, should_stop=should_stop,
+                                  metadata=[prompt_set.metadata[i] for i in rows]) if rows else None
                 if self.panel is not None:  # with the evaluated (EMA) weights still in place
                     every = gather_images(dist, images, n, per_process)
                     all_seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]
@@ -146,7 +146,7 @@ class Evaluator:
                 def draw():
                     with self._precision(model):
                         return generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
-                                        batch_size=self.cfg.batch_size)
+                                        batch_size=self.cfg.batch_size, metadata=metadata)
 
                 base = images if epoch == 0 else with_reference(model, draw)
             scores = {name: checked_reward(reward, base, prompts, metadata).scores.float()

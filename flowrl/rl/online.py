@@ -47,7 +47,7 @@ __all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "OnlineLoop", "IMAGE_PL
 
 @dataclass
 class DataConfig:
-    train_prompts: str = "shapes:train"  # txt, jsonl or a built-in set
+    train_prompts: str = "shapes:train"  # txt, jsonl, editing shards (a dir of edits-*.tar) or a built-in set
     eval_prompts: str = "shapes:eval"
     num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1, le=100_000))
 
@@ -100,6 +100,16 @@ class UpdateConfig:
     ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # evaluation EMA; None: none
 
 
+def _pixels(model) -> tuple[int, int] | None:
+    """The ``(H, W)`` of the model's images, which editing prompts' source images are resized to (None for a model
+    without a VAE scale factor: sources keep their own size)."""
+    scale = getattr(model, "vae_scale_factor", None)
+    if not scale:
+        return None
+    _, height, width = model.latent_shape
+    return height * scale, width * scale
+
+
 class OnlineLoop:
     """The shared parts of an online recipe (see the module docstring).
 
@@ -138,7 +148,7 @@ class OnlineLoop:
         self.reward = self.prompt_groups = self.tracker = None
         if rollouts:
             self.reward = cfg.reward.build_train(self.dist.device)
-            train_set = load_prompts(cfg.data.train_prompts)
+            train_set = load_prompts(cfg.data.train_prompts, resolution=_pixels(model))
             self.prompt_groups = PromptGroups(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch,
                                         group_size=s.group_size, seed=cfg.run.seed,
                                         num_processes=self.dist.world_size, rank=self.dist.rank)
@@ -153,7 +163,8 @@ class OnlineLoop:
             self.sigmas = model.sigmas(s.num_steps)
             self.step, self.window = rollout_step(s, self.sigmas), rollout_window(s)
         self.evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(self.dist.device),
-                                   load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts),
+                                   load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts,
+                                                resolution=_pixels(model)),
                                    steps=s.eval_num_steps, guidance=s.guidance if s.eval_guidance is None
                                    else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
                                    logger=run.logger, heldout=cfg.reward.build_heldout(self.dist.device),

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from flowrl.config import bounds, fail
+from flowrl.models.base import encode_rows
 
 __all__ = ["HackingConfig", "HackingPanel", "fm_to_base", "kl_to_base", "with_reference"]
 
@@ -78,7 +79,7 @@ def build_features(spec: str, prompts: list[str], device) -> FeatureFn | None:
 
 @torch.no_grad()
 def kl_to_base(model, step, prompts: list[str], seeds: list[int], *, guidance: float | None,
-               batch_size: int) -> torch.Tensor:
+               batch_size: int, metadata: list[dict] | None = None) -> torch.Tensor:
     """Per-sample KL of the rollout ``step`` between the policy and the base model along the policy's ODE path.
 
     At every step ``t`` whose transition is stochastic (``std > 0``), both velocities are evaluated at the
@@ -102,7 +103,7 @@ def kl_to_base(model, step, prompts: list[str], seeds: list[int], *, guidance: f
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        cond = model.encode_prompts(chunk)
+        cond = encode_rows(model, chunk, None if metadata is None else metadata[start:start + batch_size])
         x = initial_noise(model.latent_shape, torch.as_tensor(seeds[start:start + batch_size]), device=device)
         total, counted = torch.zeros(len(chunk), dtype=torch.float64), 0
         for t in range(len(sigmas) - 1):
@@ -132,7 +133,7 @@ def fm_levels(count: int) -> list[float]:
 
 @torch.no_grad()
 def fm_to_base(model, sigmas: torch.Tensor, prompts: list[str], seeds: list[int], *, guidance: float | None,
-               batch_size: int, levels: int = 5) -> torch.Tensor:
+               batch_size: int, levels: int = 5, metadata: list[dict] | None = None) -> torch.Tensor:
     """Per-sample flow-matching distance between the policy and the base model on the policy's own samples.
 
     Each prompt is sampled by the policy with the Euler ODE on ``sigmas`` from its seed's initial noise, giving
@@ -161,7 +162,7 @@ def fm_to_base(model, sigmas: torch.Tensor, prompts: list[str], seeds: list[int]
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk, chunk_seeds = prompts[start:start + batch_size], seeds[start:start + batch_size]
-        cond = model.encode_prompts(chunk)
+        cond = encode_rows(model, chunk, None if metadata is None else metadata[start:start + batch_size])
         x = initial_noise(model.latent_shape, torch.as_tensor(chunk_seeds), device=device)
         for t in range(len(sigmas) - 1):
             sigma = torch.full((len(chunk),), float(sigmas[t]), device=device)
@@ -218,12 +219,14 @@ class HackingPanel:
         once drawn, later calls return them whatever the arguments)."""
         if self._base is None:
             base = images if epoch == 0 else with_reference(
-                model, lambda: self._generate(model, self.prompts, seeds, should_stop))
+                model, lambda: self._generate(model, self.prompts, seeds, should_stop, self.metadata))
             self._base = to_uint8(base)
         return self._base.float() / 255
 
-    def _generate(self, model, prompts: list[str], seeds: list[int], should_stop=None) -> torch.Tensor:
-        """ODE samples of ``prompts`` split over the processes, gathered (every process gets all)."""
+    def _generate(self, model, prompts: list[str], seeds: list[int], should_stop=None,
+                  metadata: list[dict] | None = None) -> torch.Tensor:
+        """ODE samples of ``prompts`` (with their prompt-set rows, which an editing model reads) split over the
+        processes, gathered (every process gets all)."""
         from flowrl.generate import generate
 
         dist = self.dist
@@ -231,7 +234,8 @@ class HackingPanel:
         per = -(-n // dist.world_size)
         rows = list(range(dist.rank * per, min((dist.rank + 1) * per, n)))
         local = generate(model, [prompts[i] for i in rows], [seeds[i] for i in rows], steps=self.steps,
-                         guidance=self.guidance, batch_size=self.batch_size, should_stop=should_stop) if rows else None
+                         guidance=self.guidance, batch_size=self.batch_size, should_stop=should_stop,
+                         metadata=None if metadata is None else [metadata[i] for i in rows]) if rows else None
         return gather_images(dist, local, n, per)
 
     def __call__(self, model, epoch: int, images: torch.Tensor, seeds: list[int], should_stop=None) -> dict[str, float]:
@@ -248,7 +252,8 @@ class HackingPanel:
             k = min(self.cfg.diversity_prompts, len(self.prompts))
             prompts = [p for p in self.prompts[:k] for _ in range(self.cfg.diversity_seeds)]
             group_seeds = [1_000_003 * (i + 1) + j for i in range(k) for j in range(self.cfg.diversity_seeds)]
-            group_images = self._generate(model, prompts, group_seeds, should_stop)
+            group_rows = [m for m in self.metadata[:k] for _ in range(self.cfg.diversity_seeds)]
+            group_images = self._generate(model, prompts, group_seeds, should_stop, group_rows)
             metrics["hack/diversity"] = hacking_panel(group_images, prompts, features=features,
                                                       shapes=False)["hack/diversity"]
         else:
@@ -260,21 +265,23 @@ class HackingPanel:
                 metrics[f"hack/heldout/{name}/accuracy"] = float(out.details["correct"].float().mean())
         # The KL of a deterministic (ode) step is 0 whatever the weights: not logged rather than a meaningless 0.
         if self.kl_step is not None and self.kl_step.stochastic and self.cfg.kl_prompts:
-            metrics["hack/kl_to_base"] = self._spread(self.cfg.kl_prompts, seeds, lambda prompts, row_seeds: kl_to_base(
-                model, self.kl_step, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size))
+            metrics["hack/kl_to_base"] = self._spread(self.cfg.kl_prompts, seeds, lambda prompts, row_seeds, rows: kl_to_base(
+                model, self.kl_step, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
+                metadata=rows))
         if self.fm_sigmas is not None and self.cfg.fm_prompts:
-            metrics["hack/fm_to_base"] = self._spread(self.cfg.fm_prompts, seeds, lambda prompts, row_seeds: fm_to_base(
+            metrics["hack/fm_to_base"] = self._spread(self.cfg.fm_prompts, seeds, lambda prompts, row_seeds, rows: fm_to_base(
                 model, self.fm_sigmas, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
-                levels=self.cfg.fm_levels))
+                levels=self.cfg.fm_levels, metadata=rows))
         return metrics
 
-    def _spread(self, count: int, seeds: list[int], measure: Callable[[list[str], list[int]], torch.Tensor]) -> float:
-        """The mean of ``measure(prompts, seeds) -> [b]`` over the first ``count`` eval prompts, split over the
-        processes and gathered."""
+    def _spread(self, count: int, seeds: list[int],
+                measure: Callable[[list[str], list[int], list[dict]], torch.Tensor]) -> float:
+        """The mean of ``measure(prompts, seeds, metadata) -> [b]`` over the first ``count`` eval prompts, split over
+        the processes and gathered."""
         k = min(count, len(self.prompts))
         per = -(-k // self.dist.world_size)
         rows = list(range(self.dist.rank * per, min((self.dist.rank + 1) * per, k)))
-        values = measure([self.prompts[i] for i in rows], [seeds[i] for i in rows])
+        values = measure([self.prompts[i] for i in rows], [seeds[i] for i in rows], [self.metadata[i] for i in rows])
         pad = per - len(rows)
         keep = self.dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
         return float(self.dist.gather(torch.cat([values, torch.zeros(pad)]))[keep].mean())
