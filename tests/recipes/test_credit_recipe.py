@@ -19,6 +19,7 @@ from flowrl.rl.credit import completion_rewards
 from flowrl.train import load_recipe_config
 from rewards import RewardOutput
 
+from golden_reward import NAME as SMOOTH  # registers a reward that varies on a random model
 from toy import flow_grpo_epoch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,18 +50,18 @@ def setup(tiny_shapes_dir):
     model.freeze_reference()
     train = load_prompts("shapes:train")
     groups = PromptGroups(train.prompts, train.metadata, groups=2, group_size=4, seed=3)
-    return model, sampler, Dist(cpu=True)
+    return model, groups, Dist(cpu=True)
 
 
-def one_epoch(model, sampler, dist, cfg, reward):
+def one_epoch(model, groups, dist, cfg, reward):
     return flow_grpo_epoch(model, cfg, dist, groups.epoch(0), 0, reward)
 
 
 def test_tp_grpo_epoch(setup, tiny_shapes_dir):
-    model, sampler, dist = setup
+    model, groups, dist = setup
     cfg = config(tiny_shapes_dir, "tp_grpo", 1, 2)  # T = 4, trained steps 1 and 2
     initial = {k: v.clone() for k, v in model.trainable_state_dict().items()}
-    samples, advantages, valid, m = one_epoch(model, sampler, dist, cfg, mean_pixel)
+    samples, advantages, valid, m = one_epoch(model, groups, dist, cfg, mean_pixel)
     traj = samples.trajectory
     assert traj.train_mask.tolist() == [False, True, True, False]
     assert advantages.shape == (8, 4) and valid.all()
@@ -110,9 +111,9 @@ def test_tp_grpo_epoch(setup, tiny_shapes_dir):
 
 
 def test_cosine_epoch(setup, tiny_shapes_dir):
-    model, sampler, dist = setup
+    model, groups, dist = setup
     cfg = config(tiny_shapes_dir, "cosine", 1, 2, cosine_window=1, cosine_alpha=0.0)
-    samples, advantages, valid, m = one_epoch(model, sampler, dist, cfg, mean_pixel)
+    samples, advantages, valid, m = one_epoch(model, groups, dist, cfg, mean_pixel)
     traj = samples.trajectory
     assert traj.x0_preds.shape == (8, 4) + tuple(model.latent_shape)
     assert advantages.shape == (8, 4) and (advantages[:, [0, 3]] == 0).all() and (advantages[:, 1:3] != 0).any()
@@ -142,6 +143,8 @@ def test_main_runs_one_cosine_epoch(tiny_shapes_dir, tmp_path):
         "sampling.window.max_start": "null",
         "sampling.groups_per_epoch": 2, "sampling.group_size": 2, "sampling.batch_size": 4,
         "train.micro_batch_size": 4, "eval.at_start": "false", "eval.grid_size": 0,
+        # the tiny random model draws nothing the shapes reward counts (every group tied: no usable reward)
+        "reward.train": f"{{{SMOOTH}: 1.0}}",
     }
     recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / "cosine_grpo.yaml"),
                                      [f"{k}={v}" for k, v in overrides.items()])
