@@ -101,7 +101,8 @@ def test_panel_combines_drift_diversity_and_shapes_metrics():
     assert all(k.startswith("hack/") and isinstance(v, float) for k, v in out.items())
     # prompts outside the shapes grammar: the shapes metrics are left out, the rest stays
     other = hacking_panel(tuned, ["a cat", "a dog"], features=flat)
-    assert set(other) == {"hack/diversity"}
+    assert set(other) == {"hack/diversity", "hack/color_entropy", "hack/dark_frac", "hack/saturated_frac",
+                          "hack/hf_energy"}  # the image statistics need no grammar (and no base: no shift)
 
 
 def test_panel_rejects_bad_input():
@@ -135,7 +136,9 @@ def test_panel_benchmark_compares_two_models(tiny_shapes_dir, tmp_path):
                                  "--out", str(tmp_path / "panel")])
     base, tuned = result["panel"]["base"], result["panel"]["tuned"]
     assert tuned["hack/drift_pixel"] == 0.0 and tuned["hack/drift_feature"] == pytest.approx(0.0, abs=1e-6)
-    assert {k: v for k, v in tuned.items() if not k.startswith("hack/drift")} == pytest.approx(base, nan_ok=True)
+    assert tuned["hack/color_hist_shift"] == pytest.approx(0.0, abs=1e-6)  # against the base: a drift too
+    drifts = ("hack/drift", "hack/color_hist_shift")
+    assert {k: v for k, v in tuned.items() if not k.startswith(drifts)} == pytest.approx(base, nan_ok=True)
     assert json.loads((tmp_path / "panel.json").read_text())["n"] == 6
     assert "| `hack/bg_shift` |" in (tmp_path / "panel.md").read_text()
     probe = result["adversarial_probe"]

@@ -75,7 +75,8 @@ class EvalConfig:
 class Config:
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/shapes_vqa_sft", max_epochs=40))
     model: ShapesVLMConfig = field(default_factory=ShapesVLMConfig)
-    init_from: str | None = None  # a saved model folder to continue from (None: build from `model`)
+    # a saved model folder to continue from, or `shapes_vlm` for the shipped model (None: build from `model`)
+    init_from: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -167,7 +168,9 @@ def main(cfg: Config) -> int:
               units={"loss": "mean NLL of the answer tokens", "eval": "held-out accuracy"},
               steps_per_epoch=cfg.data.steps_per_epoch)
     if cfg.init_from:
-        policy = TokenPolicy.from_pretrained(cfg.init_from)
+        from flowrl.policies.shapes_vlm import resolve_model_path
+
+        policy = TokenPolicy.from_pretrained(resolve_model_path(cfg.init_from))
     else:
         model, processor = build_model(cfg.model, seed=cfg.run.seed)
         policy = TokenPolicy(model, processor)
