@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from .base import Cond, FlowModel, LoraSettings, unwrap
-from .loading import (as_lora_settings, cast_module_, freeze_, latent_hw, load_pipeline, resolve_dtype,
-                      scheduler_sigmas, upcast_trainable_)
+from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_)
 
 __all__ = ["Flux2KleinModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL"]
 
@@ -93,13 +92,10 @@ class Flux2KleinModel(FlowModel):
         """
         from diffusers import Flux2KleinPipeline
 
-        dtype = resolve_dtype(dtype)
-        pipeline = load_pipeline(Flux2KleinPipeline, path, components=_COMPONENTS, hub_id=FLUX2_KLEIN_DEFAULT_MODEL,
-                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
-                                 trust_remote_code=trust_remote_code)
-        if device is not None:
-            pipeline.to(device)
-        cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))
+        pipeline = load_adapter_pipeline(Flux2KleinPipeline, path, components=_COMPONENTS,
+                                         hub_id=FLUX2_KLEIN_DEFAULT_MODEL, dtype=dtype, vae_dtype=vae_dtype,
+                                         device=device, revision=revision, variant=variant, cache_dir=cache_dir,
+                                         trust_remote_code=trust_remote_code)
         return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
                    max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
 

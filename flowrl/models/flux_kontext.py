@@ -26,7 +26,7 @@ from torch import nn
 
 from .base import Cond, LoraSettings
 from .flux import FLUX_LORA_TARGETS, FluxModel
-from .loading import cast_module_, load_pipeline, resolve_dtype, vae_decode
+from .loading import load_adapter_pipeline, vae_decode
 
 __all__ = ["FluxKontextModel", "FLUX_KONTEXT_DEFAULT_MODEL", "FLUX_KONTEXT_LORA_TARGETS"]
 
@@ -75,13 +75,10 @@ class FluxKontextModel(FluxModel):
         """
         from diffusers import FluxKontextPipeline
 
-        dtype = resolve_dtype(dtype)
-        pipeline = load_pipeline(FluxKontextPipeline, path, components=_COMPONENTS, hub_id=FLUX_KONTEXT_DEFAULT_MODEL,
-                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
-                                 trust_remote_code=trust_remote_code)
-        if device is not None:
-            pipeline.to(device)
-        cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))
+        pipeline = load_adapter_pipeline(FluxKontextPipeline, path, components=_COMPONENTS,
+                                         hub_id=FLUX_KONTEXT_DEFAULT_MODEL, dtype=dtype, vae_dtype=vae_dtype,
+                                         device=device, revision=revision, variant=variant, cache_dir=cache_dir,
+                                         trust_remote_code=trust_remote_code)
         return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
                    max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
 

@@ -23,7 +23,8 @@ from torch import nn
 
 from .base import LoraSettings, ModelLoadError
 
-__all__ = ["resolve_dtype", "load_pipeline", "freeze_", "upcast_trainable_", "cast_module_", "vae_decode",
+__all__ = ["resolve_dtype", "load_pipeline", "load_adapter_pipeline",
+           "freeze_", "upcast_trainable_", "cast_module_", "vae_decode",
            "as_lora_settings", "scheduler_sigmas", "latent_hw", "is_offline"]
 
 _DTYPES = {
@@ -288,3 +289,18 @@ def scheduler_sigmas(scheduler_config: Any, num_steps: int, *, mu: float | None 
                          f"set them to false in the scheduler config")
     kwargs = {k: config[k] for k in _SCHEDULE_KEYS if config.get(k) is not None}
     return diffusers_flow_sigmas(num_steps, mu=mu, sigmas=sigmas, **kwargs)
+
+
+def load_adapter_pipeline(pipeline_cls: type, path: str | os.PathLike | None, *, components: list[str], hub_id: str,
+                          dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = None,
+                          device: torch.device | str | None = None, revision: str | None = None,
+                          variant: str | None = None, cache_dir: str | None = None, trust_remote_code: bool = False):
+    """What every pipeline adapter's ``from_pretrained`` does first: :func:`load_pipeline` in ``dtype``, moved to
+    ``device`` (when given), the VAE in ``vae_dtype`` (default: ``dtype``)."""
+    dtype = resolve_dtype(dtype)
+    pipeline = load_pipeline(pipeline_cls, path, components=components, hub_id=hub_id, dtype=dtype, revision=revision,
+                             variant=variant, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    if device is not None:
+        pipeline.to(device)
+    cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))
+    return pipeline

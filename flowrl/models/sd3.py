@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from .base import Cond, FlowModel, LoraSettings, unwrap
-from .loading import (as_lora_settings, cast_module_, freeze_, latent_hw, load_pipeline, resolve_dtype,
-                      scheduler_sigmas, upcast_trainable_, vae_decode, vae_encode)
+from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_,
+                      vae_decode, vae_encode)
 
 __all__ = ["SD3Model", "SD3_LORA_TARGETS", "SD3_DEFAULT_MODEL"]
 
@@ -129,13 +129,10 @@ class SD3Model(FlowModel):
         """
         from diffusers import StableDiffusion3Pipeline
 
-        dtype = resolve_dtype(dtype)
-        pipeline = load_pipeline(StableDiffusion3Pipeline, path, components=_COMPONENTS, hub_id=SD3_DEFAULT_MODEL,
-                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
-                                 trust_remote_code=trust_remote_code)
-        if device is not None:
-            pipeline.to(device)
-        cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))
+        pipeline = load_adapter_pipeline(StableDiffusion3Pipeline, path, components=_COMPONENTS,
+                                         hub_id=SD3_DEFAULT_MODEL, dtype=dtype, vae_dtype=vae_dtype,
+                                         device=device, revision=revision, variant=variant, cache_dir=cache_dir,
+                                         trust_remote_code=trust_remote_code)
         return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
                    max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .base import Cond, FlowModel, LoraSettings, unwrap
-from .loading import (as_lora_settings, cast_module_, freeze_, latent_hw, load_pipeline, resolve_dtype,
-                      scheduler_sigmas, upcast_trainable_, vae_decode, vae_encode)
+from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_,
+                      vae_decode, vae_encode)
 
 __all__ = ["ZImageModel", "Z_IMAGE_LORA_TARGETS", "Z_IMAGE_DEFAULT_MODEL"]
 
@@ -93,13 +93,10 @@ class ZImageModel(FlowModel):
         """
         from diffusers import ZImagePipeline
 
-        dtype = resolve_dtype(dtype)
-        pipeline = load_pipeline(ZImagePipeline, path, components=_COMPONENTS, hub_id=Z_IMAGE_DEFAULT_MODEL,
-                                 dtype=dtype, revision=revision, variant=variant, cache_dir=cache_dir,
-                                 trust_remote_code=trust_remote_code)
-        if device is not None:
-            pipeline.to(device)
-        cast_module_(pipeline.vae, resolve_dtype(vae_dtype, default=dtype))
+        pipeline = load_adapter_pipeline(ZImagePipeline, path, components=_COMPONENTS,
+                                         hub_id=Z_IMAGE_DEFAULT_MODEL, dtype=dtype, vae_dtype=vae_dtype,
+                                         device=device, revision=revision, variant=variant, cache_dir=cache_dir,
+                                         trust_remote_code=trust_remote_code)
         return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
                    max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
 
