@@ -23,8 +23,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every benchmark run's budget clock: this process's CPU time, one thread.
+# Every benchmark run's budget clock: this process's CPU time, one thread, scaled to the reference machine's
+# speed (benchmarks/calibrate.py), so that a budget buys the same epochs on any CPU.
 CPU_BUDGET = ("run.clock=cpu", "run.threads=1")
+
+
+def cpu_budget() -> tuple[str, ...]:
+    from benchmarks.calibrate import clock_scale
+
+    return (*CPU_BUDGET, f"run.clock_scale={clock_scale():.4f}")
 
 __all__ = ["ROOT", "RECORDS", "record_dir", "save_record", "restore_record", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
            "save_figure"]
@@ -99,7 +106,7 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
         if out.exists():
             shutil.rmtree(out)  # a fresh run
         out.mkdir(parents=True)
-    command = [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}", *CPU_BUDGET,
+    command = [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}", *cpu_budget(),
                *[f"{k}={v}" for k, v in overrides.items()], *extra, *(["run.resume=true"] if resume else [])]
     print(f"{label}: {'resuming: ' if resume else ''}{' '.join(command[1:])}", flush=True)
     start = time.time()

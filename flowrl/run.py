@@ -284,7 +284,7 @@ class Run:
         if self.cfg.run.resume:
             self._resume()
         self._deadline = make_deadline(self.cfg.run.clock, self.cfg.run.max_minutes,
-                                       already_spent=self._train_minutes_before)
+                                       already_spent=self._train_minutes_before, scale=self.cfg.run.clock_scale)
         self._next_eval_minutes = _next_multiple(self._train_minutes_before, self._eval_setting("every_minutes", None))
         self._next_checkpoint_minutes = _next_multiple(self._train_minutes_before, self._checkpoint_cfg.every_minutes)
         self._stop = GracefulStop().__enter__()

@@ -53,13 +53,15 @@ class Deadline:
     """``run.max_minutes`` as a check the loop can call.
 
     The budget counts training time: time spent inside :meth:`excluded` (evaluation) does not count,
-    so runs with different evaluation schedules get the same training budget.
+    so runs with different evaluation schedules get the same training budget. ``scale`` (``run.clock_scale``)
+    multiplies this session's measured time: reference-machine minutes on a CPU of another speed.
     """
 
-    def __init__(self, minutes: float | None, already_spent: float = 0.0):
+    def __init__(self, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0):
         self.start = time.monotonic()
         self.minutes = minutes
-        self.already_spent = already_spent  # training minutes of earlier sessions (resume)
+        self.already_spent = already_spent  # training minutes of earlier sessions (resume), already scaled
+        self.scale = scale
         self.excluded_seconds = 0.0
 
     @contextlib.contextmanager
@@ -76,7 +78,7 @@ class Deadline:
 
     def elapsed_minutes(self) -> float:
         """Training minutes, this session and earlier ones, evaluation excluded."""
-        return self.already_spent + (time.monotonic() - self.start - self.excluded_seconds) / 60.0
+        return self.already_spent + self.scale * (time.monotonic() - self.start - self.excluded_seconds) / 60.0
 
     def passed(self) -> bool:
         return self.minutes is not None and self.elapsed_minutes() >= self.minutes
@@ -90,8 +92,8 @@ class CpuDeadline(Deadline):
     is a wall minute of one busy core.
     """
 
-    def __init__(self, minutes: float | None, already_spent: float = 0.0):
-        super().__init__(minutes, already_spent)
+    def __init__(self, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0):
+        super().__init__(minutes, already_spent, scale)
         self.start_cpu = time.process_time()
         self.excluded_cpu = 0.0
 
@@ -106,12 +108,14 @@ class CpuDeadline(Deadline):
 
     def elapsed_minutes(self) -> float:
         """Training CPU minutes, this session and earlier ones, evaluation excluded."""
-        return self.already_spent + (time.process_time() - self.start_cpu - self.excluded_cpu) / 60.0
+        return self.already_spent + self.scale * (time.process_time() - self.start_cpu - self.excluded_cpu) / 60.0
 
 
-def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0) -> Deadline:
-    """The budget ``run.clock`` names: wall-clock (:class:`Deadline`) or CPU time (:class:`CpuDeadline`)."""
-    return CpuDeadline(minutes, already_spent) if clock == "cpu" else Deadline(minutes, already_spent)
+def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0) -> Deadline:
+    """The budget ``run.clock`` names: wall-clock (:class:`Deadline`) or CPU time (:class:`CpuDeadline`),
+    the measured time multiplied by ``scale`` (``run.clock_scale``)."""
+    kind = CpuDeadline if clock == "cpu" else Deadline
+    return kind(minutes, already_spent, scale)
 
 
 def prepare_run(run: RunConfig) -> Path:

@@ -17,3 +17,9 @@ def records_in_tmp(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runs, "RECORDS", tmp_path / "records")
     return tmp_path / "records"
+
+
+@pytest.fixture(autouse=True)
+def clock_as_measured(monkeypatch):
+    """Runs under test take their budgets as measured (no calibration workload: it costs seconds per process)."""
+    monkeypatch.setenv("FLOWRL_BENCH_CLOCK_SCALE", "1")

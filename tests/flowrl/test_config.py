@@ -129,6 +129,24 @@ def test_cpu_clock_counts_this_processs_cpu_time_not_sleep():
     assert make_deadline("cpu", None, already_spent=2.0).elapsed_minutes() >= 2.0
 
 
+def test_clock_scale_turns_measured_time_into_reference_minutes():
+    import time
+
+    from flowrl.runtime import make_deadline
+
+    # A CPU at half the reference speed (scale 0.5) needs twice the CPU time for the same budget; earlier
+    # sessions' minutes (already scaled) are not scaled again.
+    slow, plain = make_deadline("cpu", 1.0, already_spent=0.25, scale=0.5), make_deadline("cpu", 1.0, already_spent=0.25)
+    start = time.process_time()
+    while time.process_time() - start < 0.6:
+        pass
+    slow_s, plain_s = (slow.elapsed_minutes() - 0.25) * 60, (plain.elapsed_minutes() - 0.25) * 60
+    assert 0.59 <= plain_s < 0.8 and abs(slow_s - plain_s / 2) < 0.02
+    wall = make_deadline("wall", 1.0, scale=3.0)
+    time.sleep(0.2)
+    assert wall.elapsed_minutes() * 60 >= 0.59
+
+
 def test_a_renamed_key_keeps_working_with_a_warning(capsys):
     from flowrl.config import ConfigError, from_dict
     from flowrl.recipes.vlm_sft import Config
