@@ -1,9 +1,10 @@
 """How fast this CPU runs the shapes model, against the machine the committed benchmark records were made on.
 
 A CPU-minute budget (``run.clock=cpu``) does not depend on load, but it does depend on the CPU: one core of
-another machine may run the shapes UNet 20% slower (measured: the trainers' records were made on an AMD EPYC
-core, a later session ran on a Sapphire Rapids Xeon core 17% slower in bfloat16 epochs), so "10 CPU-minutes"
-would buy fewer epochs there and a sweep that spans sessions would compare trainers on unequal budgets.
+another machine may run the shapes UNet 10-40% faster or slower (measured: the trainers' records were made on an
+AMD EPYC core whose bfloat16 Flow-GRPO epoch took 23-25 CPU-s, the 2026-12-01 machine's took 16, a Sapphire Rapids
+Xeon core's 20-22), so "10 CPU-minutes" would buy different epochs on each, and a sweep that spans
+sessions would compare trainers on unequal budgets.
 
 The benchmarks therefore time a fixed workload at one thread, the mix of an epoch (bfloat16 forward passes
 without gradient as in sampling, forward and backward as in training, batch 32), and pass
@@ -14,7 +15,7 @@ measured).
 ``REFERENCE_SECONDS`` is the workload's time on the reference machine. It was derived, not measured there (that
 machine was gone): this workload's time here times the ratio of the reference record's epoch times to the same
 run's epoch times here (``python benchmarks/calibrate.py --derive``: Flow-GRPO's shipped benchmark run, seed 0,
-epochs 2-6, the same prompts and images on both machines).
+epochs 2-8, the same prompts and images on both machines).
 
     python benchmarks/calibrate.py            # this machine's scale
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,14 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The workload's median CPU seconds on the reference machine (see the module docstring).
-REFERENCE_SECONDS = None
+# The workload's least CPU seconds on the reference machine (see the module docstring): derived 2026-12-02 on a
+# Sapphire Rapids Xeon core (workload 1.50-1.57 s there; three derivations of the epoch-time ratio gave 1.07-1.15,
+# i.e. that core ran the benchmark's Flow-GRPO epochs 7-15% faster than the reference's).
+REFERENCE_SECONDS = 1.74
 ENV = "FLOWRL_BENCH_CLOCK_SCALE"
 _cached: float | None = None
 
 
-def workload_seconds(repeats: int = 5, batch: int = 32) -> float:
-    """Median CPU seconds, one thread, of two bfloat16 no-grad forwards and one forward + backward of the
+def workload_seconds(repeats: int = 7, batch: int = 32) -> float:
+    """Least CPU seconds (the least disturbed by a neighbour's cache and memory traffic), one thread, of two bfloat16 no-grad forwards and one forward + backward of the
     shapes UNet on a batch of ``batch`` noisy latents (an epoch's mix of sampling and training)."""
     import torch
 
@@ -70,7 +72,7 @@ def workload_seconds(repeats: int = 5, batch: int = 32) -> float:
             start = time.process_time()
             step()
             times.append(time.process_time() - start)
-        return statistics.median(times)
+        return min(times)
     finally:
         torch.set_num_threads(threads)
 
@@ -97,24 +99,30 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def derive(record: Path, epochs: range = range(2, 7)) -> dict:
+def epoch_cpu_seconds(rows: list[dict]) -> dict[int, float]:
+    """Each epoch's training CPU seconds (differences of ``time/train_min``; the runs compared had scale 1)."""
+    train = [(r["epoch"], r["time/train_min"]) for r in rows if "time/epoch_s" in r]
+    return {epoch: 60 * (minutes - before) for (epoch, minutes), (_, before) in zip(train[1:], train)}
+
+
+def derive(record: Path, epochs: range = range(2, 9)) -> dict:
     """``REFERENCE_SECONDS`` from a reference record: rerun its command here for the same epochs and scale this
     machine's workload time by the ratio of epoch times."""
     import subprocess
     import tempfile
 
     done = json.loads((record / "benchmark_done.json").read_text())
-    reference = {r["epoch"]: r["time/epoch_s"] for r in read_jsonl(record / "metrics.jsonl.gz") if "time/epoch_s" in r}
+    reference = epoch_cpu_seconds(read_jsonl(record / "metrics.jsonl.gz"))
     with tempfile.TemporaryDirectory() as tmp:
         command = [a for a in done["command"] if not a.startswith(("run.output_dir=", "run.max_minutes=",
                                                                    "run.max_epochs=", "run.clock_scale="))]
-        command[2] = str(ROOT / "configs" / Path(command[2]).relative_to(Path(command[2]).parents[1]))
+        config = next(i for i, a in enumerate(command) if a.endswith(".yaml"))  # its path in that checkout
+        command[config] = str(ROOT / "configs" / Path(command[config]).relative_to(Path(command[config]).parents[1]))
         command += [f"run.output_dir={tmp}/run", f"run.max_epochs={max(epochs)}", "eval.every_minutes=null",
                     "eval.every_epochs=100000", "checkpoint.every_epochs=100000"]
         subprocess.run([sys.executable, *command], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-        here = {r["epoch"]: r["time/epoch_s"] for r in read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
-                if "time/epoch_s" in r}
+        here = epoch_cpu_seconds(read_jsonl(Path(tmp) / "run" / "metrics.jsonl"))
     ratio = sum(reference[e] for e in epochs) / sum(here[e] for e in epochs)
     seconds = workload_seconds()
     return {"epochs": list(epochs), "reference_epoch_s": [reference[e] for e in epochs],
