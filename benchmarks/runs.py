@@ -6,9 +6,11 @@ A run is ``python -m flowrl train CONFIG run.output_dir=DIR run.seed=S run.max_m
 eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flowrl.runtime.Deadline`` excludes
 it from the budget), so every method gets held-out points at the same minutes whatever its epoch length.
 
-Budgets are in CPU-minutes at one thread (``run.clock=cpu run.threads=1``, which every run gets first, so a
-benchmark's own overrides may change them): two runs side by side, or one beside other work, buy the training
-an idle machine buys.
+Budgets are in reference CPU-minutes at one thread (``run.clock=cpu run.threads=1 run.clock_scale=S``, which
+every run gets first, so a benchmark's own overrides may change them; ``S`` from ``benchmarks/calibrate.py``):
+a budget buys the same training on CPUs of other speeds and, where the machine's cores do not share execution
+units, beside other work (``benchmarks/results/clock_check.json``: on a VM whose two vCPUs do, a neighbour made
+each epoch cost 1.76x the CPU time).
 """
 
 from __future__ import annotations
