@@ -1,23 +1,21 @@
-"""How fast this CPU runs the shapes model, against the machine the committed benchmark records were made on.
+"""The benchmarks' budget clock: reference CPU-minutes (``run.clock=reference``, :mod:`flowrl.calibration`).
 
-A CPU-minute budget (``run.clock=cpu``) does not depend on load, but it does depend on the CPU: one core of
-another machine may run the shapes UNet 10-40% faster or slower (measured: the trainers' records were made on an
-AMD EPYC core whose bfloat16 Flow-GRPO epoch took 23-25 CPU-s, the 2026-12-01 machine's took 16, a Sapphire Rapids
-Xeon core's 20-22), so "10 CPU-minutes" would buy different epochs on each, and a sweep that spans
-sessions would compare trainers on unequal budgets.
+A CPU-minute budget (``run.clock=cpu``) depends on the CPU: one core of another machine may run the shapes UNet
+10-40% faster or slower (measured: the trainers' records were made on an AMD EPYC core whose bfloat16 Flow-GRPO
+epoch took 23-25 CPU-s, the 2026-12-01 machine's took 16, a Sapphire Rapids Xeon core's 20-22), and on a VM
+whose vCPUs share execution units, on load (beside another one-thread job an epoch cost 1.76x the CPU time;
+on an idle guest a fixed workload's time varied 0.58-0.96 s from second to second). So every benchmark run
+counts its budget on the reference clock, which probes the CPU's speed every 5 CPU-seconds and values the
+CPU time by it: budgets are in *reference CPU-minutes*, the same training on any CPU and any load.
+``FLOWRL_BENCH_CLOCK_SCALE=S`` instead counts plain CPU time times ``S`` (no probes; 1 = as measured).
 
-The benchmarks therefore time a fixed workload at one thread, the mix of an epoch (bfloat16 forward passes
-without gradient as in sampling, forward and backward as in training, batch 32), and pass
-``run.clock_scale = REFERENCE_SECONDS / this machine's seconds`` to every run: budgets are in *reference
-CPU-minutes*, the same training on any CPU. ``FLOWRL_BENCH_CLOCK_SCALE`` sets the scale by hand (1 = as
-measured).
+``flowrl.calibration.PROBE_REFERENCE_SECONDS``, the probe's time on the reference machine, was derived, not
+measured there (that machine was gone): ``--derive RECORD`` reruns a committed record's command here for
+epochs 2-16 on the reference clock and scales the constant by the ratio of the record's CPU seconds to the
+reference seconds counted here (the same prompts and images on both machines).
 
-``REFERENCE_SECONDS`` is the workload's time on the reference machine. It was derived, not measured there (that
-machine was gone): this workload's time here times the ratio of the reference record's epoch times to the same
-run's epoch times here (``python benchmarks/calibrate.py --derive RECORD``: the shipped benchmark run, seed 0,
-epochs 2-8, the same prompts and images on both machines), for Flow-GRPO and AWM.
-
-    python benchmarks/calibrate.py            # this machine's scale
+    python benchmarks/calibrate.py                 # this CPU's speed now, against the reference machine
+    python benchmarks/calibrate.py --derive RECORD # PROBE_REFERENCE_SECONDS from a reference record
 """
 
 from __future__ import annotations
@@ -25,70 +23,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The workload's least CPU seconds on the reference machine (see the module docstring): derived 2026-12-02 on a
-# Sapphire Rapids Xeon core from two trainers' records. Flow-GRPO (three derivations): 1.74; AWM (its 10-minute
-# run): 1.90; REFERENCE_SECONDS is their mean, so either trainer's budget is off by about 4.5% at most (the op mix
-# of an epoch differs between trainers, and so does how much each gains from a faster core).
-REFERENCE_SECONDS = 1.82
 ENV = "FLOWRL_BENCH_CLOCK_SCALE"
-_cached: float | None = None
 
 
-def workload_seconds(repeats: int = 7, batch: int = 32) -> float:
-    """Least CPU seconds (the least disturbed by a neighbour's cache and memory traffic), one thread, of two bfloat16 no-grad forwards and one forward + backward of the
-    shapes UNet on a batch of ``batch`` noisy latents (an epoch's mix of sampling and training)."""
-    import torch
-
-    from flowrl.models.config import ModelConfig, build_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = build_model(ModelConfig(name="shapes"), torch.device("cpu"))
-        cond = model.encode_prompts(["two red circles above a blue square"] * batch)
-        x = torch.randn(batch, *model.latent_shape)
-        sigma = torch.full((batch,), 0.5)
-        velocity = model.velocity_fn(None)
-
-        def step() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                with torch.no_grad():
-                    velocity(x, sigma, cond)
-                    velocity(x, sigma, cond)
-                velocity(x, sigma, cond).float().square().mean().backward()
-            model.denoiser.zero_grad(set_to_none=True)
-
-        step()  # warm-up: allocations, oneDNN kernel selection
-        times = []
-        for _ in range(repeats):
-            start = time.process_time()
-            step()
-            times.append(time.process_time() - start)
-        return min(times)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def clock_scale() -> float:
-    """``run.clock_scale`` for this machine: ``FLOWRL_BENCH_CLOCK_SCALE`` if set, else the reference time over
-    this machine's (measured once per process)."""
-    global _cached
+def budget_clock() -> tuple[str, ...]:
+    """The overrides that set every benchmark run's budget clock: the reference clock, or plain CPU time times
+    ``FLOWRL_BENCH_CLOCK_SCALE`` when that is set."""
     if os.environ.get(ENV):
-        return float(os.environ[ENV])
-    if _cached is None:
-        _cached = 1.0 if REFERENCE_SECONDS is None else REFERENCE_SECONDS / workload_seconds()
-        print(f"benchmarks: this CPU runs the calibration workload at {_cached:.3f}x the reference machine's speed: "
-              f"run.clock_scale={_cached:.3f} (budgets in reference CPU-minutes; {ENV}=1 turns it off)", flush=True)
-    return _cached
+        return ("run.clock=cpu", f"run.clock_scale={float(os.environ[ENV]):.4f}")
+    return ("run.clock=reference",)
+
+
+def speed_now(probes: int = 30) -> dict:
+    """``probes`` probe times in a row here, and the reference clock's rate at their median (reference seconds
+    per CPU-second: above 1 on a CPU faster than the reference machine's)."""
+    from flowrl.calibration import PROBE_REFERENCE_SECONDS, probe_seconds
+
+    times = [probe_seconds() for _ in range(probes)]
+    median = statistics.median(times)
+    return {"probe_s": {"min": min(times), "median": median, "max": max(times)},
+            "probe_reference_s": PROBE_REFERENCE_SECONDS, "rate_at_median": PROBE_REFERENCE_SECONDS / median}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -106,42 +68,46 @@ def epoch_cpu_seconds(rows: list[dict]) -> dict[int, float]:
     return {epoch: 60 * (minutes - before) for (epoch, minutes), (_, before) in zip(train[1:], train)}
 
 
-def derive(record: Path, epochs: range = range(2, 9)) -> dict:
-    """``REFERENCE_SECONDS`` from a reference record: rerun its command here for the same epochs and scale this
-    machine's workload time by the ratio of epoch times."""
+def derive(record: Path, epochs: range = range(2, 17)) -> dict:
+    """``PROBE_REFERENCE_SECONDS`` from a reference record: rerun its command here for the same epochs on the
+    reference clock and scale the constant by the ratio of the record's CPU seconds to the seconds counted here."""
     import subprocess
     import tempfile
+
+    from flowrl.calibration import PROBE_REFERENCE_SECONDS
 
     done = json.loads((record / "benchmark_done.json").read_text())
     reference = epoch_cpu_seconds(read_jsonl(record / "metrics.jsonl.gz"))
     with tempfile.TemporaryDirectory() as tmp:
         command = [a for a in done["command"] if not a.startswith(("run.output_dir=", "run.max_minutes=",
-                                                                   "run.max_epochs=", "run.clock_scale="))]
+                                                                   "run.max_epochs=", "run.clock_scale=",
+                                                                   "run.clock="))]
         config = next(i for i, a in enumerate(command) if a.endswith(".yaml"))  # its path in that checkout
         command[config] = str(ROOT / "configs" / Path(command[config]).relative_to(Path(command[config]).parents[1]))
         command += [f"run.output_dir={tmp}/run", f"run.max_epochs={max(epochs)}", "eval.every_minutes=null",
-                    "eval.every_epochs=100000", "checkpoint.every_epochs=100000"]
+                    "eval.every_epochs=100000", "checkpoint.every_epochs=100000", "run.clock=reference",
+                    "data.num_eval_prompts=8"]  # the last epoch's evaluation: as short as it gets
         subprocess.run([sys.executable, *command], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-        here = epoch_cpu_seconds(read_jsonl(Path(tmp) / "run" / "metrics.jsonl"))
+        rows = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
+    here = epoch_cpu_seconds(rows)
     ratio = sum(reference[e] for e in epochs) / sum(here[e] for e in epochs)
-    seconds = workload_seconds()
-    return {"epochs": list(epochs), "reference_epoch_s": [reference[e] for e in epochs],
-            "here_epoch_s": [here[e] for e in epochs], "epoch_time_ratio": ratio, "workload_s_here": seconds,
-            "reference_seconds": seconds * ratio}
+    rates = [r["time/clock_rate"] for r in rows if "time/clock_rate" in r]
+    return {"record": str(record), "epochs": list(epochs), "reference_epoch_s": [reference[e] for e in epochs],
+            "here_reference_epoch_s": [here[e] for e in epochs], "clock_rate_min_max": [min(rates), max(rates)],
+            "ratio": ratio, "probe_reference_s_used": PROBE_REFERENCE_SECONDS,
+            "probe_reference_s": PROBE_REFERENCE_SECONDS * ratio}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="benchmarks/calibrate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--derive", metavar="RECORD", help="derive REFERENCE_SECONDS from a reference run's record")
+    p.add_argument("--derive", metavar="RECORD", help="derive PROBE_REFERENCE_SECONDS from a reference run's record")
     args = p.parse_args(argv)
     if args.derive:
         print(json.dumps(derive(Path(args.derive)), indent=2))
         return
-    seconds = workload_seconds()
-    print(json.dumps({"workload_s": seconds, "reference_s": REFERENCE_SECONDS,
-                      "clock_scale": None if REFERENCE_SECONDS is None else REFERENCE_SECONDS / seconds}))
+    print(json.dumps(speed_now()))
 
 
 if __name__ == "__main__":

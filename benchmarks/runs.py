@@ -6,11 +6,9 @@ A run is ``python -m flowrl train CONFIG run.output_dir=DIR run.seed=S run.max_m
 eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flowrl.runtime.Deadline`` excludes
 it from the budget), so every method gets held-out points at the same minutes whatever its epoch length.
 
-Budgets are in reference CPU-minutes at one thread (``run.clock=cpu run.threads=1 run.clock_scale=S``, which
-every run gets first, so a benchmark's own overrides may change them; ``S`` from ``benchmarks/calibrate.py``):
-a budget buys the same training on CPUs of other speeds and, where the machine's cores do not share execution
-units, beside other work (``benchmarks/results/clock_check.json``: on a VM whose two vCPUs do, a neighbour made
-each epoch cost 1.76x the CPU time).
+Budgets are in reference CPU-minutes at one thread (``run.clock=reference run.threads=1``, which every run gets
+first, so a benchmark's own overrides may change them; see ``benchmarks/calibrate.py``): a budget buys the same
+training on CPUs of other speeds and beside other work (``benchmarks/results/clock_check.json``).
 """
 
 from __future__ import annotations
@@ -25,15 +23,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every benchmark run's budget clock: this process's CPU time, one thread, scaled to the reference machine's
-# speed (benchmarks/calibrate.py), so that a budget buys the same epochs on any CPU.
-CPU_BUDGET = ("run.clock=cpu", "run.threads=1")
+# Every benchmark run's budget: reference CPU-minutes (benchmarks/calibrate.py), one thread, so that a budget buys
+# the same epochs on any CPU and beside any load.
+CPU_BUDGET = ("run.threads=1",)
 
 
 def cpu_budget() -> tuple[str, ...]:
-    from benchmarks.calibrate import clock_scale
+    from benchmarks.calibrate import budget_clock
 
-    return (*CPU_BUDGET, f"run.clock_scale={clock_scale():.4f}")
+    return (*budget_clock(), *CPU_BUDGET)
 
 __all__ = ["ROOT", "RECORDS", "record_dir", "save_record", "restore_record", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
            "save_figure"]

@@ -112,9 +112,11 @@ class RunConfig:
     # Training-time budget in minutes, evaluation excluded (None = unlimited). The run checkpoints and
     # stops cleanly when it is spent.
     max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
-    # What max_minutes, eval.every_minutes and time/train_min count: wall-clock time, or this process's CPU
-    # time (all its threads), which does not depend on what else the machine runs.
-    clock: Literal["wall", "cpu"] = "wall"
+    # What max_minutes, eval.every_minutes and time/train_min count: wall-clock time; this process's CPU
+    # time (all its threads), which hardly depends on what else a physical machine runs; or reference CPU time,
+    # the CPU time valued by a probe of the CPU's speed every 5 CPU-seconds (flowrl/calibration.py), the same
+    # training on any CPU and on a virtual machine whose cores slow down when their neighbours are busy.
+    clock: Literal["wall", "cpu", "reference"] = "wall"
     # Multiplies the measured time before it meets max_minutes, eval.every_minutes and time/train_min, so a
     # budget means the same training on a slower or faster CPU: a machine that runs the workload in 1.2x the
     # reference machine's time sets 1/1.2 (the benchmarks measure it: benchmarks/calibrate.py). 1 = as measured.

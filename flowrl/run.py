@@ -292,6 +292,7 @@ class Run:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stop.__exit__(exc_type, exc, tb)
+        self._deadline.close()
         if self._bar is not None:
             self._bar.close()
         if exc is None:
@@ -467,6 +468,8 @@ class Run:
         metrics.update({"epoch": row_epoch, **self.counters, "train/skipped_updates": self.health.skipped,
                         "time/epoch_s": time.perf_counter() - self._epoch_start,
                         "time/train_min": self.train_minutes(), "memory/peak_mb": peak_memory_mb()})
+        if hasattr(self._deadline, "rate"):  # run.clock=reference: reference seconds per CPU-second now
+            metrics["time/clock_rate"] = self._deadline.rate()
         stopping = cut or self.stop_requested()
         keep_best = False
         if "train/reward_mean" in metrics:

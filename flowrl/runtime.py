@@ -8,13 +8,14 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from flowrl.config import RunConfig
 
-__all__ = ["GracefulStop", "prepare_run", "Deadline", "CpuDeadline", "make_deadline", "resolve_device"]
+__all__ = ["GracefulStop", "prepare_run", "Deadline", "CpuDeadline", "ReferenceDeadline", "make_deadline",
+           "resolve_device"]
 
 
 class GracefulStop:
@@ -83,6 +84,9 @@ class Deadline:
     def passed(self) -> bool:
         return self.minutes is not None and self.elapsed_minutes() >= self.minutes
 
+    def close(self) -> None:
+        """The run is over (the reference clock stops its probe timer)."""
+
 
 class CpuDeadline(Deadline):
     """``run.max_minutes`` counted in this process's CPU time (all its threads), evaluation excluded.
@@ -111,10 +115,103 @@ class CpuDeadline(Deadline):
         return self.already_spent + self.scale * (time.process_time() - self.start_cpu - self.excluded_cpu) / 60.0
 
 
+class ReferenceDeadline(CpuDeadline):
+    """``run.max_minutes`` in reference CPU-minutes: this process's CPU time valued by how fast the CPU runs a
+    fixed probe workload now, against the reference machine (:mod:`flowrl.calibration`), evaluation excluded.
+
+    Every ``probe_every`` CPU-seconds the probe runs, outside the budget: from a ``SIGPROF`` interval timer on
+    the process's CPU time (so it samples the CPU's speed all through an epoch, between two Python bytecodes of
+    the main thread), or, where no timer can be set (not the main thread), when the loop asks :meth:`passed`.
+    The CPU time between two probes counts ``reference_seconds / mean(their times)`` times over, the time since
+    the last probe at the last probe's rate. So the budget buys the same training on a faster or slower CPU,
+    and on a VM whose cores slow down when a neighbour (or another tenant) is busy. No probe runs inside
+    :meth:`excluded` (evaluation). :meth:`close` stops the timer.
+    """
+
+    def __init__(self, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0,
+                 probe: Callable[[], float] | None = None, reference_seconds: float | None = None,
+                 probe_every: float = 5.0, timer: bool = True):
+        from flowrl import calibration
+
+        self.probe = probe or calibration.probe_seconds
+        self.reference_seconds = reference_seconds or calibration.PROBE_REFERENCE_SECONDS
+        self.probe_every = probe_every
+        self.probes: list[float] = []  # every probe's CPU seconds, for the run's record
+        self._busy = False  # inside a probe or an excluded stretch: the timer waits
+        super().__init__(minutes, already_spent, scale)
+        self.counted_minutes = 0.0  # reference minutes up to the last probe
+        self._last_probe = self._run_probe()
+        self._last_cpu = self._training_cpu()
+        self._previous_handler = None
+        if timer:
+            try:
+                self._previous_handler = signal.signal(signal.SIGPROF, self._on_timer)
+            except ValueError:  # not the main thread: probe from passed() only
+                pass
+            else:
+                signal.setitimer(signal.ITIMER_PROF, probe_every, probe_every)
+
+    def close(self) -> None:
+        """Stop the probe timer (the run is over)."""
+        if self._previous_handler is not None:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+            signal.signal(signal.SIGPROF, self._previous_handler)
+            self._previous_handler = None
+
+    def _training_cpu(self) -> float:
+        return time.process_time() - self.start_cpu - self.excluded_cpu
+
+    def _run_probe(self) -> float:
+        self._busy = True
+        try:
+            start = time.process_time()
+            seconds = self.probe()
+            self.excluded_cpu += time.process_time() - start
+        finally:
+            self._busy = False
+        self.probes.append(seconds)
+        return seconds
+
+    def _probe_now(self) -> None:
+        seconds = self._run_probe()
+        cpu = self._training_cpu()
+        mean_probe = (self._last_probe + seconds) / 2
+        self.counted_minutes += self.scale * self.reference_seconds / mean_probe * (cpu - self._last_cpu) / 60
+        self._last_probe, self._last_cpu = seconds, cpu
+
+    def _on_timer(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if not self._busy:
+            self._probe_now()
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        busy, self._busy = self._busy, True
+        try:
+            with super().excluded():
+                yield
+        finally:
+            self._busy = busy
+
+    def rate(self) -> float:
+        """Reference seconds per CPU-second at the last probe (``run.clock_scale`` included)."""
+        return self.scale * self.reference_seconds / self._last_probe
+
+    def passed(self) -> bool:
+        if self._previous_handler is None and self._training_cpu() - self._last_cpu >= self.probe_every:
+            self._probe_now()
+        return super().passed()
+
+    def elapsed_minutes(self) -> float:
+        """Reference training minutes, this session and earlier ones, evaluation and probes excluded."""
+        return (self.already_spent + self.counted_minutes
+                + self.rate() * (self._training_cpu() - self._last_cpu) / 60.0)
+
+
 def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0) -> Deadline:
-    """The budget ``run.clock`` names: wall-clock (:class:`Deadline`) or CPU time (:class:`CpuDeadline`),
-    the measured time multiplied by ``scale`` (``run.clock_scale``)."""
-    kind = CpuDeadline if clock == "cpu" else Deadline
+    """The budget ``run.clock`` names: wall-clock (:class:`Deadline`), CPU time (:class:`CpuDeadline`) or
+    reference CPU time (:class:`ReferenceDeadline`), the measured time multiplied by ``scale``
+    (``run.clock_scale``)."""
+    kind = {"cpu": CpuDeadline, "reference": ReferenceDeadline}.get(clock, Deadline)
     return kind(minutes, already_spent, scale)
 
 

@@ -6,22 +6,13 @@ import json
 import pytest
 
 
-def test_the_scale_comes_from_the_environment_when_set(monkeypatch):
+def test_benchmark_runs_count_reference_cpu_minutes_unless_a_scale_is_set(monkeypatch):
     from benchmarks import calibrate, runs
 
-    monkeypatch.setenv(calibrate.ENV, "0.8")
-    assert calibrate.clock_scale() == 0.8
-    assert "run.clock_scale=0.8000" in runs.cpu_budget() and "run.clock=cpu" in runs.cpu_budget()
-
-
-def test_the_scale_is_the_reference_time_over_this_machines(monkeypatch):
-    from benchmarks import calibrate
-
     monkeypatch.delenv(calibrate.ENV, raising=False)
-    monkeypatch.setattr(calibrate, "_cached", None)
-    monkeypatch.setattr(calibrate, "workload_seconds", lambda: 2.0)
-    monkeypatch.setattr(calibrate, "REFERENCE_SECONDS", 1.5)
-    assert calibrate.clock_scale() == pytest.approx(0.75)  # a slower CPU counts each of its seconds as 0.75
+    assert runs.cpu_budget() == ("run.clock=reference", "run.threads=1")
+    monkeypatch.setenv(calibrate.ENV, "0.8")  # plain CPU time, scaled by hand: no probes
+    assert runs.cpu_budget() == ("run.clock=cpu", "run.clock_scale=0.8000", "run.threads=1")
 
 
 def test_epoch_cpu_seconds_are_differences_of_training_minutes(tmp_path):
@@ -38,7 +29,13 @@ def test_epoch_cpu_seconds_are_differences_of_training_minutes(tmp_path):
     assert epoch_cpu_seconds(rows) == pytest.approx({2: 24.0, 3: 18.0})
 
 
-def test_the_workload_runs_and_costs_cpu_time():
-    from benchmarks.calibrate import workload_seconds
+def test_speed_now_reports_the_probe_and_the_rate_at_its_median(monkeypatch):
+    from benchmarks import calibrate
+    from flowrl import calibration
 
-    assert 0.05 < workload_seconds(repeats=1, batch=4) < 60
+    times = iter([0.5, 0.3, 0.4])
+    monkeypatch.setattr(calibration, "probe_seconds", lambda: next(times))
+    monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS", 0.6)
+    speed = calibrate.speed_now(probes=3)
+    assert speed["probe_s"] == {"min": 0.3, "median": 0.4, "max": 0.5}
+    assert speed["rate_at_median"] == pytest.approx(1.5)  # 0.6 / 0.4: this CPU 1.5x the reference's speed

@@ -147,6 +147,82 @@ def test_clock_scale_turns_measured_time_into_reference_minutes():
     assert wall.elapsed_minutes() * 60 >= 0.59
 
 
+def _busy(seconds: float) -> None:
+    import time
+
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+
+def test_reference_clock_values_cpu_time_by_the_probe_and_does_not_count_the_probes():
+    from flowrl.runtime import ReferenceDeadline
+
+    # A probe that reports 0.2 s, then 0.6 s twice (the CPU slowed to a third), and burns 0.1 CPU-s each time.
+    reports = iter([0.2, 0.6, 0.6])
+
+    def probe() -> float:
+        _busy(0.1)
+        return next(reports)
+
+    clock = ReferenceDeadline(0.52, already_spent=0.5, scale=2.0, probe=probe, reference_seconds=0.4,
+                              probe_every=0.3, timer=False)  # probes when passed() is asked
+    assert clock.probes == [0.2] and clock.rate() == 4.0  # 2 x 0.4 / 0.2; the first probe is not counted
+    assert clock.elapsed_minutes() * 60 < 30.05
+    _busy(0.2)
+    assert not clock.passed() and clock.probes == [0.2]  # 0.2 CPU-s < probe_every: no probe yet
+    assert 0.79 <= (clock.elapsed_minutes() - 0.5) * 60 < 0.9  # 0.2 s at the last probe's rate, 4
+    _busy(0.15)
+    assert not clock.passed()  # 0.35 CPU-s since the first probe: probe again (0.6 s)
+    assert clock.probes == [0.2, 0.6] and abs(clock.rate() - 2 * 0.4 / 0.6) < 1e-12
+    # The stretch between the probes counts 2 x 0.4 / mean(0.2, 0.6) = 2 reference s per CPU-s; the probe's
+    # own 0.1 CPU-s is excluded.
+    counted = clock.counted_minutes * 60
+    assert 0.69 <= counted < 0.8 and abs((clock.elapsed_minutes() - 0.5) * 60 - counted) < 0.02
+    _busy(1.0)  # at 2 x 0.4 / 0.6 reference s per CPU-s: 0.5 min + (0.7 + 1.33) s passes 0.52 min
+    assert clock.passed() and clock.probes == [0.2, 0.6, 0.6]
+
+
+def test_the_reference_clock_probes_on_a_cpu_time_timer_but_not_while_evaluating():
+    import signal
+
+    from flowrl.runtime import ReferenceDeadline
+
+    clock = ReferenceDeadline(None, probe=lambda: 0.2, reference_seconds=0.2, probe_every=0.1)
+    try:
+        _busy(0.55)  # pure Python work: the SIGPROF timer fires every 0.1 CPU-s and the handler probes
+        assert 4 <= len(clock.probes) <= 7
+        with clock.excluded():
+            before = len(clock.probes)
+            _busy(0.3)
+            assert len(clock.probes) == before
+        assert abs(clock.elapsed_minutes() * 60 - 0.55) < 0.1  # rate 1: the training CPU time, evaluation out
+    finally:
+        clock.close()
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    after = len(clock.probes)
+    _busy(0.25)
+    assert len(clock.probes) == after
+
+
+def test_the_reference_clock_probe_measures_the_shapes_model_without_touching_the_run():
+    import torch
+
+    from flowrl.runtime import ReferenceDeadline, make_deadline
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    threads = torch.get_num_threads()
+    clock = make_deadline("reference", 10.0)
+    assert type(clock) is ReferenceDeadline
+    assert torch.equal(torch.rand(3), expected) and torch.get_num_threads() == threads
+    assert 0.005 < clock.probes[0] < 30 and clock.elapsed_minutes() < 0.01  # building and probing not counted
+    with torch.inference_mode():  # the timer may fire in the middle of sampling: the probe still trains
+        assert clock.probe() > 0
+    clock.close()
+
+
 def test_a_renamed_key_keeps_working_with_a_warning(capsys):
     from flowrl.config import ConfigError, from_dict
     from flowrl.recipes.vlm_sft import Config
