@@ -85,7 +85,7 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
     """
     prompts = [r[0] for r in rows]
     images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
-                      batch_size=batch_size, progress=progress, precision=precision)
+                      batch_size=batch_size, progress=progress, precision=precision, metadata=metadata)
     out = reward(images, prompts, metadata)
     correct = out.details.get("correct", out.scores)
     kinds: dict[str, list[float]] = {}

@@ -5,6 +5,10 @@
     flowrl eval --model shapes|PATH --reward shapes --split eval --steps 40 [--n 600] [--guidance G] \\
         [--batch-size B] [--prompts FILE] --out eval.json
 
+    Editing models (FLUX.1-Kontext): ``sample --source IMAGE`` (one for every prompt, or one per ``--prompt``)
+    draws each source as the grid's first column; ``eval --prompts EDITS`` takes editing shards
+    (``<key>.src.png`` + ``<key>.txt``).
+
     SD3 / FLUX and training runs (flowrl.models.select): --model sd3|flux [--path DIR_OR_HUB_ID]
     [--lora RUN_DIR_OR_EXPORT], --model PIPELINE_DIR, or --run RUN_DIR; eval --prompts FILE.jsonl
     (GenEval-style: a "prompt" and its metadata per line) hands each prompt's metadata to the reward,
@@ -170,6 +174,9 @@ def _sample(argv: list[str]) -> int:
                         help=f"nearest-neighbour upscaling, 1-{MAX_SCALE} (default 4)")
     parser.add_argument("--reward", default=None, help="optionally score each image with this reward "
                                                        "(drawn under it), e.g. shapes")
+    parser.add_argument("--source", action="append", default=None,
+                        help="editing models: the source image (PNG / JPEG / WebP) every prompt edits, or one per "
+                             "--prompt in order")
     parser.add_argument("--out", default="grid.png", help="output image (default grid.png)")
     args = parser.parse_args(argv)
     if len(args.prompt) * len(args.seeds) > MAX_IMAGES:
@@ -184,23 +191,67 @@ def _sample(argv: list[str]) -> int:
         _check_prompts(reward, args.prompt)
     model = _model(args, device_arg(args.device))
     model.eval()
+    sources = _sources(args.source, len(args.prompt), model)
     prompts = [p for p in args.prompt for _ in args.seeds]
     seeds = [s for _ in args.prompt for s in args.seeds]
+    metadata = None if sources is None else [{"source_image": src} for src in sources for _ in args.seeds]
     from tqdm import tqdm
 
     with tqdm(total=len(prompts), desc="sampling", unit="img", disable=args.no_progress) as bar:
         images = generate(model, prompts, seeds, steps=args.steps, guidance=args.guidance,
-                          batch_size=args.batch_size, progress=bar.update, precision=args.precision)
+                          batch_size=args.batch_size, progress=bar.update, precision=args.precision,
+                          metadata=metadata)
     captions = None
     if reward is not None:
-        scores = reward(images, prompts).scores.tolist()
+        scores = reward(images, prompts, metadata).scores.tolist()  # an editing reward sees the sources
         captions = [f"{args.reward} {s:.2f}" for s in scores]
-    grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], captions,
+    columns = [f"seed {s}" for s in args.seeds]
+    if sources is not None:  # the source as the first column of its row
+        import torch
+
+        per_row = images.reshape(len(args.prompt), len(args.seeds), *images.shape[1:])
+        images = torch.cat([torch.stack(sources)[:, None].to(images.dtype), per_row], dim=1).flatten(0, 1)
+        columns = ["source", *columns]
+        if captions is not None:
+            captions = [c for row in range(len(args.prompt))
+                        for c in ["", *captions[row * len(args.seeds):(row + 1) * len(args.seeds)]]]
+    grid = image_grid(images, args.prompt, columns, captions,
                       cell=max(images.shape[2], images.shape[3]) * args.scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(out)
     print(f"wrote {out} ({len(args.prompt)} prompts x {len(args.seeds)} seeds, {args.steps} steps)")
     return 0
+
+
+def _sources(paths: list[str] | None, n_prompts: int, model) -> list | None:
+    """The ``--source`` images as ``[3, H, W]`` float32 in [0, 1] at the model's image size, one per prompt
+    (None without ``--source``). A UsageError when the count fits neither one nor every prompt, a file is not
+    an allowed image, or sources are given to (or missing for) an editing model."""
+    edits = getattr(model, "conditions_on_source", False)
+    if not paths:
+        if edits:
+            raise UsageError(f"{type(model).__name__} edits a source image: give it with --source IMAGE")
+        return None
+    if not edits:
+        raise UsageError(f"--source is for editing models; {type(model).__name__} draws from the prompt alone")
+    if len(paths) not in (1, n_prompts):
+        raise UsageError(f"{len(paths)} --source images for {n_prompts} prompts: give one for all or one per --prompt")
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from flowrl.untrusted import open_image
+
+    height, width = (side * model.vae_scale_factor for side in model.latent_shape[-2:])
+    images = []
+    for path in paths:
+        try:
+            with open_image(path) as image:
+                image = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            raise UsageError(f"--source {path!r}: {one_line(err)}; give a PNG, JPEG or WebP image") from None
+        images.append(torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous())
+    return images * n_prompts if len(images) == 1 else images
 
 
 def sample_main(argv: list[str] | None = None) -> int:
@@ -222,7 +273,8 @@ def _eval(argv: list[str]) -> int:
                         help=f"number of prompts, up to {MAX_EVAL_PROMPTS} (default 600; with --prompts, every line)")
     parser.add_argument("--seed", type=bounded_int(0, 2 ** 31 - 1), default=1234,
                         help="seed of the prompt set (default 1234)")
-    parser.add_argument("--prompts", default=None, help="a text file of prompts, one per line, instead of --split")
+    parser.add_argument("--prompts", default=None, help="a text file of prompts, one per line, a GenEval-style .jsonl, "
+                                                        "or editing shards (edits-*.tar), instead of --split")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     out = _out_path(args.out, (".json",), "the results") if args.out else None
@@ -231,7 +283,9 @@ def _eval(argv: list[str]) -> int:
 
     reward = _load_reward(args.reward)
     metadata = None
-    if args.prompts and args.prompts.endswith(".jsonl"):
+    from flowrl.data.prompts import is_edit_source
+
+    if args.prompts and (args.prompts.endswith(".jsonl") or is_edit_source(args.prompts)):
         rows, metadata = _rows_from_jsonl(args.prompts, args.n, args.seed)
     elif args.prompts:
         rows = _rows_from_file(args.prompts, args.n, args.seed)
@@ -328,8 +382,9 @@ def _load_reward(spec: str):
 
 
 def _rows_from_jsonl(path: str, n: int | None, seed: int) -> tuple[list[tuple[str, str, int]], list[dict]]:
-    """Rows and metadata of a GenEval-style prompt file: one JSON object per line with ``prompt`` and any
-    metadata (GenEval's ``tag`` names the task kind; a ``seed`` key fixes that row's noise)."""
+    """Rows and metadata of a GenEval-style prompt file (one JSON object per line with ``prompt`` and any
+    metadata: GenEval's ``tag`` names the task kind; a ``seed`` key fixes that row's noise) or of editing shards
+    (each row's metadata holds its ``source_image``, which the editing model resizes to its own size)."""
     from flowrl.data.prompts import PromptSetError, load_prompts
 
     try:

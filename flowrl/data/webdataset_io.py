@@ -222,9 +222,10 @@ def write_shapes_shards(split: str, n: int, out: str | Path, *, seed: int = 0, s
 
 
 # ---------------------------------------------------------------------------------------- preference pairs
-# A preference pair is one sample of three (or four) files sharing a key:
+# A preference pair is one sample of three (or more) files sharing a key:
 #     <key>.chosen.png   the preferred image     <key>.rejected.png   the other image
 #     <key>.txt          the prompt              <key>.json           optional metadata
+#     <key>.src.png      for an editing model: the source image both edits were made from (optional)
 
 PAIR_PATTERN = "pairs-%06d.tar"
 
@@ -238,6 +239,7 @@ class PreferencePair:
     rejected: bytes
     prompt: str
     metadata: dict
+    source: bytes | None = None  # an editing pair's source image
 
 
 def write_pair_shards(pairs, out: str | Path, *, shard_size: int = 1000) -> list[Path]:
@@ -246,8 +248,9 @@ def write_pair_shards(pairs, out: str | Path, *, shard_size: int = 1000) -> list
     set are removed).
 
     Args:
-        pairs: iterable of ``(chosen, rejected, prompt, metadata)``; images as ``uint8 [H, W, 3]`` arrays or
-            PIL images, ``metadata`` a JSON-able dict (or None).
+        pairs: iterable of ``(chosen, rejected, prompt, metadata)`` or, for an editing model,
+            ``(chosen, rejected, prompt, metadata, source)``; images as ``uint8 [H, W, 3]`` arrays or PIL images,
+            ``metadata`` a JSON-able dict (or None), ``source`` the image both were edited from (or None).
         out: the directory (created if missing).
         shard_size: pairs per shard.
 
@@ -260,10 +263,12 @@ def write_pair_shards(pairs, out: str | Path, *, shard_size: int = 1000) -> list
     count = 0
     with _StagedShards(Path(out), "pairs") as staged:
         with wds.ShardWriter(str(staged.stage / PAIR_PATTERN), maxcount=shard_size, verbose=0, mtime=0.0) as sink:
-            for chosen, rejected, prompt, metadata in pairs:
+            for chosen, rejected, prompt, metadata, *source in pairs:
                 sample = {"__key__": f"pair_{count:08d}",
                           "chosen.png": _png_bytes(np.asarray(chosen, dtype=np.uint8)),
                           "rejected.png": _png_bytes(np.asarray(rejected, dtype=np.uint8)), "txt": prompt}
+                if source and source[0] is not None:
+                    sample["src.png"] = _png_bytes(np.asarray(source[0], dtype=np.uint8))
                 if metadata:
                     sample["json"] = json.dumps(metadata)
                 sink.write(sample)
@@ -293,7 +298,8 @@ def read_pairs(pattern_or_dir: str | Path) -> list[PreferencePair]:
             metadata = loads_json(sample["json"]) if "json" in sample else {}
         except ValueError as err:
             raise ShardError(f"sample {key!r} of {path!r} has unreadable metadata: {err}") from None
-        pairs.append(PreferencePair(key, images["chosen"], images["rejected"], prompt, metadata))
+        source = next((sample[f"src.{ext}"] for ext in IMAGE_KEYS if f"src.{ext}" in sample), None)
+        pairs.append(PreferencePair(key, images["chosen"], images["rejected"], prompt, metadata, source))
     if not pairs:
         raise ShardError(f"no preference pairs in {str(pattern_or_dir)!r}")
     return pairs

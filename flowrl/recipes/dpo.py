@@ -100,6 +100,21 @@ class PairSet:
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def check(self, model) -> None:
+        """Editing models train on editing pairs (each with the source image both were edited from), every other
+        model on plain pairs: a ShardError naming the first pair that does not fit."""
+        from flowrl.data.webdataset_io import ShardError
+
+        edits = getattr(model, "conditions_on_source", False)
+        wrong = next((p for p in self.pairs if edits != (p.source is not None)), None)
+        if wrong is None:
+            return
+        name = type(model).__name__
+        raise ShardError(f"pair {wrong.key!r} has no source image (<key>.src.png), which the editing model {name} "
+                         "edits; write editing pairs with their sources" if edits else
+                         f"pair {wrong.key!r} is an editing pair (it has <key>.src.png) but {name} does not edit "
+                         "images; train an editing model on it, or write the pairs without sources")
+
     def indices(self, epoch: int) -> list[int]:
         """The set's indices of the epoch's ``P`` pairs, in epoch order."""
         from samplers import derive_seed
@@ -121,7 +136,7 @@ class PairSet:
             ModelLoadError: the model adapter cannot encode images.
             ShardError: an image is unreadable or its size does not match the model's.
         """
-        import numpy as np
+        from PIL import Image
 
         from flowrl.data.webdataset_io import ShardError, decode_image
         from flowrl.models.base import ModelLoadError
@@ -134,13 +149,19 @@ class PairSet:
         per_process = self.pairs_per_epoch // dist.world_size
         first = dist.rank * per_process
         chosen = self.indices(epoch)[first: first + per_process]
-        images, prompts = [], []
+        edits = getattr(model, "conditions_on_source", False)
+        images, prompts, metadata = [], [], []
         for j in chosen:
             pair = self.pairs[j]
             for role in ("chosen", "rejected"):
-                image = decode_image(getattr(pair, role), f"the {role} image of pair {pair.key!r}")
-                images.append(torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1))
+                images.append(_pixels(decode_image(getattr(pair, role), f"the {role} image of pair {pair.key!r}")))
             prompts += [pair.prompt, pair.prompt]
+            if edits:
+                source = decode_image(pair.source, f"the source image of pair {pair.key!r}")
+                size = tuple(images[-1].shape[1:])  # sources at the pair's image size, as editing prompts are
+                if source.size != (size[1], size[0]):
+                    source = source.resize((size[1], size[0]), Image.Resampling.BICUBIC)
+                metadata += [{"source_image": _pixels(source)}] * 2
         pixels = torch.stack(images)
         with torch.no_grad():
             x0 = encode(pixels.to(model.device)).float().cpu()
@@ -150,10 +171,18 @@ class PairSet:
                              "pairs "
                              "to the model's resolution")
         pair_ids = torch.arange(first, first + per_process).repeat_interleave(2)
-        return ForwardData(x0=x0, cond={k: v.cpu() for k, v in model.encode_prompts(prompts).items()},
+        cond = model.encode_prompts(prompts, metadata) if edits else model.encode_prompts(prompts)
+        return ForwardData(x0=x0, cond={k: v.cpu() for k, v in cond.items()},
                            advantages=torch.tensor([1.0, -1.0]).repeat(per_process), group_ids=pair_ids,
                            sample_ids=torch.arange(2 * first, 2 * (first + per_process)),
                            valid=torch.ones(2 * per_process, dtype=torch.bool))
+
+
+def _pixels(image) -> torch.Tensor:
+    """``[3, H, W]`` float32 in [0, 1] of an RGB PIL image."""
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
 
 
 def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *, ema=None, health=None,
@@ -206,6 +235,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         raise ConfigError("pairs.pairs_per_epoch", f"{cfg.pairs.pairs_per_epoch} pairs do not split over "
                           f"{online.dist.world_size} processes; make it a multiple of {online.dist.world_size}")
     pairs = PairSet(cfg.pairs.path, cfg.pairs.pairs_per_epoch, cfg.run.seed)
+    pairs.check(model)
     sigmas = model.sigmas(cfg.sampling.num_steps)
 
     with run:

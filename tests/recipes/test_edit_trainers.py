@@ -1,5 +1,6 @@
-"""Editing models train on editing prompts: a tiny epoch of Flow-GRPO and of DiffusionNFT (a forward-process
-trainer) on FLUX.1-Kontext's tiny pipeline with prompts and source images from a tiny webdataset shard, and the
+"""Editing models train on editing prompts: a tiny epoch of every trainer (Flow-GRPO, CRD, DiffusionNFT, AWM, DGPO,
+D3PO on prompts and source images from a tiny webdataset shard; Diffusion-DPO on editing pairs, each with the
+source both images were edited from) on FLUX.1-Kontext's tiny pipeline, and the
 Flow-GRPO run's LoRA exported to diffusers gives, in plain ``FluxKontextPipeline`` with the same source image and
 noise, the images flowrl's own model draws (1e-5)."""
 
@@ -43,7 +44,21 @@ def edits(tmp_path_factory) -> Path:
     return path
 
 
-def run_epoch(trainer: str, out: Path, edits: Path, **extra) -> Path:
+@pytest.fixture(scope="module")
+def edit_pairs(tmp_path_factory) -> Path:
+    """Two editing preference pairs: random chosen / rejected images at the tiny resolution, each with a random
+    48 px source."""
+    from flowrl.data.webdataset_io import write_pair_shards
+
+    path = tmp_path_factory.mktemp("edit_pairs")
+    rng = np.random.default_rng(1)
+    image = lambda side: rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # noqa: E731
+    write_pair_shards([(image(TINY_RESOLUTION), image(TINY_RESOLUTION), text, None, image(48))
+                       for text in ["make the apple blue", "add a cat"]], path)
+    return path
+
+
+def run_epoch(trainer: str, out: Path, edits: Path, pairs: Path | None = None, **extra) -> Path:
     settings = {
         "model.name": FAMILY, "model.path": str(build_tiny(FAMILY)), "model.resolution": TINY_RESOLUTION,
         "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "model.lora": "{rank: 4, alpha: 8}",
@@ -55,8 +70,15 @@ def run_epoch(trainer: str, out: Path, edits: Path, **extra) -> Path:
         "reward.eval": "[jpeg_incompressibility]", "eval.at_start": "false", "eval.every_epochs": 1,
         "eval.every_minutes": "null", "eval.grid_size": 2, "checkpoint.every_epochs": 1, **extra,
     }
-    if trainer == "flow_grpo":
+    if trainer in ("flow_grpo", "d3po"):
         settings["sampling.window"] = "{mode: fixed, start: 0, size: null}"
+    if trainer == "d3po":
+        settings["train.micro_batch_size"] = 1
+    if trainer == "dpo":
+        for key in [k for k in settings if k.startswith(("sampling.", "data.train_prompts", "reward.train"))]:
+            del settings[key]
+        settings.update({"pairs.path": str(pairs), "pairs.pairs_per_epoch": 2, "sampling.eval_num_steps": 2,
+                         "sampling.guidance": GUIDANCE})
     recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / f"{trainer}.yaml"),
                                      [f"{k}={v}" for k, v in settings.items()])
     assert recipe.main(cfg) == 0
@@ -64,9 +86,9 @@ def run_epoch(trainer: str, out: Path, edits: Path, **extra) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["flow_grpo", "nft"])
-def test_a_tiny_epoch_on_editing_prompts(trainer, edits, tmp_path):
-    out = run_epoch(trainer, tmp_path / "run", edits)
+@pytest.mark.parametrize("trainer", ["flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po"])
+def test_a_tiny_epoch_on_editing_prompts(trainer, edits, edit_pairs, tmp_path):
+    out = run_epoch(trainer, tmp_path / "run", edits, edit_pairs)
     row = read_metrics(out / "metrics.jsonl")[-1]
     losses = [v for k, v in row.items() if k.startswith("train/") and "loss" in k and isinstance(v, float)]
     assert losses and all(math.isfinite(v) for v in losses), row
@@ -112,3 +134,73 @@ def test_the_exported_lora_edits_like_flowrl_in_plain_diffusers(edits, tmp_path)
     pipe = base()
     pipe.load_lora_weights(str(tmp_path / "lora"))
     torch.testing.assert_close(diffusers_images(pipe), ours, rtol=0, atol=1e-5)
+
+
+def test_editing_pairs_carry_their_source_and_plain_pairs_do_not(edit_pairs, tmp_path):
+    from flowrl.data.webdataset_io import decode_image, read_pairs, write_pair_shards
+
+    pairs = read_pairs(edit_pairs)
+    assert [p.prompt for p in pairs] == ["make the apple blue", "add a cat"]
+    assert all(decode_image(p.source).size == (48, 48) for p in pairs)
+    blank = np.zeros((8, 8, 3), dtype=np.uint8)
+    write_pair_shards([(blank, blank, "a cat", None)], tmp_path / "plain")
+    assert read_pairs(tmp_path / "plain")[0].source is None
+
+
+@pytest.mark.slow
+def test_dpo_refuses_pairs_without_sources_on_an_editing_model(tmp_path, edits):
+    from flowrl.data.webdataset_io import ShardError, write_pair_shards
+
+    image = np.zeros((TINY_RESOLUTION, TINY_RESOLUTION, 3), dtype=np.uint8)
+    write_pair_shards([(image, image, "add a cat", None)] * 2, tmp_path / "plain")
+    with pytest.raises(ShardError, match="has no source image"):
+        run_epoch("dpo", tmp_path / "run", edits, tmp_path / "plain")
+
+
+@pytest.mark.slow
+def test_sample_draws_the_source_beside_the_edits_and_eval_reads_editing_shards(edits, tmp_path, capsys):
+    """`flowrl sample --source` edits that image (the grid's first column is the source, the edits are the model's
+    images for it, which a different source changes); `flowrl eval --prompts SHARDS` scores the editing prompts;
+    sources go to editing models only."""
+    import json
+
+    from PIL import Image
+
+    from flowrl.sample import eval_main, sample_main
+
+    tiny = str(build_tiny(FAMILY))
+    rng = np.random.default_rng(5)
+    sources = []
+    for i in range(2):
+        sources.append(tmp_path / f"src{i}.png")
+        Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(sources[-1])
+    common = ["--model", tiny, "--resolution", str(TINY_RESOLUTION), "--seeds", "0-1", "--steps", "2", "--guidance",
+              str(GUIDANCE), "--scale", "1", "--no-progress", "--prompt", "make it blue"]
+
+    def grid(source: Path, name: str) -> np.ndarray:
+        out = tmp_path / f"{name}.png"
+        assert sample_main([*common, "--source", str(source), "--out", str(out)]) == 0, capsys.readouterr().err
+        return np.asarray(Image.open(out).convert("RGB"), dtype=np.int16)
+
+    first, second, again = grid(sources[0], "a"), grid(sources[1], "b"), grid(sources[0], "c")
+    assert (first == again).all()
+    assert first.shape == second.shape and first.shape[1] >= 3 * TINY_RESOLUTION  # source + two seeds
+    # The source column shows the source (resized to the model's 64 px): its pixels differ between the two grids,
+    # and so do the edits.
+    assert np.abs(first - second).mean() > 5
+    assert sample_main([*common, "--out", str(tmp_path / "x.png")]) == 2
+    assert "edits a source image: give it with --source" in capsys.readouterr().err
+    assert sample_main([*common, "--source", str(sources[0]), "--source", str(sources[1]), "--source",
+                        str(sources[0]), "--out", str(tmp_path / "x.png")]) == 2
+    assert "3 --source images for 1 prompts" in capsys.readouterr().err
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert sample_main([*common, "--source", str(tmp_path / "bad.png"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "give a PNG, JPEG or WebP image" in capsys.readouterr().err
+    assert sample_main(["--model", "shapes", "--prompt", "a red circle", "--seeds", "0", "--steps", "2",
+                        "--no-progress", "--source", str(sources[0]), "--out", str(tmp_path / "x.png")]) == 2
+    assert "--source is for editing models" in capsys.readouterr().err
+    summary = tmp_path / "eval.json"
+    assert eval_main(["--model", tiny, "--resolution", str(TINY_RESOLUTION), "--reward", "jpeg_incompressibility",
+                      "--prompts", str(edits), "--steps", "2", "--guidance", str(GUIDANCE), "--out", str(summary),
+                      "--no-progress"]) == 0, capsys.readouterr().err[-2000:]
+    assert json.loads(summary.read_text())["settings"]["n"] == 4
