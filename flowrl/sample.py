@@ -195,12 +195,29 @@ def _sample(argv: list[str]) -> int:
     if reward is not None:
         scores = reward(images, prompts).scores.tolist()
         captions = [f"{args.reward} {s:.2f}" for s in scores]
+    # images [B, 3, H, W]; a video model's [B, F, 3, H, W] are drawn as frame strips
     grid = image_grid(images, args.prompt, [f"seed {s}" for s in args.seeds], captions,
-                      cell=max(images.shape[2], images.shape[3]) * args.scale)
+                      cell=max(images.shape[-2:]) * args.scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(out)
     print(f"wrote {out} ({len(args.prompt)} prompts x {len(args.seeds)} seeds, {args.steps} steps)")
+    if images.dim() == 5:
+        written = _write_videos(images, out, len(args.seeds), args.seeds)
+        print(f"wrote {len(written)} animated GIFs beside it ({written[0].name}, ...)")
     return 0
+
+
+def _write_videos(videos, out: Path, per_prompt: int, seeds: list[int]) -> list[Path]:
+    """Each video ``[F, 3, H, W]`` of ``videos`` as a looping GIF ``<out stem>_p<prompt>_s<seed>.gif`` beside the
+    grid, at 16 fps (Wan's frame rate)."""
+    from flowrl.grid import save_gif
+
+    paths = []
+    for i, video in enumerate(videos):
+        path = out.with_name(f"{out.stem}_p{i // per_prompt}_s{seeds[i % per_prompt]}.gif")
+        save_gif(video, path, fps=16.0)
+        paths.append(path)
+    return paths
 
 
 def sample_main(argv: list[str] | None = None) -> int:
