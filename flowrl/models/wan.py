@@ -36,9 +36,13 @@ from torch import nn
 from .base import Cond, FlowModel, LoraSettings, unwrap
 from .loading import as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_
 
-__all__ = ["WanModel", "WanExperts", "WAN_LORA_TARGETS", "WAN_DEFAULT_MODEL", "WAN_NEGATIVE_PROMPT"]
+__all__ = ["WanModel", "WanExperts", "WAN_LORA_TARGETS", "WAN_DEFAULT_MODEL", "WAN_DEFAULT_RESOLUTION",
+           "WAN_NEGATIVE_PROMPT"]
 
 WAN_DEFAULT_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+
+#: Frame size ``(H, W)`` without ``resolution``: Wan's 480p (832 x 480 landscape), the pipeline's default.
+WAN_DEFAULT_RESOLUTION = (480, 832)
 
 #: LoRA targets: the self- and cross-attention projections and the feed-forward of every block (the Linear layers
 #: of ``WanTransformerBlock`` that diffusers' Wan LoRA loader maps; flowrl's choice of the full set).
@@ -99,6 +103,15 @@ class WanExperts(nn.Module):
         self.high.enable_gradient_checkpointing()
         self.low.enable_gradient_checkpointing()
 
+    def fuse_lora(self, lora_scale: float = 1.0) -> None:
+        """Merge each expert's LoRA into its base weights (``flowrl export --format merged``)."""
+        self.high.fuse_lora(lora_scale=lora_scale)
+        self.low.fuse_lora(lora_scale=lora_scale)
+
+    def unload_lora(self) -> None:
+        self.high.unload_lora()
+        self.low.unload_lora()
+
 
 class WanModel(FlowModel):
     """Wan 2.1 / 2.2 text-to-video behind :class:`~flowrl.models.base.FlowModel`.
@@ -155,7 +168,7 @@ class WanModel(FlowModel):
         self.negative_prompt = negative_prompt
         self.vae_scale_factor = pipeline.vae_scale_factor_spatial
         self.num_frames = num_frames
-        self.resolution = resolution or (480, 832)
+        self.resolution = resolution or WAN_DEFAULT_RESOLUTION
         height, width = latent_hw(self.resolution, self.vae_scale_factor, transformer.config.patch_size[1])
         self.latent_shape = (transformer.config.in_channels, (num_frames - 1) // temporal + 1, height, width)
 
