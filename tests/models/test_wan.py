@@ -170,3 +170,35 @@ def test_lora_reference_and_state_round_trip(tiny_wan, kind):
             p.zero_()
         model.load_trainable_state_dict(state)
         torch.testing.assert_close(model.velocity_fn(4.0)(x, sigma, cond), policy, rtol=0, atol=0)
+
+
+def test_model_config_takes_video_settings_for_wan_only():
+    from flowrl.config import ConfigError, from_dict
+    from flowrl.models.config import ModelConfig
+
+    cfg = from_dict(ModelConfig, {"name": "wan", "path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "num_frames": 33,
+                                  "negative_prompt": "static"})
+    assert (cfg.num_frames, cfg.negative_prompt) == (33, "static")
+    with pytest.raises(ConfigError, match="num_frames.*video-model setting"):
+        from_dict(ModelConfig, {"name": "sd3", "path": "x", "num_frames": 5})
+
+
+def test_footprint_of_the_published_wan_architectures():
+    """Parameters of the real configs built on the meta device: Wan 2.1 1.3B (about 1.42B), Wan 2.2 A14B's two
+    experts (about 14.3B each), UMT5-XXL's encoder (about 5.7B); LoRA counts both experts."""
+    from flowrl.config import from_dict
+    from flowrl.models.config import ModelConfig
+    from flowrl.models.footprint import footprint
+
+    small = footprint(from_dict(ModelConfig, {"name": "wan", "path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                              "resolution": 512, "num_frames": 49, "max_sequence_length": 512}))
+    assert small.source == "published config" and set(small.params) == {"transformer", "vae", "text_encoder (UMT5-XXL)"}
+    assert 1.3e9 < small.params["transformer"] < 1.5e9 and 5.5e9 < small.params["text_encoder (UMT5-XXL)"] < 5.9e9
+    assert small.trainable == small.params["transformer"]  # full fine-tuning
+    assert small.tokens == 13 * 32 * 32 + 512 and small.layers == 30 and small.hidden == 1536
+    lora = {"rank": 64, "alpha": 128}
+    big = footprint(from_dict(ModelConfig, {"name": "wan", "path": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "lora": lora}))
+    assert big.params["transformer"] == big.params["transformer_2"] and 1.4e10 < big.params["transformer"] < 1.5e10
+    one = footprint(from_dict(ModelConfig, {"name": "wan", "path": "Wan-AI/Wan2.1-T2V-14B-Diffusers", "lora": lora}))
+    assert big.trainable == 2 * one.trainable > 0
+    assert big.tokens == 21 * 30 * 52 + 226  # 81 frames at 480 x 832, the pipeline's text length
