@@ -78,7 +78,8 @@ def _tiny_model(data: dict, workdir: Path, notes: list[str]) -> None:
         return
     name = model.get("name")
     if name in FAMILIES:
-        model["path"] = str(build_tiny(name))
+        two_experts = name == "wan" and "A14B" in str(model.get("path", ""))  # Wan 2.2: the tiny two-expert pipeline
+        model["path"] = str(build_tiny("wan22" if two_experts else name))
         model["resolution"] = TINY_RESOLUTION
         model["max_sequence_length"] = TINY_MAX_SEQUENCE_LENGTH
         if name == "wan":  # video: a tiny clip of 5 frames (2 latent frames)

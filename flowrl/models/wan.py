@@ -151,7 +151,9 @@ class WanModel(FlowModel):
         frozen = {"vae": pipeline.vae, "text_encoder": pipeline.text_encoder}
         freeze_(*frozen.values())
         transformer = pipeline.transformer
-        compute_dtype = next(transformer.parameters()).dtype  # before float32 LoRA weights exist
+        # The input projection's dtype: diffusers keeps some Wan modules (time embedder, norms, scale-shift tables)
+        # in float32 whatever the load dtype, so the first parameter need not be in the compute dtype.
+        compute_dtype = transformer.patch_embedding.weight.dtype
         self.boundary_ratio = getattr(pipeline.config, "boundary_ratio", None)
         if getattr(pipeline, "transformer_2", None) is not None and self.boundary_ratio is not None:
             boundary = self.boundary_ratio * pipeline.scheduler.config.num_train_timesteps

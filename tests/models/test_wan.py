@@ -202,3 +202,14 @@ def test_footprint_of_the_published_wan_architectures():
     one = footprint(from_dict(ModelConfig, {"name": "wan", "path": "Wan-AI/Wan2.1-T2V-14B-Diffusers", "lora": lora}))
     assert big.trainable == 2 * one.trainable > 0
     assert big.tokens == 21 * 30 * 52 + 226  # 81 frames at 480 x 832, the pipeline's text length
+
+
+def test_bfloat16_weights_take_float32_latents(tiny_wan):
+    """diffusers keeps Wan's time embedder and norms in float32 in a bf16 load: the adapter casts the latents to the
+    input projection's dtype (bf16), not to the first parameter's, so a bf16 rollout runs (Wan 2.2: both experts)."""
+    for kind in ("wan", "wan22"):
+        model = load(tiny_wan[kind], dtype=torch.bfloat16)
+        x = torch.randn(2, *model.latent_shape)
+        with torch.no_grad():
+            v = model.velocity_fn(5.0)(x, torch.tensor([0.95, 0.5]), model.encode_prompts(PROMPTS))
+        assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
