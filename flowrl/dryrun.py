@@ -78,9 +78,14 @@ def _tiny_model(data: dict, workdir: Path, notes: list[str]) -> None:
         return
     name = model.get("name")
     if name in FAMILIES:
-        model["path"] = str(build_tiny(name))
+        two_experts = name == "wan" and "A14B" in str(model.get("path", ""))  # Wan 2.2: the tiny two-expert pipeline
+        model["path"] = str(build_tiny("wan22" if two_experts else name))
         model["resolution"] = TINY_RESOLUTION
         model["max_sequence_length"] = TINY_MAX_SEQUENCE_LENGTH
+        if name == "wan":  # video: a tiny clip of 5 frames (2 latent frames)
+            from flowrl.testing.tiny_wan import TINY_WAN_NUM_FRAMES
+
+            model["num_frames"] = TINY_WAN_NUM_FRAMES
         notes.append(f"model: a tiny {FAMILIES[name].label} pipeline of the same structure (random weights, "
                      f"{TINY_RESOLUTION} px), with the config's LoRA, dtype and gradient checkpointing")
     elif name == "shapes":
@@ -261,7 +266,8 @@ def _memory(cfg) -> list[str]:
                           guidance=guidance, ema=getattr(t, "ema_decay", None) is not None)
     params = ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in fp.params.items())
     lines = [f"architecture ({fp.source}): {params}; trained {fp.trainable / 1e6:,.2f}M "
-             f"({'LoRA r%d' % model.lora.rank if model.lora else 'full fine-tuning'})"]
+             f"({'LoRA r%d' % model.lora.rank if model.lora else 'full fine-tuning'})"
+             + "".join(f"; {note}" for note in fp.notes)]
     res = model.resolution or "default"
     lines.append(f"memory per GPU, rough (DDP or 1 GPU, {model.dtype}, {res} px, micro-batch "
                  f"{getattr(t, 'micro_batch_size', '?')}, gradient checkpointing "

@@ -161,8 +161,9 @@ def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
         model.save_pretrained(out)
     info = dict(model.finetune_info)
     # The run's sampling settings: flowrl loads them with the pipeline (plain diffusers takes them as arguments).
-    sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance")
-                if isinstance(getattr(model, k, None), (int, float, list, tuple))}
+    sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance", "num_frames",
+                                               "negative_prompt")
+                if isinstance(getattr(model, k, None), (int, float, str, list, tuple))}
     write_export_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
                       "sampling": sampling})
     return out

@@ -4,6 +4,9 @@
 Rows are labelled on the left (a label may have a second, muted line), columns on top, and each image
 may carry a caption of one or more lines under it (its rewards).
 
+A video ``[F, 3, H, W]`` (a video model's frames) takes the place of an image as its frame strip: the frames side
+by side, left to right, each fitted to the cell as an image would be (:func:`frame_strip`).
+
 :func:`prompt_grid` is the compact layout of a run's ``samples/``: a few prompts per row, each prompt's whole
 text wrapped above its images (e.g. the base model's and the current one's, side by side, from the same noise).
 """
@@ -14,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["image_grid", "prompt_grid", "to_pil", "PAD", "HEADER", "LINE_HEIGHT"]
+__all__ = ["image_grid", "prompt_grid", "to_pil", "frame_strip", "save_gif", "PAD", "HEADER", "LINE_HEIGHT"]
 
 HEADER = 22  # px of the column-label strip on top
 PAD = 6
@@ -41,11 +44,41 @@ def to_pil(image: torch.Tensor):
     return Image.fromarray(array)
 
 
-def _tile(image: torch.Tensor, cell: int):
-    """The image fitted to a ``cell`` px square: integer nearest-neighbour upscaling for small images (the
-    shapes model's 32 px stay crisp), Lanczos downscaling for large ones."""
+FRAME_GAP = 2  # px between the frames of a strip
+
+
+def frame_strip(video: torch.Tensor, cell: int | None = None):
+    """``[F, 3, H, W]`` in [0, 1] -> an RGB PIL image of the frames side by side (``FRAME_GAP`` px of white
+    between them), each frame fitted to ``cell`` px as :func:`image_grid` fits an image (None: actual size)."""
     from PIL import Image
 
+    if video.dim() != 4 or video.shape[1] != 3:
+        raise ValueError(f"a video must be [F, 3, H, W] in [0, 1], got {tuple(video.shape)}")
+    frames = [_tile(frame, cell) if cell else to_pil(frame) for frame in video]
+    w, h = frames[0].size
+    strip = Image.new("RGB", (len(frames) * (w + FRAME_GAP) - FRAME_GAP, h), BACKGROUND)
+    for k, frame in enumerate(frames):
+        strip.paste(frame, (k * (w + FRAME_GAP), 0))
+    return strip
+
+
+def save_gif(video: torch.Tensor, path, fps: float = 16.0) -> None:
+    """Write ``[F, 3, H, W]`` in [0, 1] as a looping animated GIF at ``fps`` frames per second (Pillow's writer;
+    GIF stores frame durations in 10 ms units, so 16 fps plays at 1 / 0.06 s)."""
+    if video.dim() != 4 or video.shape[1] != 3:
+        raise ValueError(f"a video must be [F, 3, H, W] in [0, 1], got {tuple(video.shape)}")
+    frames = [to_pil(frame) for frame in video]
+    frames[0].save(path, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+
+
+def _tile(image: torch.Tensor, cell: int):
+    """The image fitted to a ``cell`` px square: integer nearest-neighbour upscaling for small images (the
+    shapes model's 32 px stay crisp), Lanczos downscaling for large ones. A video ``[F, 3, H, W]``: its
+    :func:`frame_strip`, each frame fitted so."""
+    from PIL import Image
+
+    if image.dim() == 4:
+        return frame_strip(image, cell)
     pil = to_pil(image)
     w, h = pil.size
     if max(w, h) <= cell:
@@ -69,7 +102,7 @@ def image_grid(images: torch.Tensor, row_labels: Sequence[str], col_labels: Sequ
     caption of one or more lines under it.
 
     Args:
-        images: ``[R * C, 3, H, W]`` in [0, 1], row-major.
+        images: ``[R * C, 3, H, W]`` in [0, 1], row-major (or videos ``[R * C, F, 3, H, W]``: frame strips).
         row_labels: ``R`` labels; a label may have two lines (``"model\\nprompt"``).
         col_labels: ``C`` labels.
         captions: ``R * C`` captions (lines separated by ``\\n``), or None.
@@ -144,7 +177,8 @@ def prompt_grid(prompts: Sequence[str], columns: dict[str, torch.Tensor],
 
     Args:
         prompts: ``P`` prompts.
-        columns: ``{label: [P, 3, H, W] images in [0, 1]}``, e.g. ``{"base": ..., "epoch 30": ...}``.
+        columns: ``{label: [P, 3, H, W] images in [0, 1]}``, e.g. ``{"base": ..., "epoch 30": ...}`` (or videos
+            ``[P, F, 3, H, W]``: frame strips).
         captions: ``{label: P captions}`` (lines separated by ``\\n``), or None.
         per_row: panels per row of the grid.
         cell: the image cell size in px.
@@ -163,13 +197,14 @@ def prompt_grid(prompts: Sequence[str], columns: dict[str, torch.Tensor],
             raise ValueError(f"column {label!r} has {columns[label].shape[0]} images for {n} prompts")
     font, small = _font(12), _font(11)
     tiles = {label: [_tile(img, cell) for img in columns[label]] for label in labels}
-    tile = max((t.size[0] for ts in tiles.values() for t in ts), default=cell)
+    tile = max((t.size[0] for ts in tiles.values() for t in ts), default=cell)  # a cell's width
+    tile_h = max((t.size[1] for ts in tiles.values() for t in ts), default=cell)  # its height (a strip: < width)
     panel_w = len(labels) * (tile + PAD) - PAD
     texts = [_wrap(p, font, panel_w) for p in prompts]
     caption_lines = max((len(c.split("\n")) for cs in (captions or {}).values() for c in cs), default=0)
     # Every panel of the grid has the same height: the longest prompt's lines, its note, the column labels.
     head = (max((len(t) for t in texts), default=1) + (1 if notes else 0) + 1) * LINE_HEIGHT + 4
-    panel_h = head + tile + caption_lines * LINE_HEIGHT + 4
+    panel_h = head + tile_h + caption_lines * LINE_HEIGHT + 4
     rows, cols = (n + per_row - 1) // per_row, min(per_row, max(n, 1))
     canvas = Image.new("RGB", (PAD + cols * (panel_w + 3 * PAD), PAD + rows * (panel_h + 2 * PAD)), BACKGROUND)
     draw = ImageDraw.Draw(canvas)
@@ -186,12 +221,12 @@ def prompt_grid(prompts: Sequence[str], columns: dict[str, torch.Tensor],
             draw.text((x + tile / 2, label_y + LINE_HEIGHT / 2), _cut(label, small, tile), fill=MUTED, font=small,
                       anchor="mm")
             image = tiles[label][i]
-            left, upper = x + (tile - image.size[0]) // 2, top + (tile - image.size[1]) // 2
+            left, upper = x + (tile - image.size[0]) // 2, top + (tile_h - image.size[1]) // 2
             canvas.paste(image, (left, upper))
             if boxes is not None:
                 boxes[(i, label)] = (left, upper, left + image.size[0], upper + image.size[1])
-            draw.rectangle([x - 1, top - 1, x + tile, top + tile], outline=(205, 205, 205))
+            draw.rectangle([x - 1, top - 1, x + tile, top + tile_h], outline=(205, 205, 205))
             for k, line in enumerate(((captions or {}).get(label) or [""] * n)[i].split("\n")):
-                draw.text((x + tile / 2, top + tile + 3 + k * LINE_HEIGHT + LINE_HEIGHT / 2),
+                draw.text((x + tile / 2, top + tile_h + 3 + k * LINE_HEIGHT + LINE_HEIGHT / 2),
                           _cut(line, small, tile + PAD), fill=MUTED, font=small, anchor="mm")
     return canvas

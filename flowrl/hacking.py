@@ -31,6 +31,10 @@ For any images (flowrl/image_stats.py): ``hack/color_entropy``, ``hack/color_his
 images), ``hack/dark_frac``, ``hack/saturated_frac`` and ``hack/hf_energy``: the hacks reported on real models
 (backgrounds erased to one colour, saturation and contrast pushed, grid textures).
 
+Videos ``[B, F, 3, H, W]`` (a video model's frames) are measured frame by frame: the pixel drift and the image
+statistics over all ``B * F`` frames (each frame against the base video's same frame), a video's feature vector
+the mean of its frames' (drift and diversity then compare videos); the shapes-world metrics are images only.
+
 Nothing here trains or samples: a training loop generates the panel's images (fixed prompts and seeds,
 several seeds per prompt for diversity), keeps the base model's images from the first evaluation, and
 logs this dict with its other metrics.
@@ -219,7 +223,7 @@ def hacking_panel(images: torch.Tensor, prompts: Sequence[str], *, base_images: 
     """The hacking panel of the module docstring.
 
     Args:
-        images: ``[B, 3, H, W]`` in [0, 1], the tuned model's images.
+        images: ``[B, 3, H, W]`` in [0, 1], the tuned model's images (or videos ``[B, F, 3, H, W]``).
         prompts: their ``B`` prompts.
         base_images: the base model's images of the same prompts and initial noise (drift metrics).
         features: images -> ``[B, D]`` features (drift_feature, diversity), e.g. :func:`shapes_feature_fn`.
@@ -230,14 +234,23 @@ def hacking_panel(images: torch.Tensor, prompts: Sequence[str], *, base_images: 
     Returns:
         ``{"hack/<name>": float}``; metrics whose inputs are missing are left out.
     """
-    images = _check_images(images, "images")
     prompts = list(prompts)
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+    frames = images.shape[1] if isinstance(images, torch.Tensor) and images.dim() == 5 else None
+    if frames is not None:  # videos: every frame an image; features pooled per video below
+        if base_images is not None and tuple(base_images.shape) != tuple(images.shape):
+            raise ValueError(f"tuned and base videos differ in shape: {tuple(images.shape)} vs "
+                             f"{tuple(base_images.shape)}")
+        images = images.flatten(0, 1)
+        base_images = base_images.flatten(0, 1) if base_images is not None else None
+        shapes = False
+    images = _check_images(images, "images")
     out: dict[str, float] = {}
 
     def embed(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([features(x[i:i + batch_size]).float().cpu() for i in range(0, x.shape[0], batch_size)])
+        f = torch.cat([features(x[i:i + batch_size]).float().cpu() for i in range(0, x.shape[0], batch_size)])
+        return f if frames is None else f.reshape(-1, frames, f.shape[-1]).mean(dim=1)  # [B, D] per video
 
     tuned_features = embed(images) if features is not None else None
     if base_images is not None:

@@ -215,11 +215,14 @@ def _sample(argv: list[str]) -> int:
         if captions is not None:
             captions = [c for row in range(len(args.prompt))
                         for c in ["", *captions[row * len(args.seeds):(row + 1) * len(args.seeds)]]]
-    grid = image_grid(images, args.prompt, columns, captions,
-                      cell=max(images.shape[2], images.shape[3]) * args.scale)
+    # images [B, 3, H, W]; a video model's [B, F, 3, H, W] are drawn as frame strips
+    grid = image_grid(images, args.prompt, columns, captions, cell=max(images.shape[-2:]) * args.scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(out)
     print(f"wrote {out} ({len(args.prompt)} prompts x {len(args.seeds)} seeds, {args.steps} steps)")
+    if images.dim() == 5:
+        written = _write_videos(images, out, len(args.seeds), args.seeds)
+        print(f"wrote {len(written)} animated GIFs beside it ({written[0].name}, ...)")
     return 0
 
 
@@ -252,6 +255,19 @@ def _sources(paths: list[str] | None, n_prompts: int, model) -> list | None:
             raise UsageError(f"--source {path!r}: {one_line(err)}; give a PNG, JPEG or WebP image") from None
         images.append(torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous())
     return images * n_prompts if len(images) == 1 else images
+
+
+def _write_videos(videos, out: Path, per_prompt: int, seeds: list[int]) -> list[Path]:
+    """Each video ``[F, 3, H, W]`` of ``videos`` as a looping GIF ``<out stem>_p<prompt>_s<seed>.gif`` beside the
+    grid, at 16 fps (Wan's frame rate)."""
+    from flowrl.grid import save_gif
+
+    paths = []
+    for i, video in enumerate(videos):
+        path = out.with_name(f"{out.stem}_p{i // per_prompt}_s{seeds[i % per_prompt]}.gif")
+        save_gif(video, path, fps=16.0)
+        paths.append(path)
+    return paths
 
 
 def sample_main(argv: list[str] | None = None) -> int:

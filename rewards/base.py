@@ -2,6 +2,12 @@
 
 Images arrive as a ``[B, 3, H, W]`` float tensor in [0, 1] or as a list of PIL images; subclasses
 implement :meth:`Reward.score` on the tensor form and never see PIL unless they ask for it.
+
+Videos (a video model's frames, ``[B, F, 3, H, W]`` in [0, 1]) are scored by every reward: an image reward
+(``accepts_video`` False, the default) scores each of the ``B * F`` frames with its video's prompt and reduces
+them per video with its ``frame_reduce`` (``"mean"`` by default; :class:`rewards.video.PerFrame` picks ``"min"``),
+its details averaged over frames; a reward with ``accepts_video`` True (the temporal-consistency reward, the
+composites, which hand videos on to their terms) sees the whole clips.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["RewardOutput", "Reward", "RewardError", "to_image_tensor", "to_pil_images"]
+__all__ = ["RewardOutput", "Reward", "RewardError", "to_image_tensor", "to_media_tensor", "to_pil_images",
+           "score_frames", "FRAME_REDUCTIONS"]
+
+#: How per-frame scores become one score per video.
+FRAME_REDUCTIONS = ("mean", "min")
 
 
 class RewardError(RuntimeError):
@@ -80,6 +90,34 @@ def to_image_tensor(images: Any) -> torch.Tensor:
     raise RewardError(f"images must be a [B, 3, H, W] tensor or a list of PIL images, got {type(images).__name__}")
 
 
+def to_media_tensor(images: Any) -> torch.Tensor:
+    """Images as :func:`to_image_tensor` gives them, or videos ``[B, F, 3, H, W]`` (float in [0, 1] or uint8) as a
+    float32 tensor in [0, 1]."""
+    if isinstance(images, torch.Tensor) and images.dim() == 5:
+        if images.shape[2] != 3:
+            raise RewardError(f"videos must be a [B, F, 3, H, W] tensor, got shape {tuple(images.shape)}")
+        if images.dtype == torch.uint8:
+            return images.float() / 255.0
+        return images.float().clamp(0.0, 1.0)
+    return to_image_tensor(images)
+
+
+def score_frames(reward: "Reward", videos: torch.Tensor, prompts: list[str], metadata: list[dict] | None,
+                 reduce: str = "mean") -> RewardOutput:
+    """``reward`` on every frame of ``videos [B, F, 3, H, W]`` (each frame with its video's prompt and metadata
+    row), reduced per video with ``reduce`` (``"mean"`` or ``"min"`` over frames); details are frame means.
+    Gradients flow through ``"mean"`` and ``"min"`` alike (for a differentiable reward)."""
+    if reduce not in FRAME_REDUCTIONS:
+        raise RewardError(f"frame reduction {reduce!r} unknown; valid: {', '.join(FRAME_REDUCTIONS)}")
+    b, f = videos.shape[:2]
+    frames = videos.reshape(b * f, *videos.shape[2:])
+    rows = [i for i in range(b) for _ in range(f)]
+    out = reward._score_images(frames, [prompts[i] for i in rows], [metadata[i] for i in rows] if metadata else None)
+    scores = out.scores.reshape(b, f)
+    scores = scores.mean(dim=1) if reduce == "mean" else scores.amin(dim=1)
+    return RewardOutput(scores, {k: v.reshape(b, f).float().mean(dim=1) for k, v in out.details.items()})
+
+
 def to_pil_images(images: torch.Tensor) -> list:
     """``[B, 3, H, W]`` in [0, 1] -> list of RGB PIL images (rounded to uint8)."""
     from PIL import Image
@@ -104,19 +142,29 @@ class Reward:
     differentiable: bool = False
     batch_size: int = 32
     device: torch.device = torch.device("cpu")
+    #: ``score`` takes videos ``[B, F, 3, H, W]`` itself; False: an image reward, applied to every frame.
+    accepts_video: bool = False
+    #: How an image reward's frame scores become a video's score (``"mean"`` or ``"min"``).
+    frame_reduce: str = "mean"
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
         """Score ``images [B, 3, H, W]`` in [0, 1] against ``prompts`` (length B)."""
         raise NotImplementedError
 
     def __call__(self, images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> RewardOutput:
-        tensor = to_image_tensor(images)
+        tensor = to_media_tensor(images)
         prompts = list(prompts)
         if len(prompts) != tensor.shape[0]:
             raise RewardError(f"{self.name}: got {tensor.shape[0]} images but {len(prompts)} prompts")
         if metadata is not None and len(metadata) != len(prompts):
             raise RewardError(f"{self.name}: got {len(prompts)} prompts but {len(metadata)} metadata rows")
         meta = list(metadata) if metadata is not None else None
+        if tensor.dim() == 5 and not self.accepts_video:
+            return score_frames(self, tensor, prompts, meta, self.frame_reduce)
+        return self._score_images(tensor, prompts, meta)
+
+    def _score_images(self, tensor: torch.Tensor, prompts: list[str], meta: list[dict] | None) -> RewardOutput:
+        """:meth:`score` in batches of ``batch_size``."""
         if tensor.shape[0] <= self.batch_size:
             return self.score(tensor, prompts, meta)
         outputs = []

@@ -165,6 +165,8 @@ def _prefixed(details: Mapping[str, torch.Tensor], key: str, inner_name: str) ->
 class TransformedReward(Reward):
     """A reward whose scores pass through transforms; the raw score is logged as ``"<name>/raw"``."""
 
+    accepts_video = True  # videos go on to the terms, which score frames or clips themselves
+
     def __init__(self, reward: Reward, transforms: Sequence[Transform]):
         self.reward = reward
         self.transforms = list(transforms)
@@ -189,6 +191,8 @@ class WeightedSum(Reward):
     Args:
         terms: ``(key, reward, weight)`` triples; keys must be distinct.
     """
+
+    accepts_video = True  # videos go on to the terms, which score frames or clips themselves
 
     def __init__(self, terms: Sequence[tuple[str, Reward, float]]):
         if not terms:
@@ -217,6 +221,8 @@ class WeightedSum(Reward):
 
 class GatedReward(Reward):
     """``alignment * (1 + bonus * sigmoid((quality - ref) / temperature))`` (see the module docstring)."""
+
+    accepts_video = True  # videos go on to the terms, which score frames or clips themselves
 
     name = "gated"
 

@@ -25,6 +25,8 @@ REWARDS.register("vlm_judge", "rewards.vlm_judge:VLMJudge")
 REWARDS.register("remote", "rewards.remote:RemoteReward")
 REWARDS.register("adversarial", "rewards.adversarial:AdversarialReward")
 REWARDS.register("artifact", "rewards.artifact:ArtifactReward")
+REWARDS.register("per_frame", "rewards.video:PerFrame")
+REWARDS.register("temporal_consistency", "rewards.video:TemporalConsistency")
 # Not bundled: ImageReward. `image-reward` 1.5 resolves beside our pins but fails to import with
 # transformers 5 (BLIP's med.py imports apply_chunking_to_forward from transformers.modeling_utils) and
 # needs OpenAI's `clip` package, which is not on PyPI under that name.

@@ -1,7 +1,14 @@
 """`flowrl export` for the newer model families (flowrl.models.families): a LoRA run of the tiny pipeline, exported
 as a diffusers LoRA folder, a PEFT adapter and a merged pipeline, loaded by plain diffusers / peft, generates the
 images flowrl's own model gives at that checkpoint (1e-5), for the same prompts and noise. The run uses alpha = 2 r,
-so an export that forgot the alpha / r factor (or loaded nothing) is far off."""
+so an export that forgot the alpha / r factor (or loaded nothing) is far off.
+
+Wan (``wan``: Wan 2.1; ``wan22``: Wan 2.2 A14B's two experts, both with LoRA) exports videos: plain
+``WanPipeline`` frames ``[B, F, 3, H, W]`` are compared. Wan 2.2's diffusers folder holds the high-noise expert's
+LoRA as ``pytorch_lora_weights.safetensors`` and the low-noise expert's as
+``pytorch_lora_weights_transformer_2.safetensors`` (``load_lora_weights(..., load_into_transformer_2=True)``); its
+PEFT adapter is of flowrl's two-expert module (keys ``high.`` / ``low.``), loaded here into that module built from
+the plain pipeline's two transformers."""
 
 from __future__ import annotations
 
@@ -17,10 +24,21 @@ PROMPTS = ["a red cat", "a blue square"]
 SEEDS = [3, 11]
 STEPS = 3
 ATOL = 1e-5
-GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0}  # flowrl units (Z-Image: its guidance_scale 2)
-#: flowrl's latent shape of each tiny pipeline (FLUX.2: the transformer's patchified 128 channels).
-LATENT = {"qwen_image": (16, 8, 8), "z_image": (16, 8, 8), "flux2_klein": (128, 4, 4)}
+GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0,  # flowrl units (Z-Image: its guidance_scale 2)
+            "wan": 5.0, "wan22": 4.0}
+#: flowrl's latent shape of each tiny pipeline (FLUX.2: the transformer's patchified 128 channels; Wan: 2 latent
+#: frames of the 5-frame clip).
+LATENT = {"qwen_image": (16, 8, 8), "z_image": (16, 8, 8), "flux2_klein": (128, 4, 4), "wan": (16, 2, 8, 8),
+          "wan22": (16, 2, 8, 8)}
 FAMILIES = list(GUIDANCE)
+IMAGE_FAMILIES = [f for f in FAMILIES if not f.startswith("wan")]
+NEGATIVE = "blurred, static"  # Wan's negative prompt in these runs
+NUM_FRAMES = 5  # flowrl.testing.tiny_wan.TINY_WAN_NUM_FRAMES
+
+
+def model_name(family: str) -> str:
+    """The ``model.name`` of a tiny pipeline kind (``wan22`` is a Wan pipeline)."""
+    return "wan" if family.startswith("wan") else family
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,7 +54,7 @@ def train_lora_run(family: str, out: Path, prompt_file: Path) -> Path:
     from flowrl.train import load_recipe_config
 
     settings = {
-        "model.name": family, "model.path": str(build_tiny(family)), "model.resolution": TINY_RESOLUTION,
+        "model.name": model_name(family), "model.path": str(build_tiny(family)), "model.resolution": TINY_RESOLUTION,
         "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "model.lora": "{rank: 4, alpha: 8}",
         "run.output_dir": str(out), "run.max_epochs": 1, "run.max_minutes": "null",
         "data.train_prompts": str(prompt_file), "data.eval_prompts": str(prompt_file), "data.num_eval_prompts": 2,
@@ -47,10 +65,24 @@ def train_lora_run(family: str, out: Path, prompt_file: Path) -> Path:
         "eval.at_start": "false", "eval.every_epochs": 10, "eval.every_minutes": "null", "eval.grid_size": 0,
         "checkpoint.every_epochs": 1,
     }
+    if family.startswith("wan"):
+        settings.update({"model.num_frames": NUM_FRAMES, "model.negative_prompt": NEGATIVE})
     recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"),
                                      [f"{k}={v}" for k, v in settings.items()])
     assert recipe.main(cfg) == 0
     return out
+
+
+class _Lazy(dict):
+    """``{family: make(family)}``, each made when first looked up (a -k selection trains only its families)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, family):
+        self[family] = self.make(family)
+        return self[family]
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +90,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export_family_runs")
     prompts = root / "prompts.txt"
     prompts.write_text("a red apple\na blue car\na cat on a mat\na bowl of soup\n")
-    return {family: train_lora_run(family, root / family, prompts) for family in FAMILIES}
+    return _Lazy(lambda family: train_lora_run(family, root / family, prompts))  # trained when first asked for
 
 
 def base_pipeline(family: str):
     from flowrl.models.families import pipeline_class
 
-    pipe = pipeline_class(family).from_pretrained(build_tiny(family))
+    pipe = pipeline_class(model_name(family)).from_pretrained(build_tiny(family))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -74,6 +106,12 @@ def diffusers_images(pipe, family: str) -> torch.Tensor:
     from samplers import initial_noise
 
     noise = initial_noise(LATENT[family], torch.tensor(SEEDS))
+    if family.startswith("wan"):  # videos: standard CFG on the negative prompt, frames [B, F, 3, H, W]
+        with torch.no_grad():
+            return pipe(prompt=list(PROMPTS), negative_prompt=[NEGATIVE] * len(PROMPTS), guidance_scale=GUIDANCE[family],
+                        latents=noise, num_frames=NUM_FRAMES, num_inference_steps=STEPS, height=TINY_RESOLUTION,
+                        width=TINY_RESOLUTION, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH,
+                        output_type="pt").frames.cpu()
     if family == "qwen_image":
         kwargs = {"negative_prompt": [" "] * len(PROMPTS), "true_cfg_scale": GUIDANCE[family],
                   "latents": pipe._pack_latents(noise, *noise.shape)}
@@ -113,17 +151,31 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family,
     for folder in (tmp_path / "diffusers", run / "checkpoints" / "epoch_0000001" / "lora"):
         pipe = base_pipeline(family)
         pipe.load_lora_weights(str(folder))
+        if family == "wan22":  # the low-noise expert's LoRA, into transformer_2
+            from flowrl.models.lora_files import EXPERT_2_WEIGHTS
+
+            one_expert = diffusers_images(pipe, family)
+            assert (one_expert - ours).abs().max() > 1e-3, "transformer_2's LoRA must matter for this test"
+            pipe.load_lora_weights(str(folder), weight_name=EXPERT_2_WEIGHTS, load_into_transformer_2=True)
         torch.testing.assert_close(diffusers_images(pipe, family), ours, rtol=0, atol=ATOL)
 
     assert export_main([str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
     pipe = base_pipeline(family)
-    PeftModel.from_pretrained(pipe.transformer, str(tmp_path / "peft"))
+    if family == "wan22":
+        from flowrl.models.wan import WanExperts
+
+        experts = WanExperts(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio * 1000)
+        PeftModel.from_pretrained(experts, str(tmp_path / "peft"))  # injects into both transformers in place
+    else:
+        PeftModel.from_pretrained(pipe.transformer, str(tmp_path / "peft"))
     torch.testing.assert_close(diffusers_images(pipe, family), ours, rtol=0, atol=ATOL)
 
     assert export_main([str(run), "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
-    merged = pipeline_class(family).from_pretrained(str(tmp_path / "merged"))
+    merged = pipeline_class(model_name(family)).from_pretrained(str(tmp_path / "merged"))
     merged.set_progress_bar_config(disable=True)
     assert not any("lora" in name for name, _ in merged.transformer.named_parameters())
+    if family == "wan22":
+        assert not any("lora" in name for name, _ in merged.transformer_2.named_parameters())
     torch.testing.assert_close(diffusers_images(merged, family), ours, rtol=0, atol=ATOL)
 
 
@@ -131,13 +183,13 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family,
 def exported(runs, tmp_path_factory):
     from flowrl.export import main as export_main
 
-    out = {}
-    for family, run in runs.items():
-        root = tmp_path_factory.mktemp(f"{family}_exports")
+    def export(family: str) -> dict[str, Path]:
+        run, root = runs[family], tmp_path_factory.mktemp(f"{family}_exports")
         assert export_main([str(run), "--format", "diffusers", "--out", str(root / "lora")]) == 0
         assert export_main([str(run), "--format", "merged", "--out", str(root / "merged")]) == 0
-        out[family] = {"lora": root / "lora", "merged": root / "merged"}
-    return out
+        return {"lora": root / "lora", "merged": root / "merged"}
+
+    return _Lazy(export)
 
 
 def _grid(path: Path):
@@ -149,7 +201,7 @@ def _grid(path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike(runs, exported, family, tmp_path,
                                                                                  capsys):
     """`flowrl sample` of the run, of base + exported LoRA and of the merged pipeline draw the same grid (to a pixel
@@ -192,3 +244,38 @@ def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike
     result = engine.compare(models, ["a red cat"], [0, 1], steps=3, guidance=GUIDANCE[family], sampler="ode",
                             noise_level=None, rewards=state.rewards, reward_names=["jpeg_incompressibility"])
     torch.testing.assert_close(result.images["tuned"], result.images["merged"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["wan", "wan22"])
+def test_sample_draws_the_run_its_lora_and_its_merged_pipeline_as_the_same_frame_strips_and_gifs(runs, exported,
+                                                                                                 family, tmp_path,
+                                                                                                 capsys):
+    """`flowrl sample` of a Wan run, of base + exported LoRA and of the merged pipeline: the same grid of frame
+    strips (to a pixel level) and one animated GIF per video with the video's frames."""
+    import numpy as np
+    from PIL import Image
+
+    from flowrl.sample import sample_main
+
+    run, tiny = runs[family], build_tiny(family)
+    grids = {}
+    for name, args in {"run": ["--run", str(run)],
+                       "lora": ["--model", "wan", "--path", str(tiny), "--lora", str(exported[family]["lora"]),
+                                "--resolution", str(TINY_RESOLUTION), "--num-frames", str(NUM_FRAMES)],
+                       "merged": ["--model", str(exported[family]["merged"])]}.items():
+        out = tmp_path / name / "grid.png"
+        code = sample_main([*args, "--prompt", "a red cat", "--seeds", "0-1", "--steps", "3", "--guidance",
+                            str(GUIDANCE[family]), "--scale", "1", "--out", str(out), "--no-progress"])
+        assert code == 0, capsys.readouterr().err[-2000:]
+        grids[name] = _grid(out)
+        gifs = sorted(out.parent.glob("grid_p0_s*.gif"))
+        assert [g.name for g in gifs] == ["grid_p0_s0.gif", "grid_p0_s1.gif"]
+        with Image.open(gifs[0]) as gif:
+            assert gif.n_frames == NUM_FRAMES and gif.size == (TINY_RESOLUTION, TINY_RESOLUTION)
+    # a strip of 5 frames of 64 px with 2 px gaps per cell: the grid is wider than for one image per cell
+    assert grids["run"].shape[1] > 2 * NUM_FRAMES * TINY_RESOLUTION
+    assert abs(grids["run"] - grids["merged"]).max() <= 1  # the merged export keeps frames and negative prompt
+    # The LoRA folder runs with the pipeline's defaults for the negative prompt ("") and text length (226 tokens,
+    # zero padded: Wan attends to the padding), so it differs from the run; it must still draw a real grid.
+    assert grids["lora"].shape == grids["run"].shape and np.ptp(grids["lora"]) > 0

@@ -105,6 +105,22 @@ def test_panel_combines_drift_diversity_and_shapes_metrics():
                           "hack/hf_energy"}  # the image statistics need no grammar (and no base: no shift)
 
 
+def test_panel_measures_videos_frame_by_frame():
+    """Videos [B, F, 3, H, W]: drift and image statistics over every frame, features averaged over each video."""
+    g = torch.Generator().manual_seed(0)
+    tuned, base = torch.rand(2, 3, 3, 16, 16, generator=g), torch.rand(2, 3, 3, 16, 16, generator=g)
+    flat = lambda x: x.flatten(1)  # noqa: E731  (pixels as features)
+    out = hacking_panel(tuned, ["a cat", "a cat"], base_images=base, features=flat)
+    frames, base_frames = tuned.flatten(0, 1), base.flatten(0, 1)
+    assert out["hack/drift_pixel"] == pytest.approx(pixel_drift(frames, base_frames))
+    video_features = lambda x: flat(x.flatten(0, 1)).reshape(2, 3, -1).mean(dim=1)  # noqa: E731
+    assert out["hack/drift_feature"] == pytest.approx(feature_drift(video_features(tuned), video_features(base)))
+    assert out["hack/diversity"] == pytest.approx(group_diversity(video_features(tuned), ["a cat", "a cat"]))
+    assert out["hack/dark_frac"] == pytest.approx(hacking_panel(frames, ["a cat"] * 6)["hack/dark_frac"])
+    with pytest.raises(ValueError, match="videos differ in shape"):
+        hacking_panel(tuned, ["a cat", "a cat"], base_images=base[:, :2])
+
+
 def test_panel_rejects_bad_input():
     with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
         hacking_panel(torch.zeros(2, 32, 32), ["a circle", "a circle"])

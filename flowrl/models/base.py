@@ -113,13 +113,14 @@ class FlowModel(nn.Module):
 
     Attributes:
         denoiser: the network that is trained (UNet or transformer).
-        latent_shape: ``(C, H, W)`` of one latent.
+        latent_shape: ``(C, H, W)`` of one latent; ``(C, F, H, W)`` for a video model (a frame axis), whose
+            ``decode`` gives frames ``[B, F_pixels, 3, H, W]`` instead of images ``[B, 3, H, W]``.
         uses_cfg: classifier-free guidance applies (False for guidance-distilled FLUX).
         conditions_on_source: an editing model (a source image beside each prompt).
         default_guidance: the guidance scale used when a recipe does not set one.
     """
 
-    latent_shape: tuple[int, int, int]
+    latent_shape: tuple[int, ...]
     uses_cfg: bool = True
     #: The model edits a source image: ``encode_prompts`` needs each row's ``metadata["source_image"]`` and
     #: ``_encode(prompts, sources)`` receives them (``[3, H, W]`` float32 in [0, 1] each).

@@ -13,7 +13,10 @@ import torch
 
 from flowrl.config import bounds
 
-__all__ = ["LoraConfig", "ModelConfig", "build_model"]
+__all__ = ["LoraConfig", "ModelConfig", "build_model", "VIDEO_FAMILIES"]
+
+#: Families whose adapters generate videos (latents with a frame axis, decoded to ``[B, F, 3, H, W]``).
+VIDEO_FAMILIES = ("wan",)
 
 
 @dataclass
@@ -26,7 +29,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["shapes", "sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux_kontext"] = "shapes"  # flowrl.models.families
+    name: Literal["shapes", "sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux_kontext",
+                  "wan"] = "shapes"  # flowrl.models.families
     path: str | None = None  # local dir or hub id; None = the shipped shapes model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None  # None: full fine-tuning
@@ -36,6 +40,10 @@ class ModelConfig:
     max_sequence_length: int | None = field(default=None, metadata=bounds(ge=1))
     # native: PyTorch SDPA; xformers: xformers' kernel (CUDA, installed to match torch); flash: flash-attn
     # through diffusers' attention dispatcher (FLUX). docs/distributed.md, "Attention backends".
+    # Video families (wan) only: pixel frames per video, 4 k + 1 (None: the adapter's 81), and the unconditional
+    # prompt of CFG (None: the pipeline's default ""; configs/wan sets Wan's model-card negative prompt).
+    num_frames: int | None = field(default=None, metadata=bounds(ge=1))
+    negative_prompt: str | None = None
     attention_backend: Literal["native", "xformers", "flash"] = "native"
     # Encoded prompts kept (least recently used evicted), on the CPU (moved to the device per batch) or on
     # the model's device.
@@ -47,6 +55,11 @@ class ModelConfig:
 
         if self.name != "shapes" and self.path is None:
             fail("path", f"{self.name} needs a local directory or hub id")
+        if self.name not in VIDEO_FAMILIES:
+            for key in ("num_frames", "negative_prompt"):
+                if getattr(self, key) is not None:
+                    fail(key, f"is a video-model setting ({', '.join(VIDEO_FAMILIES)}); {self.name} makes images, "
+                              f"remove model.{key}")
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str):
@@ -86,4 +99,7 @@ def _build(cfg: ModelConfig, device: torch.device | str):
         kwargs["resolution"] = cfg.resolution
     if cfg.max_sequence_length is not None:
         kwargs["max_sequence_length"] = cfg.max_sequence_length
+    for key in ("num_frames", "negative_prompt"):
+        if getattr(cfg, key) is not None:
+            kwargs[key] = getattr(cfg, key)
     return load_model(cfg.name, cfg.path, **kwargs)

@@ -35,6 +35,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("flux_kontext", "FluxKontextPipeline", "flowrl.models.flux_kontext:FluxKontextModel",
            "flowrl.models.flux_kontext:FLUX_KONTEXT_LORA_TARGETS", "black-forest-labs/FLUX.1-Kontext-dev",
            "FLUX.1-Kontext (editing)"),
+    Family("wan", "WanPipeline", "flowrl.models.wan:WanModel", "flowrl.models.wan:WAN_LORA_TARGETS",
+           "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan 2.1 / 2.2 (text-to-video)"),
 )}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["KNOWN_MODELS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate",
+__all__ = ["KNOWN_MODELS", "TWO_EXPERTS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate",
            "weights_status", "format_gib"]
 
 SD35_MEDIUM_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
@@ -41,6 +41,13 @@ _Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "
             "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "cap_feat_dim": 2560, "axes_dims": [32, 48, 48],
             "axes_lens": [1536, 512, 512]}
 
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer/config.json (about 1.4B parameters) and the 14B one, which
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers' transformer/ and transformer_2/ share (two experts of about 14B each).
+_WAN_1_3B = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+             "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
+_WAN_14B = {**_WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+
 #: Published transformer configs of the models flowrl's configs name (diffusers ``config.json`` fields).
 KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "stabilityai/stable-diffusion-3.5-medium": ("sd3", SD35_MEDIUM_TRANSFORMER),
@@ -51,7 +58,19 @@ KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "Qwen/Qwen-Image": ("qwen_image", _QWEN_IMAGE),
     "Tongyi-MAI/Z-Image-Turbo": ("z_image", _Z_IMAGE),
     "Tongyi-MAI/Z-Image": ("z_image", _Z_IMAGE),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("wan", _WAN_1_3B),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("wan", _WAN_14B),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("wan", _WAN_14B),
 }
+
+#: Models with a second expert of the same architecture (Wan 2.2 A14B's ``transformer_2``).
+TWO_EXPERTS = {"Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
+
+# Wan's text encoder (UMT5-XXL's encoder, text_encoder/config.json) and its causal 3D VAE (vae/config.json).
+_UMT5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "d_kv": 64, "vocab_size": 256384,
+             "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32}
+_WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+            "temperal_downsample": [False, True, True]}
 
 # Z-Image's text encoder (Qwen3-4B, text_encoder/config.json).
 _QWEN3_4B = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -127,7 +146,7 @@ def _read_config(path: Path) -> dict | None:
 def _configs(cfg) -> tuple[str, dict | None, dict[str, dict], str]:
     """``(kind, transformer config, {component: config}, source)`` of an sd3 / flux model section."""
     path = Path(str(cfg.path)).expanduser()
-    names = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+    names = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
     if path.is_dir():
         found = {n: _read_config(path / n / "config.json") for n in names}
         return cfg.name, found.pop("transformer"), {k: v for k, v in found.items() if v}, str(path)
@@ -144,7 +163,8 @@ def _configs(cfg) -> tuple[str, dict | None, dict[str, dict], str]:
         pass
     if str(cfg.path) in KNOWN_MODELS:
         kind, transformer = KNOWN_MODELS[str(cfg.path)]
-        return kind, dict(transformer), {}, "published config"
+        found = {"transformer_2": dict(transformer)} if str(cfg.path) in TWO_EXPERTS else {}
+        return kind, dict(transformer), found, "published config"
     return cfg.name, None, {}, ""
 
 
@@ -159,6 +179,13 @@ def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
     def t5(config):
         return T5EncoderModel(T5Config(**{k: v for k, v in config.items() if not k.startswith("_")}))
 
+    if kind == "wan":
+        from diffusers import AutoencoderKLWan
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        vae = {k: v for k, v in (found.get("vae") or _WAN_VAE).items() if not k.startswith("_")}
+        text = {k: v for k, v in (found.get("text_encoder") or _UMT5_XXL).items() if not k.startswith("_")}
+        return {"vae": AutoencoderKLWan.from_config(vae), "text_encoder (UMT5-XXL)": UMT5EncoderModel(UMT5Config(**text))}
     if kind == "qwen_image":
         from diffusers import AutoencoderKLQwenImage
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -197,22 +224,39 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
 
     transformer_cfg = {k: v for k, v in transformer_cfg.items() if not k.startswith("_")}
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
-               "qwen_image": "QwenImageTransformer2DModel", "z_image": "ZImageTransformer2DModel"}
+               "qwen_image": "QwenImageTransformer2DModel", "z_image": "ZImageTransformer2DModel",
+               "wan": "WanTransformer3DModel"}
     if kind not in classes:  # a family without a published architecture here (e.g. flux2_klein)
         return None
     with torch.device("meta"):
         cls = getattr(diffusers, classes[kind])
         denoiser = cls.from_config(transformer_cfg)
         parts = _text_and_vae(kind, found)
+        second = found.get("transformer_2") if kind == "wan" else None  # Wan 2.2: the low-noise expert
+        if second:
+            parts = {"transformer_2": cls.from_config({k: v for k, v in second.items() if not k.startswith("_")}),
+                     **parts}
     params = {"transformer": _count(denoiser), **{k: _count(m) for k, m in parts.items()}}
+    experts = [denoiser] + ([parts["transformer_2"]] if "transformer_2" in parts else [])
     if cfg.lora is not None:
         from flowrl.models.lora_files import default_lora_targets
 
         targets = list(cfg.lora.target_modules) or default_lora_targets(kind)
-        trainable = _lora_params(denoiser, targets, cfg.lora.rank)
+        trainable = sum(_lora_params(expert, targets, cfg.lora.rank) for expert in experts)
     else:
-        trainable = params["transformer"]
+        trainable = sum(_count(expert) for expert in experts)
     config = denoiser.config
+    if kind == "wan":  # self-attention over the video's (1, 2, 2) patches; the text enters by cross-attention
+        from flowrl.models.wan import WAN_DEFAULT_RESOLUTION
+
+        height, width = (resolution or cfg.resolution,) * 2 if (resolution or cfg.resolution) else WAN_DEFAULT_RESOLUTION
+        frames = ((cfg.num_frames or 81) - 1) // 4 + 1
+        tokens = frames * (height // 16) * (width // 16) + (cfg.max_sequence_length or 226)
+        notes = [f"{cfg.num_frames or 81} frames ({frames} latent frames) at {height} x {width} px"]
+        if second:
+            notes.append("two experts: weights count both; each rollout step runs one of them")
+        return Footprint(source, params, trainable, hidden=config.num_attention_heads * config.attention_head_dim,
+                         layers=config.num_layers, tokens=tokens, notes=notes)
     res = resolution or cfg.resolution or 1024
     if kind == "z_image":  # one stream of image patches and caption tokens; the refiners run on each alone
         text = cfg.max_sequence_length or 512

@@ -3,7 +3,8 @@ checkpoint (its EMA when kept), and the two LoRA folder formats other tools read
 
 - diffusers (``pytorch_lora_weights.safetensors``, ``pipe.load_lora_weights(DIR)``): ``B`` stored already
   multiplied by ``alpha / r`` and ``lora_alpha = r`` in the metadata, so every loader applies flowrl's update
-  ``W x + (alpha / r) B A x`` at full strength;
+  ``W x + (alpha / r) B A x`` at full strength; Wan 2.2's low-noise expert in a second file,
+  :data:`EXPERT_2_WEIGHTS` (``load_lora_weights(DIR, weight_name=..., load_into_transformer_2=True)``);
 - PEFT (``adapter_config.json`` + ``adapter_model.safetensors``, unscaled, the run's own ``r`` / ``lora_alpha``).
 
 Used by ``flowrl export`` (:mod:`flowrl.export`) and by the run's checkpoints (each LoRA checkpoint of an SD3 /
@@ -32,6 +33,8 @@ __all__ = [
     "spec_for",
     "trained_tensors",
     "write_diffusers_lora",
+    "EXPERT_2_WEIGHTS",
+    "split_experts",
     "write_export_info",
     "write_peft_adapter",
 ]
@@ -162,11 +165,35 @@ def write_diffusers_lora(spec: LoraSpec, state: dict[str, Any], directory: str |
                 "lora_dropout": 0.0}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    pipeline_class.save_lora_weights(directory, transformer_lora_layers=layers,
-                                     transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    experts = split_experts(layers)
+    if experts is not None:  # Wan 2.2: the high-noise expert as `transformer`, the low-noise one as `transformer_2`
+        high, low = experts
+        pipeline_class.save_lora_weights(directory, transformer_lora_layers=high,
+                                         transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+        pipeline_class.save_lora_weights(directory, transformer_lora_layers=low, weight_name=EXPERT_2_WEIGHTS,
+                                         transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    else:
+        pipeline_class.save_lora_weights(directory, transformer_lora_layers=layers,
+                                         transformer_lora_adapter_metadata=metadata, safe_serialization=True)
     write_export_info(directory, {"format": "diffusers", "model": spec.kind, "rank": spec.rank, "alpha": spec.alpha,
                             "alpha_over_rank_baked_into_lora_B": spec.scale, "ema": ema_used})
     return directory
+
+
+#: The file of a Wan 2.2 export's low-noise expert (``transformer_2``), which diffusers loads with
+#: ``pipe.load_lora_weights(DIR, weight_name=EXPERT_2_WEIGHTS, load_into_transformer_2=True)``.
+EXPERT_2_WEIGHTS = "pytorch_lora_weights_transformer_2.safetensors"
+
+
+def split_experts(layers: dict[str, torch.Tensor]) -> tuple[dict, dict] | None:
+    """``(high, low)``: the LoRA layers of a two-expert denoiser (:class:`flowrl.models.wan.WanExperts`, whose
+    parameter names start with ``high.`` / ``low.``) as two transformers' layers, prefixes removed; None for a
+    single denoiser."""
+    if not layers or not all(k.startswith(("high.", "low.")) for k in layers):
+        return None
+    high = {k[len("high."):]: v for k, v in layers.items() if k.startswith("high.")}
+    low = {k[len("low."):]: v for k, v in layers.items() if k.startswith("low.")}
+    return high, low
 
 
 def write_peft_adapter(spec: LoraSpec, state: dict[str, Any], directory: str | Path, *, weights_key: str = "model",

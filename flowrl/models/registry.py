@@ -22,6 +22,7 @@ MODELS.register("qwen_image", "flowrl.models.qwen_image:QwenImageModel.from_pret
 MODELS.register("z_image", "flowrl.models.z_image:ZImageModel.from_pretrained")
 MODELS.register("flux2_klein", "flowrl.models.flux2:Flux2KleinModel.from_pretrained")
 MODELS.register("flux_kontext", "flowrl.models.flux_kontext:FluxKontextModel.from_pretrained")
+MODELS.register("wan", "flowrl.models.wan:WanModel.from_pretrained")
 MODELS.register("shapes", "flowrl.models.shapes:ShapesModel.from_pretrained")
 
 

@@ -60,8 +60,9 @@ def default_dtype(device: torch.device | str) -> str:
 
 
 def load_pipeline_model(kind: str, path: str | Path | None, *, device: torch.device | str = "cpu",
-                        dtype: str | None = None, resolution: int | None = None) -> FlowModel:
-    """The SD3 / FLUX adapter of a pipeline directory or hub id, in eval mode.
+                        dtype: str | None = None, resolution: int | None = None,
+                        num_frames: int | None = None) -> FlowModel:
+    """The SD3 / FLUX adapter of a pipeline directory or hub id, in eval mode (``num_frames``: a video family's).
 
     Raises:
         ModelLoadError: the weights cannot be found or read (the message says the fix).
@@ -79,11 +80,19 @@ def load_pipeline_model(kind: str, path: str | Path | None, *, device: torch.dev
         except (OSError, ValueError):
             sampling = {}
         for key, name in (("max_sequence_length", "max_sequence_length"), ("resolution", "resolution"),
-                          ("default_guidance", "guidance_scale")):
+                          ("default_guidance", "guidance_scale"), ("num_frames", "num_frames"),
+                          ("negative_prompt", "negative_prompt")):
             if sampling.get(key) is not None:
                 kwargs[name] = sampling[key]
     if resolution is not None:
         kwargs["resolution"] = resolution
+    if num_frames is not None:
+        from flowrl.models.config import VIDEO_FAMILIES
+
+        if kind not in VIDEO_FAMILIES:
+            raise ModelLoadError(f"--num-frames is for video models ({', '.join(VIDEO_FAMILIES)}); {kind} makes "
+                                 "images, drop it")
+        kwargs["num_frames"] = num_frames
     model = load_model(kind, None if path is None else str(path), **kwargs)
     model.eval()
     return model
@@ -104,6 +113,15 @@ def apply_lora_folder(model: FlowModel, folder: Path) -> str:
                                  f"the {type(model).__name__}")
         # The safetensors file by name: diffusers would otherwise also accept a pickled .bin.
         pipeline.load_lora_weights(str(folder), weight_name="pytorch_lora_weights.safetensors", use_safetensors=True)
+        from .lora_files import EXPERT_2_WEIGHTS
+
+        if (folder / EXPERT_2_WEIGHTS).is_file():  # Wan 2.2's low-noise expert
+            if getattr(pipeline, "transformer_2", None) is None:
+                raise ModelLoadError(f"{folder} holds a LoRA of a second expert ({EXPERT_2_WEIGHTS}, Wan 2.2) but "
+                                     f"the {type(model).__name__}'s pipeline has no transformer_2; load it into a "
+                                     "Wan 2.2 A14B pipeline")
+            pipeline.load_lora_weights(str(folder), weight_name=EXPERT_2_WEIGHTS, use_safetensors=True,
+                                       load_into_transformer_2=True)
         return "diffusers LoRA"
     if (folder / "adapter_config.json").is_file():
         from peft import PeftModel

@@ -10,7 +10,7 @@
                                                 (``flowrl export --format diffusers`` or ``peft``)
     --run RUN_DIR                               a run directory (or one of its checkpoints) as it trained,
                                                 base model included
-        [--dtype float32|bfloat16|float16] [--resolution PX] [--no-ema]
+        [--dtype float32|bfloat16|float16] [--resolution PX] [--num-frames N (video models)] [--no-ema]
 
 Mistakes (a path that is not a model, a LoRA of another model, --run with --lora) are one-line
 :class:`~flowrl.cli_args.UsageError` / :class:`~flowrl.models.base.ModelLoadError`, never tracebacks.
@@ -44,6 +44,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "the run's)")
     parser.add_argument("--resolution", type=int, default=None,
                         help="image size in pixels of SD3 / FLUX (default: the pipeline's, or the run's)")
+    parser.add_argument("--num-frames", type=int, default=None,
+                        help="frames per video of a video model (wan: 4 k + 1; default the adapter's 81, or the run's)")
     parser.add_argument("--no-ema", action="store_true", help="a run's raw trained weights even when it kept an EMA")
 
 
@@ -71,7 +73,8 @@ def model_from_args(args: argparse.Namespace, device: torch.device | str) -> Flo
                                    dtype=args.dtype or default_dtype(device), expect=spec)
             model.description = f"{spec} {base or 'the run base'} + LoRA of run {args.lora}"
             return model
-        model = load_pipeline_model(spec, base, device=device, dtype=args.dtype, resolution=args.resolution)
+        model = load_pipeline_model(spec, base, device=device, dtype=args.dtype, resolution=args.resolution,
+                                    num_frames=getattr(args, "num_frames", None))
         model.description = f"{spec} {base or 'default'}"
         if args.lora:
             kind = apply_lora_folder(model, Path(args.lora))
@@ -81,7 +84,8 @@ def model_from_args(args: argparse.Namespace, device: torch.device | str) -> Flo
         raise UsageError("--path goes with --model sd3 or --model flux (for a shapes model give --model PATH)")
     kind = pipeline_kind(spec) if Path(spec).is_dir() else None
     if kind is not None:  # a diffusers pipeline directory: SD3 / FLUX with this command's dtype and resolution
-        model = load_pipeline_model(kind, spec, device=device, dtype=args.dtype, resolution=args.resolution)
+        model = load_pipeline_model(kind, spec, device=device, dtype=args.dtype, resolution=args.resolution,
+                                    num_frames=getattr(args, "num_frames", None))
         model.description = f"{kind} {spec}"
         if args.lora:
             if is_run_dir(Path(args.lora)):

@@ -106,7 +106,7 @@ def _pixels(model) -> tuple[int, int] | None:
     scale = getattr(model, "vae_scale_factor", None)
     if not scale:
         return None
-    _, height, width = model.latent_shape
+    height, width = model.latent_shape[-2:]  # (C, h, w), or (C, F, h, w) for a video model
     return height * scale, width * scale
 
 

@@ -1,7 +1,9 @@
 """Every trainer (Flow-GRPO, CRD, DiffusionNFT, AWM, DGPO, Diffusion-DPO, D3PO) runs a tiny epoch on the tiny
 pipeline of each newer model family (flowrl.models.families; SD3 / FLUX have their own tests), through the
 trainer's shipped shapes config with the model swapped: it trains (finite loss, a gradient), logs, evaluates and
-checkpoints. Flow-GRPO's first pass re-scores its own rollout, so its logged ratio is 1 and the LoRA (B = 0 at
+checkpoints. Wan (text-to-video) runs on 5-frame clips (2 latent frames); its Diffusion-DPO pairs are the same
+image pairs as the image families', which the Wan adapter encodes as still clips (each image repeated over every
+frame: flowrl has no video pair shards). Flow-GRPO's first pass re-scores its own rollout, so its logged ratio is 1 and the LoRA (B = 0 at
 init) equals the reference."""
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 from flowrl.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["qwen_image", "z_image", "flux2_klein"]
+FAMILIES = ["qwen_image", "z_image", "flux2_klein", "wan"]
 TRAINERS = ["flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po"]
-GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0}  # with CFG, so the unconditional branch trains too
+GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0, "wan": 5.0}  # with CFG, so the unconditional branch trains too
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,6 +65,10 @@ def overrides(family: str, trainer: str, out: Path, prompts: Path, pairs: Path) 
         "reward.eval": "[jpeg_incompressibility]", "eval.at_start": "false", "eval.every_epochs": 1,
         "eval.every_minutes": "null", "eval.grid_size": 2, "checkpoint.every_epochs": 1,
     }
+    if family == "wan":
+        from flowrl.testing.tiny_wan import TINY_WAN_NUM_FRAMES
+
+        settings.update({"model.num_frames": TINY_WAN_NUM_FRAMES, "model.negative_prompt": "blurred, static"})
     if trainer in ("flow_grpo", "d3po"):
         settings["sampling.window"] = "{mode: fixed, start: 0, size: null}"
     if trainer == "d3po":
@@ -95,3 +101,25 @@ def test_a_tiny_epoch_of_every_trainer(family, trainer, prompts, pairs, tmp_path
     if trainer == "flow_grpo":
         assert abs(row["train/ratio_mean"] - 1.0) < 1e-6 and row["train/clip_frac"] == 0.0
         assert row["train/kl_ref"] == pytest.approx(0.0, abs=1e-10)
+    if family == "wan":  # the eval grid draws each video as its strip of 5 frames of 64 px (base and current)
+        from PIL import Image
+
+        with Image.open(out / "samples" / "epoch_0001.png") as grid:
+            assert grid.size[0] > 2 * (5 * 64)
+
+
+@pytest.mark.slow
+def test_wan22_trains_both_experts(prompts, pairs, tmp_path):
+    """Flow-GRPO on the tiny Wan 2.2 pipeline (3 steps: t = 1000 on the high-noise expert, the rest below the
+    875 boundary on the low-noise one): both experts' LoRA weights are trained and checkpointed."""
+    out = tmp_path / "run"
+    settings = overrides("wan", "flow_grpo", out, prompts, pairs)
+    settings = [s for s in settings if not s.startswith("model.path=")] + [f"model.path={build_tiny('wan22')}",
+                                                                         "optim.lr=0.05", "train.clip_range=0.5"]
+    recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / "flow_grpo.yaml"), settings)
+    assert recipe.main(cfg) == 0
+    state = load_state(latest_checkpoint(out))
+    assert {k.split(".")[0] for k in state["model"]} == {"high", "low"}
+    for expert in ("high", "low"):  # lora_B starts at 0: a trained expert has moved it
+        moved = [v.abs().max() for k, v in state["model"].items() if k.startswith(expert) and "lora_B" in k]
+        assert moved and max(moved) > 0, expert
