@@ -21,6 +21,7 @@ MODELS.register("flux", "flowrl.models.flux:FluxModel.from_pretrained")
 MODELS.register("qwen_image", "flowrl.models.qwen_image:QwenImageModel.from_pretrained")
 MODELS.register("z_image", "flowrl.models.z_image:ZImageModel.from_pretrained")
 MODELS.register("flux2_klein", "flowrl.models.flux2:Flux2KleinModel.from_pretrained")
+MODELS.register("flux2", "flowrl.models.flux2:Flux2DevModel.from_pretrained")
 MODELS.register("flux_kontext", "flowrl.models.flux_kontext:FluxKontextModel.from_pretrained")
 MODELS.register("shapes", "flowrl.models.shapes:ShapesModel.from_pretrained")
 
