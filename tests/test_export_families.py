@@ -24,12 +24,12 @@ PROMPTS = ["a red cat", "a blue square"]
 SEEDS = [3, 11]
 STEPS = 3
 ATOL = 1e-5
-GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0,  # flowrl units (Z-Image: its guidance_scale 2)
-            "wan": 5.0, "wan22": 4.0}
+# flowrl units (Z-Image: its guidance_scale 2; FLUX.2 [dev]: the guidance embedding's value)
+GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0, "flux2": 4.0, "wan": 5.0, "wan22": 4.0}
 #: flowrl's latent shape of each tiny pipeline (FLUX.2: the transformer's patchified 128 channels; Wan: 2 latent
 #: frames of the 5-frame clip).
-LATENT = {"qwen_image": (16, 8, 8), "z_image": (16, 8, 8), "flux2_klein": (128, 4, 4), "wan": (16, 2, 8, 8),
-          "wan22": (16, 2, 8, 8)}
+LATENT = {"qwen_image": (16, 8, 8), "z_image": (16, 8, 8), "flux2_klein": (128, 4, 4), "flux2": (128, 4, 4),
+          "wan": (16, 2, 8, 8), "wan22": (16, 2, 8, 8)}
 FAMILIES = list(GUIDANCE)
 IMAGE_FAMILIES = [f for f in FAMILIES if not f.startswith("wan")]
 NEGATIVE = "blurred, static"  # Wan's negative prompt in these runs
@@ -117,7 +117,7 @@ def diffusers_images(pipe, family: str) -> torch.Tensor:
                   "latents": pipe._pack_latents(noise, *noise.shape)}
     elif family == "z_image":  # unpacked latents, its guidance_scale is flowrl's minus 1
         kwargs = {"guidance_scale": GUIDANCE[family] - 1.0, "latents": noise}
-    else:  # flux2_klein: the patchified latents, standard CFG
+    else:  # flux2_klein: the patchified latents, standard CFG; flux2: the same latents, the guidance embedding
         kwargs = {"guidance_scale": GUIDANCE[family], "latents": noise}
     with torch.no_grad():
         # a copy: ZImagePipeline writes the chat-templated text back into the caller's prompt list

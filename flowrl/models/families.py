@@ -32,6 +32,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "Tongyi-MAI/Z-Image-Turbo", "Z-Image"),
     Family("flux2_klein", "Flux2KleinPipeline", "flowrl.models.flux2:Flux2KleinModel",
            "flowrl.models.flux2:FLUX2_LORA_TARGETS", "black-forest-labs/FLUX.2-klein-base-4B", "FLUX.2 [klein]"),
+    Family("flux2", "Flux2Pipeline", "flowrl.models.flux2:Flux2DevModel", "flowrl.models.flux2:FLUX2_LORA_TARGETS",
+           "black-forest-labs/FLUX.2-dev", "FLUX.2 [dev]"),
     Family("flux_kontext", "FluxKontextPipeline", "flowrl.models.flux_kontext:FluxKontextModel",
            "flowrl.models.flux_kontext:FLUX_KONTEXT_LORA_TARGETS", "black-forest-labs/FLUX.1-Kontext-dev",
            "FLUX.1-Kontext (editing)"),

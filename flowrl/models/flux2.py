@@ -1,6 +1,6 @@
-"""FLUX.2 [klein] as a flowrl velocity model (diffusers ``Flux2KleinPipeline``).
+"""FLUX.2 as flowrl velocity models: [klein] (diffusers ``Flux2KleinPipeline``) and [dev] (``Flux2Pipeline``).
 
-Conventions, checked against diffusers (tests/models/test_flux2.py):
+Conventions of [klein], checked against diffusers (tests/models/test_flux2.py):
 
 - **Time.** A rectified flow in flowrl's convention; the pipeline passes ``timestep / 1000 = sigma`` and the
   transformer scales it itself, so the adapter feeds ``sigma``.
@@ -14,6 +14,15 @@ Conventions, checked against diffusers (tests/models/test_flux2.py):
 - **Schedule.** ``linspace(1, 1/n, n)`` time-shifted with FLUX.2's empirical ``mu(image_seq_len, n)``, then 0.
 - **Text.** The pipeline's ``encode_prompt``: Qwen3's hidden states 9, 18 and 27 stacked along the features, every
   prompt padded to ``max_sequence_length`` (fixed length, no mask), text ids ``(0, 0, 0, l)``.
+
+[dev] (:class:`Flux2DevModel`, tests/models/test_flux2_dev.py) has the same transformer class, VAE, latent space,
+schedule and text ids; it differs in two places:
+
+- **Guidance.** [dev] is guidance-distilled: no CFG (``uses_cfg = False``); the guidance scale (4 by default, the
+  pipeline's) goes into the transformer's guidance embedding as a ``[B]`` tensor, as FLUX.1-dev's does.
+- **Text.** Mistral Small 3.1 (``Mistral3ForConditionalGeneration``) on the pipeline's system message + prompt
+  chat (``PixtralProcessor.apply_chat_template``), padded and truncated to ``max_sequence_length``; hidden states
+  10, 20 and 30 stacked along the features.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, unwrap
+from .base import Cond, FlowModel, LoraSettings, VelocityFn, unwrap
 from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_)
 
-__all__ = ["Flux2KleinModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL"]
+__all__ = ["Flux2KleinModel", "Flux2DevModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL", "FLUX2_DEV_DEFAULT_MODEL"]
 
 FLUX2_KLEIN_DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
+#: FLUX.2 [dev] (gated on the hub: accept its license first).
+FLUX2_DEV_DEFAULT_MODEL = "black-forest-labs/FLUX.2-dev"
 
 #: LoRA targets: the attention projections and feed-forward layers of the double-stream blocks and the fused
 #: QKV + MLP-in projection of the single-stream blocks. (The single blocks' output projection is also named
@@ -70,7 +81,7 @@ class Flux2KleinModel(FlowModel):
         self.pipeline.set_progress_bar_config(disable=True)
         self.frozen = nn.ModuleDict(frozen)
         self.max_sequence_length = int(max_sequence_length)
-        self.uses_cfg = not bool(pipeline.config.is_distilled)
+        self.uses_cfg = not bool(pipeline.config.get("is_distilled", False))  # Flux2Pipeline ([dev]) has none
         self.default_guidance = float(guidance_scale) if self.uses_cfg else 1.0
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.resolution = resolution or pipeline.default_sample_size * self.vae_scale_factor
@@ -101,7 +112,12 @@ class Flux2KleinModel(FlowModel):
 
     # ------------------------------------------------------------------ velocity
 
-    def _predict(self, denoiser: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+    def _guidance(self, batch: int, device: torch.device, guidance: float | None) -> torch.Tensor | None:
+        """The transformer's ``guidance`` input: none for [klein] (no guidance embedding)."""
+        return None
+
+    def _predict(self, denoiser: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Cond,
+                 guidance: float | None = None) -> torch.Tensor:
         pipe = type(self.pipeline)
         dtype = self._compute_dtype
         batch, channels, height, width = x.shape
@@ -112,7 +128,7 @@ class Flux2KleinModel(FlowModel):
             timestep=sigma.to(device=x.device, dtype=dtype),  # the transformer multiplies by 1000
             img_ids=pipe._prepare_latent_ids(x).to(x.device),
             txt_ids=pipe._prepare_text_ids(embeds).to(x.device),
-            guidance=None,
+            guidance=self._guidance(batch, x.device, guidance),
             return_dict=False,
         )[0]
         return out.permute(0, 2, 1).reshape(batch, channels, height, width)
@@ -156,8 +172,8 @@ class Flux2KleinModel(FlowModel):
         return list(FLUX2_LORA_TARGETS)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The sigmas ``[num_steps + 1]`` ``Flux2KleinPipeline`` samples with at this resolution."""
-        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+        """The sigmas ``[num_steps + 1]`` ``Flux2KleinPipeline`` (and ``Flux2Pipeline``) samples with here."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy
 
         config = self.pipeline.scheduler.config
         _, height, width = self.latent_shape
@@ -175,3 +191,71 @@ class Flux2KleinModel(FlowModel):
         super().train(mode)
         self.frozen.eval()
         return self
+
+
+class Flux2DevModel(Flux2KleinModel):
+    """FLUX.2 [dev] behind :class:`~flowrl.models.base.FlowModel` (see the module docstring): [klein]'s adapter
+    with the guidance embedding instead of CFG and Mistral Small 3.1 as the text encoder.
+
+    Cond key: ``"prompt_embeds"`` ``[B, max_sequence_length, 3 * hidden]``.
+
+    ``velocity(x, sigma, cond)`` uses ``default_guidance``; ``velocity_fn(scale)`` puts ``scale`` in the guidance
+    embedding (never classifier-free guidance).
+
+    Args: those of :class:`Flux2KleinModel`; ``guidance_scale`` is the guidance-embedding value (4, the pipeline's).
+    """
+
+    family = "flux2"  # its row in flowrl.models.families
+
+    uses_cfg = False
+
+    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+                 resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
+                 guidance_scale: float = 4.0):
+        if not pipeline.transformer.config.guidance_embeds:
+            raise ValueError("Flux2DevModel needs FLUX.2 [dev]'s guidance-distilled transformer (guidance_embeds="
+                             "True); a transformer without a guidance embedding is [klein]: use model.name "
+                             "flux2_klein")
+        super().__init__(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
+                         max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
+        self.uses_cfg = False
+        self.default_guidance = float(guidance_scale)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike = FLUX2_DEV_DEFAULT_MODEL, *,
+                        dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
+                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
+                        max_sequence_length: int = 512, guidance_scale: float = 4.0, revision: str | None = None,
+                        variant: str | None = None, cache_dir: str | None = None,
+                        trust_remote_code: bool = False) -> "Flux2DevModel":
+        """Load from a local pipeline directory or a hub id (``Flux2Pipeline.from_pretrained``).
+
+        Raises:
+            ModelLoadError: weights missing (offline, wrong path, gated repo) or unreadable.
+        """
+        from diffusers import Flux2Pipeline
+
+        pipeline = load_adapter_pipeline(Flux2Pipeline, path, components=_COMPONENTS,
+                                         hub_id=FLUX2_DEV_DEFAULT_MODEL, dtype=dtype, vae_dtype=vae_dtype,
+                                         device=device, revision=revision, variant=variant, cache_dir=cache_dir,
+                                         trust_remote_code=trust_remote_code)
+        return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
+                   max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
+
+    def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
+        """``velocity_fn(x, sigma, cond)`` with ``guidance_scale`` in the guidance embedding (no CFG, so
+        ``detach_uncond`` has nothing to detach)."""
+        scale = self.default_guidance if guidance_scale is None else float(guidance_scale)
+        if scale == self.default_guidance:
+            return self.velocity
+
+        def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+            sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
+            return self._predict(self.denoiser, x, sigma, cond, guidance=scale).float()
+
+        return velocity
+
+    def _guidance(self, batch: int, device: torch.device, guidance: float | None) -> torch.Tensor:
+        value = self.default_guidance if guidance is None else guidance
+        return torch.full((batch,), value, device=device, dtype=torch.float32)

@@ -21,9 +21,10 @@ from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 from flowrl.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["qwen_image", "z_image", "flux2_klein", "wan"]
+FAMILIES = ["qwen_image", "z_image", "flux2_klein", "flux2", "wan"]
 TRAINERS = ["flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po"]
-GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0, "wan": 5.0}  # with CFG, so the unconditional branch trains too
+# with CFG, so the unconditional branch trains too (FLUX.2 [dev]: the guidance embedding's value, no CFG)
+GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0, "flux2": 4.0, "wan": 5.0}
 
 
 @pytest.fixture(scope="module", autouse=True)
