@@ -47,6 +47,11 @@ _WAN_1_3B = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head
              "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
              "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
 _WAN_14B = {**_WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+# black-forest-labs/FLUX.2-dev's transformer/config.json (about 32B parameters: 8 double-stream and 48 single-stream
+# blocks of 48 heads x 128, Mistral's 3 x 5120 text features in; diffusers' Flux2Transformer2DModel defaults).
+_FLUX2_DEV = {"patch_size": 1, "in_channels": 128, "num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128,
+              "num_attention_heads": 48, "joint_attention_dim": 15360, "timestep_guidance_channels": 256,
+              "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True}
 
 #: Published transformer configs of the models flowrl's configs name (diffusers ``config.json`` fields).
 KNOWN_MODELS: dict[str, tuple[str, dict]] = {
@@ -61,6 +66,7 @@ KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("wan", _WAN_1_3B),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("wan", _WAN_14B),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("wan", _WAN_14B),
+    "black-forest-labs/FLUX.2-dev": ("flux2", _FLUX2_DEV),
 }
 
 #: Models with a second expert of the same architecture (Wan 2.2 A14B's ``transformer_2``).
@@ -194,6 +200,14 @@ def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
         text = {k: v for k, v in (found.get("text_encoder") or _QWEN25_VL_7B).items() if not k.startswith("_")}
         return {"vae": AutoencoderKLQwenImage.from_config(vae),
                 "text_encoder (Qwen2.5-VL)": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**text))}
+    if kind == "flux2":  # Mistral Small 3.1 (Mistral3Config's defaults are its config) and FLUX.2's 32-channel VAE
+        from diffusers import AutoencoderKLFlux2
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+        vae = {k: v for k, v in (found.get("vae") or {}).items() if not k.startswith("_")}
+        text = {k: v for k, v in (found.get("text_encoder") or {}).items() if not k.startswith("_")}
+        return {"vae": AutoencoderKLFlux2.from_config(vae),
+                "text_encoder (Mistral Small 3.1)": Mistral3ForConditionalGeneration(Mistral3Config(**text))}
     vae_config = {k: v for k, v in (found.get("vae") or SD3_VAE).items() if not k.startswith("_")}
     parts = {"vae": AutoencoderKL.from_config(vae_config)}
     if kind == "z_image":
@@ -225,7 +239,7 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
     transformer_cfg = {k: v for k, v in transformer_cfg.items() if not k.startswith("_")}
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
                "qwen_image": "QwenImageTransformer2DModel", "z_image": "ZImageTransformer2DModel",
-               "wan": "WanTransformer3DModel"}
+               "wan": "WanTransformer3DModel", "flux2": "Flux2Transformer2DModel"}
     if kind not in classes:  # a family without a published architecture here (e.g. flux2_klein)
         return None
     with torch.device("meta"):
