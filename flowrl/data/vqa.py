@@ -46,7 +46,8 @@ from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, RESOLUTION, SHAPES, S
 
 __all__ = ["QUESTION_KINDS", "VQAExample", "QuestionSpec", "all_questions", "split_questions", "make_example",
            "sample_vqa", "vqa_eval_set", "normalize_answer", "answer_vocabulary", "question_words",
-           "EVAL_FRACTION", "DESCRIBE_QUESTION", "describe_objects", "held_out_combinations"]
+           "EVAL_FRACTION", "DESCRIBE_QUESTION", "describe_objects", "held_out_combinations", "scene_questions",
+           "SCENE_QUESTION_KINDS"]
 
 QUESTION_KINDS = ("count", "color", "shape", "position", "exists")
 VQA_RELATIONS = ("left of", "right of", "above", "below")
@@ -338,6 +339,61 @@ def describe_objects(scene: Scene) -> str:
             rows.append([obj])
     ordered = [o for row in rows for o in sorted(row, key=lambda o: o.cx)]
     return " , ".join(f"{o.color} {o.shape}" for o in ordered)
+
+
+SCENE_QUESTION_KINDS = ("exists", "position", "count")
+
+
+def scene_questions(scene: Scene, kinds: tuple[str, ...], rng: random.Random,
+                    split: str = "train") -> list[tuple[str, str]]:
+    """Further ``(question, answer)`` pairs about an already drawn ``scene``, one per kind of ``kinds`` that the
+    scene can answer, asking only ``split``'s combinations (so training never asks a held-out one).
+
+    Dense supervision for the kinds that bind a colour to a shape or one shape to another: a scene drawn for
+    one question answers many others, for the price of a few text tokens (the image is encoded once).
+
+    - ``exists``: yes or no with equal chance; a "no" asks a pair that shares the colour or the shape of an
+      object in the scene (the distractor rule of drawn ``exists`` scenes);
+    - ``position``: two shapes drawn once each, a relation of the split between them; asked only when one
+      relation or its opposite holds by the drawn questions' margin (half the largest object);
+    - ``count``: a pair of the split that shares the colour or the shape of an object in the scene (0-3).
+    """
+    objects = scene.objects
+    present = {(o.color, o.shape) for o in objects}
+    specs = split_questions(split)
+    out = []
+    for kind in kinds:
+        if kind == "exists":
+            yes = rng.random() < 0.5
+            pool = [q for q in specs["exists"] if ((q.color, q.shape) in present) == yes
+                    and any(q.color == c or q.shape == sh for c, sh in present)]
+            if pool:
+                q = rng.choice(pool)
+                out.append((q.text(), "yes" if (q.color, q.shape) in present else "no"))
+        elif kind == "position":
+            once = {sh for sh in SHAPES if sum(o.shape == sh for o in objects) == 1}
+            margin = MAX_SIZE / 2 * scene.resolution / RESOLUTION
+            pool = []
+            for q in specs["position"]:
+                if q.shape in once and q.other in once:
+                    a = next(o for o in objects if o.shape == q.shape)
+                    b = next(o for o in objects if o.shape == q.other)
+                    if _holds(a, b, q.relation, margin):
+                        pool.append((q.text(), "yes"))
+                    elif _holds(a, b, _OPPOSITE[q.relation], margin):
+                        pool.append((q.text(), "no"))
+            if pool:
+                yes = rng.random() < 0.5  # balance the answers where the scene allows both
+                pool = [p for p in pool if (p[1] == "yes") == yes] or pool
+                out.append(rng.choice(pool))
+        elif kind == "count":
+            pool = [q for q in specs["count"] if any(q.color == c or q.shape == sh for c, sh in present)]
+            if pool:
+                q = rng.choice(pool)
+                out.append((q.text(), str(sum(o.color == q.color and o.shape == q.shape for o in objects))))
+        else:
+            raise ValueError(f"scene questions of kind {kind!r}: use {', '.join(SCENE_QUESTION_KINDS)}")
+    return out
 
 
 # ----------------------------------------------------------------------------- answers

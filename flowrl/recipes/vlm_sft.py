@@ -49,6 +49,9 @@ class DataConfig:
     # Colour demonstrations that zoom anyway (count demonstrations always zoom).
     zoom_tool_fraction: float = field(default=0.0, metadata=bounds(ge=0, le=1))
     describe: bool = False  # a train-only "what is there?" turn after each question
+    # Further train-only question turns about the same scene, one per kind listed (exists, position, count;
+    # flowrl.data.vqa.scene_questions), after the question and before the description.
+    scene_questions: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +89,11 @@ class Config:
                                          "checkpoint_minutes": "checkpoint.every_minutes"}
 
     def check(self) -> None:
+        from flowrl.data.vqa import SCENE_QUESTION_KINDS
+
+        for kind in self.data.scene_questions:
+            if kind not in SCENE_QUESTION_KINDS:
+                fail("data.scene_questions", f"unknown kind {kind!r}; use any of {', '.join(SCENE_QUESTION_KINDS)}")
         if self.model.hidden_size % self.model.heads:
             fail("model.heads", f"{self.model.heads} does not divide hidden_size {self.model.hidden_size}")
         if self.model.image_size % (2 * self.model.patch_size):
@@ -100,16 +108,20 @@ class Config:
 
 def batch_conversations(cfg: Config, step: int) -> list:
     """The training conversations of ``step`` (a pure function of ``(run.seed, step)``)."""
-    from flowrl.data.vqa import DESCRIBE_QUESTION, sample_vqa
+    from flowrl.data.vqa import DESCRIBE_QUESTION, sample_vqa, scene_questions
     from flowrl.envs.zoom import demonstration, zoom_tasks
     from flowrl.policies import Turn
 
     n = cfg.data.batch_size
     n_zoom = round(n * cfg.data.zoom_fraction)
     examples = sample_vqa("train", n - n_zoom, seed=cfg.run.seed, start=step * n)
+    kinds = tuple(cfg.data.scene_questions)
+    questions_rng = random.Random(f"scene-questions:{cfg.run.seed}:{step}")
     conversations = []
     for e in examples:
         turns = [Turn("user", e.question, [e.image()]), Turn("assistant", e.answer)]
+        for question, answer in scene_questions(e.scene, kinds, questions_rng) if kinds else ():
+            turns += [Turn("user", question), Turn("assistant", answer)]
         if cfg.data.describe:
             turns += [Turn("user", DESCRIBE_QUESTION), Turn("assistant", e.description())]
         conversations.append(turns)

@@ -115,3 +115,49 @@ def test_images_are_rendered_once_and_read_only():
     first = e.image()
     assert e.image() is first and not first.flags.writeable
     assert vqa_eval_set(5)[0] is vqa_eval_set(5)[0]  # the fixed set is built once per process
+
+
+def test_scene_questions_answer_the_drawn_scene_and_ask_only_the_split():
+    """Every scene question's answer is what the scene shows (checked against the objects independently), only
+    the split's combinations are asked, and exists / position answers are balanced."""
+    import random
+    from collections import Counter
+
+    from flowrl.data.vqa import _combination, held_out_combinations, sample_vqa, scene_questions
+
+    rng = random.Random(0)
+    answers: dict[str, Counter] = {"exists": Counter(), "position": Counter(), "count": Counter()}
+    held = held_out_combinations()
+    for e in sample_vqa("train", 300, seed=3):
+        objs = e.scene.objects
+        for kind in ("exists", "position", "count"):
+            got = scene_questions(e.scene, (kind,), rng)
+            for question, answer in got:
+                words = question.rstrip("?").split()
+                answers[kind][answer] += 1
+                if kind == "exists":  # "is there a <colour> <shape>?"
+                    color, shape = words[3], words[4]
+                    assert f"pair:{color} {shape}" not in held
+                    assert answer == ("yes" if any(o.color == color and o.shape == shape for o in objs) else "no")
+                elif kind == "count":  # "how many <colour> <shape>s are there?"
+                    color, shape = words[2], words[3][:-1]
+                    assert f"pair:{color} {shape}" not in held
+                    assert answer == str(sum(o.color == color and o.shape == shape for o in objs))
+                else:  # "is the <a> <relation> the <b>?"
+                    a, b = words[2], words[-1]
+                    relation = " ".join(words[3:-2])
+                    from flowrl.data.vqa import QuestionSpec
+
+                    assert _combination(QuestionSpec("position", shape=a, relation=relation, other=b)) not in held
+                    oa = [o for o in objs if o.shape == a]
+                    ob = [o for o in objs if o.shape == b]
+                    assert len(oa) == len(ob) == 1
+                    dx, dy = ob[0].cx - oa[0].cx, ob[0].cy - oa[0].cy
+                    truth = {"left of": dx > 0, "right of": dx < 0, "above": dy > 0, "below": dy < 0}[relation]
+                    assert answer == ("yes" if truth else "no")
+    for kind in ("exists", "position"):
+        total = sum(answers[kind].values())
+        assert total > 100 and 0.35 < answers[kind]["yes"] / total < 0.65, answers[kind]
+    assert len(answers["count"]) >= 3  # several counts, not a constant
+    with pytest.raises(ValueError, match="use exists, position, count"):
+        scene_questions(sample_vqa("train", 1, seed=0)[0].scene, ("colour",), rng)
