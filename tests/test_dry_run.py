@@ -57,8 +57,12 @@ def test_every_shipped_config_passes_the_dry_run(path, tmp_path):
         # No weights here: the report says so, with the download command, and sizes the real run.
         assert "model weights: MISSING" in report and "huggingface-cli download" in report
         assert "transformer rows in the rollout" in report
+        if FAMILIES[model.name].edits:  # an editing model's epoch needs editing prompts: stand-in shards here
+            assert "stand-in editing prompts (random sources)" in report
         if model.path in KNOWN_MODELS:
             assert "memory per GPU, rough" in report and "total" in report
+            if model.name == "qwen_image_edit":  # the source's tokens are counted
+                assert "latent tokens beside the noisy latent's and its 196 vision tokens in the text" in report
         else:  # e.g. configs/sd3/tiny.yaml before `python -m flowrl.testing sd3 models/tiny_sd3`
             assert "memory: unknown architecture" in report
 
