@@ -1,8 +1,8 @@
 """Editing models train on editing prompts: a tiny epoch of every trainer (Flow-GRPO, CRD, DiffusionNFT, AWM, DGPO,
 D3PO on prompts and source images from a tiny webdataset shard; Diffusion-DPO on editing pairs, each with the
 source both images were edited from) on the tiny pipelines of FLUX.1-Kontext and Qwen-Image-Edit, and the
-Flow-GRPO run's LoRA exported to diffusers gives, in plain ``FluxKontextPipeline`` / ``QwenImageEditPipeline`` with
-the same source image and noise, the images flowrl's own model draws (1e-5).
+Flow-GRPO run's LoRA exported to diffusers (and as a PEFT adapter, and merged) gives, in plain ``FluxKontextPipeline`` /
+``QwenImageEditPipeline`` with the same source image and noise, the images flowrl's own model draws (1e-5).
 
 ``QwenImageEditPipeline`` sizes the source to a 1024 x 1024 area; flowrl conditions at the model's resolution, so the
 plain pipeline here runs with that area set to the tiny model's 64 x 64 (tests/models/test_qwen_image_edit.py)."""
@@ -160,6 +160,18 @@ def test_the_exported_lora_edits_like_flowrl_in_plain_diffusers(family, edits, t
     # another source, the same prompts and noise: other edits (the source reaches the exported model too)
     other = _plain_edits(pipe, family, prompts, sources.flip(0), seeds)
     assert (other - ours).abs().max() > 1e-3
+    # a PEFT adapter on the plain transformer, and the merged pipeline, edit alike
+    from peft import PeftModel
+
+    assert export_main([str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    pipe = base()
+    PeftModel.from_pretrained(pipe.transformer, str(tmp_path / "peft"))
+    torch.testing.assert_close(_plain_edits(pipe, family, prompts, sources, seeds), ours, rtol=0, atol=1e-5)
+    assert export_main([str(run), "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
+    merged = pipeline_class(family).from_pretrained(str(tmp_path / "merged"))
+    merged.set_progress_bar_config(disable=True)
+    assert not any("lora" in name for name, _ in merged.transformer.named_parameters())
+    torch.testing.assert_close(_plain_edits(merged, family, prompts, sources, seeds), ours, rtol=0, atol=1e-5)
 
 
 def test_editing_pairs_carry_their_source_and_plain_pairs_do_not(edit_pairs, tmp_path):
