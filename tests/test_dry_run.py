@@ -67,6 +67,19 @@ def test_every_shipped_config_passes_the_dry_run(path, tmp_path):
             assert "memory: unknown architecture" in report
 
 
+def test_the_family_table_marks_exactly_the_editing_adapters():
+    """``Family.edits`` (which the dry run reads to give stand-in editing shards) agrees with each adapter's
+    ``conditions_on_source``."""
+    import importlib
+
+    from flowrl.models.families import FAMILIES
+
+    for name, row in FAMILIES.items():
+        module, cls = row.adapter.split(":")
+        assert getattr(importlib.import_module(module), cls).conditions_on_source == row.edits, name
+    assert {n for n, f in FAMILIES.items() if f.edits} == {"flux_kontext", "qwen_image_edit"}
+
+
 def test_stand_ins_only_where_weights_are_missing(tmp_path):
     """OCR's weights ship with the ocr extra: it runs for real; pickscore's are not here: stand-in, said so."""
     result, report = dry(ROOT / "configs/sd3/flow_grpo_ocr.yaml", tmp_path / "ocr",
