@@ -27,12 +27,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["dry_run", "STAND_IN_REWARD", "STAND_IN_PROMPTS", "DryRunResult"]
+__all__ = ["dry_run", "STAND_IN_REWARD", "STAND_IN_PROMPTS", "STAND_IN_EDITS", "DryRunResult"]
 
 #: Scores any image without weights (JPEG size), so advantages are non-zero on random tiny models.
 STAND_IN_REWARD = "jpeg_incompressibility"
 STAND_IN_PROMPTS = ["a red apple on a wooden table", "a blue car parked in the rain", "a cat sleeping on a mat",
                     "a bowl of soup next to a spoon"]
+#: An editing model's stand-in prompts: these instructions, each on a random source image (editing shards).
+STAND_IN_EDITS = ["make the apple red", "turn the car blue", "make the cat small", "put a spoon next to the bowl"]
 
 
 class DryRunResult(dict):
@@ -134,29 +136,60 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _edits(data: dict) -> bool:
+    """The config trains an editing model (flowrl.models.families: its prompts come with source images)."""
+    from flowrl.models.families import FAMILIES
+
+    model = data.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    return name in FAMILIES and FAMILIES[name].edits
+
+
+def _stand_in_edits(directory: Path) -> Path:
+    """Editing shards of :data:`STAND_IN_EDITS`, each on a random source at the tiny resolution."""
+    import numpy as np
+
+    from flowrl.data.edit_prompts import write_edit_shards
+    from flowrl.testing import TINY_RESOLUTION
+
+    rng = np.random.default_rng(0)
+    side = TINY_RESOLUTION
+    write_edit_shards([(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), text, None, None)
+                       for text in STAND_IN_EDITS], directory)
+    return directory
+
+
 def _prompts(data: dict, workdir: Path, notes: list[str], needs: list[str]) -> list[tuple[str, dict]]:
-    """Stand-in prompt files for the ones that do not exist; returns a few (prompt, metadata) to probe rewards."""
+    """Stand-in prompt files for the ones that do not exist (editing shards for an editing model); returns a few
+    (prompt, metadata) to probe rewards."""
     from flowrl.data.prompts import PromptSetError, load_prompts
+    from flowrl.testing import TINY_RESOLUTION
 
     section = data.get("data")
     probe: list[tuple[str, dict]] = []
     if not isinstance(section, dict):
         return probe
+    edits = _edits(data)
     for key in ("train_prompts", "eval_prompts"):
         source = section.get(key)
         if not isinstance(source, str):
             continue
         try:
-            prompts = load_prompts(source, 4)
+            prompts = load_prompts(source, 4, resolution=TINY_RESOLUTION if edits else None)
             needs.append(f"{key}: {source} (found)")
             probe = probe or list(zip(prompts.prompts[:2], prompts.metadata[:2]))
         except PromptSetError as err:
-            stand_in = workdir / f"stand_in_{key}.txt"
-            stand_in.write_text("\n".join(STAND_IN_PROMPTS) + "\n")
+            if edits:  # the rewards are probed with the stand-in sources too (clip_directional reads them)
+                stand_in, kind = _stand_in_edits(workdir / f"stand_in_{key}"), "editing prompts (random sources)"
+                stand_ins = load_prompts(str(stand_in), resolution=TINY_RESOLUTION)
+                probe = probe or list(zip(stand_ins.prompts[:2], stand_ins.metadata[:2]))
+            else:
+                stand_in, kind = workdir / f"stand_in_{key}.txt", "prompts"
+                stand_in.write_text("\n".join(STAND_IN_PROMPTS) + "\n")
             section[key] = str(stand_in)
             needs.append(f"{key}: {source} is MISSING ({err}); the dry run used {len(STAND_IN_PROMPTS)} stand-in "
-                         "prompts")
-            notes.append(f"data.{key}: stand-in prompts ({source} does not exist)")
+                         f"{kind}")
+            notes.append(f"data.{key}: stand-in {kind} ({source} does not exist)")
     return probe or [(p, {}) for p in STAND_IN_PROMPTS[:2]]
 
 
@@ -210,6 +243,10 @@ def _rewards(data: dict, probe: list[tuple[str, dict]], notes: list[str], needs:
         section["eval"] = list(dict.fromkeys(kept))
 
 
+#: Families whose guidance is an embedding the transformer takes (no second, unconditional row).
+_GUIDANCE_EMBEDDED = ("flux", "flux2", "flux_kontext")
+
+
 def _epoch_work(cfg) -> list[str]:
     """What one epoch of the real run does (model evaluations, passes, optimizer steps)."""
     lines = []
@@ -226,7 +263,7 @@ def _epoch_work(cfg) -> list[str]:
                      f"{s.max_new_tokens} new tokens per turn, in generate calls of {s.batch_size}")
         return lines
     model = getattr(cfg, "model", None)
-    cfg_rows = 2 if (s.guidance != 1.0 and getattr(model, "name", "") != "flux") else 1
+    cfg_rows = 2 if (s.guidance != 1.0 and getattr(model, "name", "") not in _GUIDANCE_EMBEDDED) else 1
     samples = s.samples_per_epoch
     lines.append(f"{samples} samples per epoch ({s.groups_per_epoch} prompts x {s.group_size}), {s.num_steps} "
                  f"denoising steps: {samples * s.num_steps * cfg_rows:,} transformer rows in the rollout "
@@ -261,7 +298,7 @@ def _memory(cfg) -> list[str]:
         return [f"memory: unknown architecture for {model.path} (not cached, not a published flowrl model); "
                 "point model.path at a local copy for an estimate"]
     s, t = getattr(cfg, "sampling", None), getattr(cfg, "train", None)
-    guidance = s is not None and s.guidance != 1.0 and model.name != "flux"
+    guidance = s is not None and s.guidance != 1.0 and model.name not in _GUIDANCE_EMBEDDED
     est = memory_estimate(model, fp, micro_batch=getattr(t, "micro_batch_size", 1),
                           guidance=guidance, ema=getattr(t, "ema_decay", None) is not None)
     params = ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in fp.params.items())

@@ -5,7 +5,7 @@
     flowrl eval --model shapes|PATH --reward shapes --split eval --steps 40 [--n 600] [--guidance G] \\
         [--batch-size B] [--prompts FILE] --out eval.json
 
-    Editing models (FLUX.1-Kontext): ``sample --source IMAGE`` (one for every prompt, or one per ``--prompt``)
+    Editing models (FLUX.1-Kontext, Qwen-Image-Edit): ``sample --source IMAGE`` (one for every prompt, or one per ``--prompt``)
     draws each source as the grid's first column; ``eval --prompts EDITS`` takes editing shards
     (``<key>.src.png`` + ``<key>.txt``).
 

@@ -57,10 +57,27 @@ def test_every_shipped_config_passes_the_dry_run(path, tmp_path):
         # No weights here: the report says so, with the download command, and sizes the real run.
         assert "model weights: MISSING" in report and "huggingface-cli download" in report
         assert "transformer rows in the rollout" in report
+        if FAMILIES[model.name].edits:  # an editing model's epoch needs editing prompts: stand-in shards here
+            assert "stand-in editing prompts (random sources)" in report
         if model.path in KNOWN_MODELS:
             assert "memory per GPU, rough" in report and "total" in report
+            if model.name == "qwen_image_edit":  # the source's tokens are counted
+                assert "latent tokens beside the noisy latent's and its 196 vision tokens in the text" in report
         else:  # e.g. configs/sd3/tiny.yaml before `python -m flowrl.testing sd3 models/tiny_sd3`
             assert "memory: unknown architecture" in report
+
+
+def test_the_family_table_marks_exactly_the_editing_adapters():
+    """``Family.edits`` (which the dry run reads to give stand-in editing shards) agrees with each adapter's
+    ``conditions_on_source``."""
+    import importlib
+
+    from flowrl.models.families import FAMILIES
+
+    for name, row in FAMILIES.items():
+        module, cls = row.adapter.split(":")
+        assert getattr(importlib.import_module(module), cls).conditions_on_source == row.edits, name
+    assert {n for n, f in FAMILIES.items() if f.edits} == {"flux_kontext", "qwen_image_edit"}
 
 
 def test_stand_ins_only_where_weights_are_missing(tmp_path):

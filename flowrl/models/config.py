@@ -30,7 +30,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: Literal["shapes", "sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux2", "flux_kontext",
-                  "wan"] = "shapes"  # flowrl.models.families
+                  "qwen_image_edit", "wan"] = "shapes"  # flowrl.models.families
     path: str | None = None  # local dir or hub id; None = the shipped shapes model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None  # None: full fine-tuning

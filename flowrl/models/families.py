@@ -19,6 +19,7 @@ class Family:
     targets: str  # "module:CONSTANT": the default LoRA targets
     hub_id: str  # the model the family's recipes train
     label: str  # for messages and the README
+    edits: bool = False  # an editing model: its prompts come with source images (the adapter's conditions_on_source)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -36,7 +37,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "black-forest-labs/FLUX.2-dev", "FLUX.2 [dev]"),
     Family("flux_kontext", "FluxKontextPipeline", "flowrl.models.flux_kontext:FluxKontextModel",
            "flowrl.models.flux_kontext:FLUX_KONTEXT_LORA_TARGETS", "black-forest-labs/FLUX.1-Kontext-dev",
-           "FLUX.1-Kontext (editing)"),
+           "FLUX.1-Kontext (editing)", edits=True),
+    Family("qwen_image_edit", "QwenImageEditPipeline", "flowrl.models.qwen_image_edit:QwenImageEditModel",
+           "flowrl.models.qwen_image_edit:QWEN_IMAGE_EDIT_LORA_TARGETS", "Qwen/Qwen-Image-Edit",
+           "Qwen-Image-Edit (editing)", edits=True),
     Family("wan", "WanPipeline", "flowrl.models.wan:WanModel", "flowrl.models.wan:WAN_LORA_TARGETS",
            "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan 2.1 / 2.2 (text-to-video)"),
 )}

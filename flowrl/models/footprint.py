@@ -61,6 +61,10 @@ KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "black-forest-labs/FLUX.1-dev": ("flux", _FLUX_DEV),
     "black-forest-labs/FLUX.1-schnell": ("flux", {**_FLUX_DEV, "guidance_embeds": False}),
     "Qwen/Qwen-Image": ("qwen_image", _QWEN_IMAGE),
+    # Qwen-Image-Edit's transformer/config.json is Qwen-Image's (the same 20B transformer, fine-tuned for editing);
+    # FLUX.1-Kontext-dev's is FLUX.1-dev's.
+    "Qwen/Qwen-Image-Edit": ("qwen_image_edit", _QWEN_IMAGE),
+    "black-forest-labs/FLUX.1-Kontext-dev": ("flux_kontext", _FLUX_DEV),
     "Tongyi-MAI/Z-Image-Turbo": ("z_image", _Z_IMAGE),
     "Tongyi-MAI/Z-Image": ("z_image", _Z_IMAGE),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("wan", _WAN_1_3B),
@@ -192,7 +196,7 @@ def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
         vae = {k: v for k, v in (found.get("vae") or _WAN_VAE).items() if not k.startswith("_")}
         text = {k: v for k, v in (found.get("text_encoder") or _UMT5_XXL).items() if not k.startswith("_")}
         return {"vae": AutoencoderKLWan.from_config(vae), "text_encoder (UMT5-XXL)": UMT5EncoderModel(UMT5Config(**text))}
-    if kind == "qwen_image":
+    if kind in ("qwen_image", "qwen_image_edit"):
         from diffusers import AutoencoderKLQwenImage
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -239,7 +243,8 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
     transformer_cfg = {k: v for k, v in transformer_cfg.items() if not k.startswith("_")}
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
                "qwen_image": "QwenImageTransformer2DModel", "z_image": "ZImageTransformer2DModel",
-               "wan": "WanTransformer3DModel", "flux2": "Flux2Transformer2DModel"}
+               "wan": "WanTransformer3DModel", "flux2": "Flux2Transformer2DModel",
+               "qwen_image_edit": "QwenImageTransformer2DModel", "flux_kontext": "FluxTransformer2DModel"}
     if kind not in classes:  # a family without a published architecture here (e.g. flux2_klein)
         return None
     with torch.device("meta"):
@@ -283,6 +288,14 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
         tokens, layers = image_tokens + 77 + text, config.num_layers
     elif kind == "qwen_image":  # 2x2 packed latent tokens beside the text tokens, 60 dual-stream blocks
         tokens, layers = (res // 16) ** 2 + text, config.num_layers
+    elif kind == "qwen_image_edit":  # the source's latent tokens too; the text holds the source's vision tokens
+        vision = round(res / 28) ** 2  # Qwen2.5-VL: 14 px patches merged 2 x 2, the side rounded to 28 px
+        tokens, layers = 2 * (res // 16) ** 2 + vision + text, config.num_layers
+        notes = [f"the source image's {(res // 16) ** 2} latent tokens beside the noisy latent's and its {vision} "
+                 "vision tokens in the text"]
+        return Footprint(source, params, trainable, hidden=hidden, layers=layers, tokens=tokens, notes=notes)
+    elif kind == "flux_kontext":  # the source's packed tokens beside the noisy latent's
+        tokens, layers = 2 * (res // 16) ** 2 + text, config.num_layers + config.num_single_layers
     else:
         image_tokens = (res // 16) ** 2
         tokens, layers = image_tokens + text, config.num_layers + config.num_single_layers

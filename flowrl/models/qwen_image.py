@@ -24,6 +24,7 @@ Conventions, checked against diffusers (tests/models/test_qwen_image.py):
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 import torch
@@ -52,6 +53,17 @@ def qwen_true_cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) ->
     rescaled per token to the norm of ``v_c`` (``QwenImagePipeline.__call__``)."""
     guided = v_uncond + scale * (v_cond - v_uncond)
     return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+
+def _padded(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> Cond:
+    """The text Cond of ``encode_prompt``'s ``(embeds [B, L, D], mask [B, L] or None)`` zero-padded to ``length``
+    tokens (mask 0 on the padding), so every cached row has one shape."""
+    if mask is None:  # every prompt filled the batch's length
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    pad = length - embeds.shape[1]
+    embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
+    mask = torch.nn.functional.pad(mask.long(), (0, pad))
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
 
 class QwenImageModel(FlowModel):
@@ -132,17 +144,17 @@ class QwenImageModel(FlowModel):
 
         ``detach_uncond``: no gradient through the unconditional branch."""
         from diffusers import QwenImagePipeline
-        from samplers.guidance import concat_cond, expand_cond
+        from samplers.guidance import concat_cond
 
         scale = self.default_guidance if guidance_scale is None else float(guidance_scale)
         if scale == 1.0:
             return self.velocity
-        uncond = self.uncond(1)
+        branches = self._cfg_branches()
 
         def guided(x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
             b, c, h, w = x.shape
             sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(b)
-            both = concat_cond(expand_cond(uncond, b), cond)
+            both = concat_cond(*branches(cond, b))
             v = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
             packed = QwenImagePipeline._pack_latents(v, 2 * b, c, h, w)
             v_u, v_c = packed.chunk(2)
@@ -154,25 +166,40 @@ class QwenImageModel(FlowModel):
 
         return guided
 
+    def _cfg_branches(self) -> Callable[[Cond, int], tuple[Cond, Cond]]:
+        """``branches(cond, batch) -> (unconditional Cond, conditional Cond)`` of guidance, each of ``batch`` rows:
+        here the negative prompt's Cond (encoded once, when the velocity function is made) beside ``cond``.
+        Editing subclasses take both from ``cond`` (their negative prompt sees each row's source)."""
+        from samplers.guidance import expand_cond
+
+        uncond = self.uncond(1)
+        return lambda cond, batch: (expand_cond(uncond, batch), cond)
+
     def _predict(self, denoiser: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
         from diffusers import QwenImagePipeline
 
-        dtype = self._compute_dtype
         batch, channels, height, width = x.shape
-        packed = QwenImagePipeline._pack_latents(x.to(dtype), batch, channels, height, width)
-        mask = cond["prompt_embeds_mask"].to(x.device)
-        length = max(int(mask.sum(dim=1).max()), 1)  # the batch's longest prompt: the pipeline's padding
-        out = denoiser(
-            hidden_states=packed,
-            timestep=sigma.to(device=x.device, dtype=dtype),  # the transformer multiplies by 1000
-            guidance=None,
-            encoder_hidden_states=cond["prompt_embeds"][:, :length].to(device=x.device, dtype=dtype),
-            encoder_hidden_states_mask=mask[:, :length],
-            img_shapes=[[(1, height // 2, width // 2)]] * batch,
-            return_dict=False,
-        )[0]
+        packed = QwenImagePipeline._pack_latents(x.to(self._compute_dtype), batch, channels, height, width)
+        out = self._denoise(denoiser, packed, sigma, cond, [(1, height // 2, width // 2)])
         vsf = self.vae_scale_factor
         return QwenImagePipeline._unpack_latents(out, height * vsf, width * vsf, vsf)[:, :, 0]
+
+    def _denoise(self, denoiser: nn.Module, tokens: torch.Tensor, sigma: torch.Tensor, cond: Cond,
+                 shapes: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The transformer on packed image tokens ``[B, N, 64]`` (the images of ``shapes``, ``(frames, h, w)`` in
+        packed tokens each, one after the other) and ``cond``'s text cut to the batch's longest prompt (the
+        pipeline's own padding): the prediction ``[B, N, 64]``."""
+        mask = cond["prompt_embeds_mask"].to(tokens.device)
+        length = max(int(mask.sum(dim=1).max()), 1)
+        return denoiser(
+            hidden_states=tokens,
+            timestep=sigma.to(device=tokens.device, dtype=tokens.dtype),  # the transformer multiplies by 1000
+            guidance=None,
+            encoder_hidden_states=cond["prompt_embeds"][:, :length].to(device=tokens.device, dtype=tokens.dtype),
+            encoder_hidden_states_mask=mask[:, :length],
+            img_shapes=[list(shapes)] * tokens.shape[0],
+            return_dict=False,
+        )[0]
 
     # ------------------------------------------------------------------ FlowModel hooks
 
@@ -180,12 +207,7 @@ class QwenImageModel(FlowModel):
         device = next(self.pipeline.text_encoder.parameters()).device
         embeds, mask = self.pipeline.encode_prompt(prompt=prompts, device=device,
                                                    max_sequence_length=self.max_sequence_length)
-        if mask is None:  # every prompt filled the batch's length
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        pad = self.max_sequence_length - embeds.shape[1]
-        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
-        mask = torch.nn.functional.pad(mask.long(), (0, pad))
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        return _padded(embeds, mask, self.max_sequence_length)
 
     def _vae_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.pipeline.vae.config

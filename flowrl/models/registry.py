@@ -23,6 +23,7 @@ MODELS.register("z_image", "flowrl.models.z_image:ZImageModel.from_pretrained")
 MODELS.register("flux2_klein", "flowrl.models.flux2:Flux2KleinModel.from_pretrained")
 MODELS.register("flux2", "flowrl.models.flux2:Flux2DevModel.from_pretrained")
 MODELS.register("flux_kontext", "flowrl.models.flux_kontext:FluxKontextModel.from_pretrained")
+MODELS.register("qwen_image_edit", "flowrl.models.qwen_image_edit:QwenImageEditModel.from_pretrained")
 MODELS.register("wan", "flowrl.models.wan:WanModel.from_pretrained")
 MODELS.register("shapes", "flowrl.models.shapes:ShapesModel.from_pretrained")
 

@@ -214,6 +214,7 @@ TINY_FAMILIES = {
     "flux2_klein": ("Flux2KleinPipeline", "flowrl.testing.tiny_flux2:flux2_klein_components"),
     "flux2": ("Flux2Pipeline", "flowrl.testing.tiny_flux2_dev:flux2_dev_components"),
     "flux_kontext": ("FluxKontextPipeline", "flowrl.testing.tiny_flux_kontext:flux_kontext_components"),
+    "qwen_image_edit": ("QwenImageEditPipeline", "flowrl.testing.tiny_qwen_image_edit:qwen_image_edit_components"),
     "wan": ("WanPipeline", "flowrl.testing.tiny_wan:wan_components"),
     "wan22": ("WanPipeline", "flowrl.testing.tiny_wan:wan22_components"),
 }
