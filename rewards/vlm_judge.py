@@ -26,6 +26,11 @@ Modes (``mode=``):
 
 The question template is configurable; ``{prompt}`` is replaced by the image's prompt.
 
+**Editing** (``edit=True``): the judge sees two images, the source (``metadata[i]["source_image"]``, a
+``[3, H, W]`` tensor in [0, 1] or a PIL image) and then the edit, and is asked whether the edit carries out the
+prompt (:data:`EDIT_YES_NO_QUESTION` / :data:`EDIT_SCALE_QUESTION`), so an edit that ignores or wrecks the source
+scores low. Without a source for every row it raises a RewardError naming the missing rows.
+
 An answer that cannot be parsed (no yes/no, no number in [0, 10]) raises a RewardError quoting the
 answer by default (``on_unparseable="error"``): a silent NaN would poison training. With
 ``on_unparseable="nan"`` the score is NaN and ``details["vlm_judge/parsed"]`` is 0 for that image, so a
@@ -46,12 +51,18 @@ from ._loading import (OFFLINE_HINT, load_errors, looks_like_path, refuse_pickle
                        resolve_dtype)
 from .base import Reward, RewardError, RewardOutput, to_pil_images
 
-__all__ = ["VLMJudge", "YES_NO_QUESTION", "SCALE_QUESTION", "parse_scale", "parse_yes_no",
-           "p_yes_from_top_logprobs"]
+__all__ = ["VLMJudge", "YES_NO_QUESTION", "SCALE_QUESTION", "EDIT_YES_NO_QUESTION", "EDIT_SCALE_QUESTION",
+           "parse_scale", "parse_yes_no", "p_yes_from_top_logprobs"]
 
 YES_NO_QUESTION = 'Does this image show "{prompt}"? Answer yes or no.'
 SCALE_QUESTION = ('On a scale from 1 to 10, how well does this image match the description "{prompt}"? '
                   'Answer with a single number.')
+EDIT_YES_NO_QUESTION = ('The first image is the original, the second the result of the edit instruction "{prompt}". '
+                        'Does the second image carry out the instruction while keeping the rest of the original? '
+                        'Answer yes or no.')
+EDIT_SCALE_QUESTION = ('The first image is the original, the second the result of the edit instruction "{prompt}". On '
+                       'a scale from 1 to 10, how well does the second image carry out the instruction while keeping '
+                       'the rest of the original? Answer with a single number.')
 _YES, _NO = ("yes", "Yes", "YES"), ("no", "No", "NO")
 _NUMBER = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)")
 
@@ -108,7 +119,9 @@ class VLMJudge(Reward):
             ``.../v1/chat/completions``).
         api_model: the ``model`` field sent to the endpoint.
         mode: ``"yes_no"`` or ``"scale"``.
-        question: template with ``{prompt}``; defaults to :data:`YES_NO_QUESTION` / :data:`SCALE_QUESTION`.
+        question: template with ``{prompt}``; defaults to :data:`YES_NO_QUESTION` / :data:`SCALE_QUESTION` (with
+            ``edit``: :data:`EDIT_YES_NO_QUESTION` / :data:`EDIT_SCALE_QUESTION`).
+        edit: judge an edit: the row's source image first, then the edited image (see the module docstring).
         on_unparseable: ``"error"`` (default) or ``"nan"``.
         trust_remote_code: allow custom model code from the model folder (off by default).
         chat_template: a Jinja chat template for processors that ship none.
@@ -132,7 +145,7 @@ class VLMJudge(Reward):
                  local_files_only: bool = False, chat_template: str | None = None, api_key: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
                  max_image_side: int = 1024, max_request_bytes: int = 20_000_000, concurrency: int = 4,
-                 max_new_tokens: int = 8, batch_size: int = 8, insecure_key: bool = False):
+                 max_new_tokens: int = 8, batch_size: int = 8, insecure_key: bool = False, edit: bool = False):
         if (model is None) == (endpoint is None):
             raise RewardError("vlm_judge: pass exactly one of model=<local VLM folder> or endpoint=<OpenAI-compatible "
                               "URL>")
@@ -141,7 +154,9 @@ class VLMJudge(Reward):
         if on_unparseable not in ("error", "nan"):
             raise RewardError(f"vlm_judge: on_unparseable must be 'error' or 'nan', got {on_unparseable!r}")
         self.mode = mode
-        self.question = question or (YES_NO_QUESTION if mode == "yes_no" else SCALE_QUESTION)
+        self.edit = bool(edit)
+        defaults = (EDIT_YES_NO_QUESTION, EDIT_SCALE_QUESTION) if self.edit else (YES_NO_QUESTION, SCALE_QUESTION)
+        self.question = question or (defaults[0] if mode == "yes_no" else defaults[1])
         self.on_unparseable = on_unparseable
         self.batch_size = int(batch_size)
         self.max_new_tokens = int(max_new_tokens)
@@ -195,18 +210,22 @@ class VLMJudge(Reward):
                     ids.add(int(encoded[0]))
         return sorted(ids)
 
-    def _local_inputs(self, images: torch.Tensor, prompts: list[str]):
+    def _local_inputs(self, images: torch.Tensor, prompts: list[str], sources: list | None = None):
         texts = []
+        per_row = 1 if sources is None else 2
         for prompt in prompts:
-            messages = [{"role": "user", "content": [{"type": "image"},
-                                                     {"type": "text", "text": self.question.replace("{prompt}", prompt)}]}]
+            content = [{"type": "image"}] * per_row + [{"type": "text", "text": self.question.replace("{prompt}", prompt)}]
+            messages = [{"role": "user", "content": content}]
             texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-        inputs = self.processor(images=to_pil_images(images), text=texts, return_tensors="pt", padding=True)
+        edited = to_pil_images(images)
+        # one flat list in the order of the image placeholders: each row's source, then its edit
+        pils = edited if sources is None else [image for pair in zip(sources, edited) for image in pair]
+        inputs = self.processor(images=pils, text=texts, return_tensors="pt", padding=True)
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
 
     @torch.no_grad()
-    def _score_local(self, images: torch.Tensor, prompts: list[str]):
-        inputs = self._local_inputs(images, prompts)
+    def _score_local(self, images: torch.Tensor, prompts: list[str], sources: list | None = None):
+        inputs = self._local_inputs(images, prompts, sources)
         if self.mode == "yes_no":
             logits = self.model(**inputs).logits[:, -1, :].float()
             yes = torch.logsumexp(logits[:, self.yes_ids], dim=-1)
@@ -238,17 +257,22 @@ class VLMJudge(Reward):
         self.max_image_side, self.max_request_bytes = int(max_image_side), int(max_request_bytes)
         self.concurrency = max(1, int(concurrency))
 
-    def _ask(self, image, prompt: str):
+    def _bounded(self, image):
         if max(image.size) > self.max_image_side:
             from PIL import Image
 
             scale = self.max_image_side / max(image.size)
             image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
                                  Image.Resampling.LANCZOS)
+        return image
+
+    def _ask(self, image, prompt: str, source=None):
+        shown = [image] if source is None else [source, image]  # an edit: the source first
         payload = {
             "model": self.api_model,
             "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + encode_png(image)}},
+                *({"type": "image_url", "image_url": {"url": "data:image/png;base64," + encode_png(self._bounded(im))}}
+                  for im in shown),
                 {"type": "text", "text": self.question.replace("{prompt}", prompt)},
             ]}],
             "max_tokens": 1 if self.mode == "yes_no" else self.max_new_tokens,
@@ -273,22 +297,40 @@ class VLMJudge(Reward):
             return parse_yes_no(text), False, text
         return parse_scale(text), False, text
 
-    def _score_remote(self, images: torch.Tensor, prompts: list[str]):
+    def _score_remote(self, images: torch.Tensor, prompts: list[str], sources: list | None = None):
         pils = to_pil_images(images)
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(pils))) as pool:
-            results = list(pool.map(self._ask, pils, prompts))
+            results = list(pool.map(self._ask, pils, prompts, sources or [None] * len(pils)))
         return [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
 
     # ------------------------------------------------------------------------------------------ scoring
+
+    def _sources(self, metadata: list[dict] | None, n: int) -> list:
+        """Each row's source image as a PIL image (editing mode); a RewardError naming the rows without one."""
+        rows = list(metadata or [])
+        missing = [i for i in range(n) if i >= len(rows) or not isinstance(rows[i], dict)
+                   or rows[i].get("source_image") is None]
+        if missing:
+            raise RewardError(f"vlm_judge (edit=true): rows {missing[:8]} have no metadata['source_image']; score "
+                              "edits of editing prompts (webdataset shards of <key>.src.png + <key>.txt), or drop "
+                              "edit=true to judge the images alone")
+        out = []
+        for row in rows[:n]:
+            source = row["source_image"]
+            if isinstance(source, torch.Tensor):
+                source = to_pil_images(source[None] if source.dim() == 3 else source)[0]
+            out.append(source.convert("RGB") if hasattr(source, "convert") else source)
+        return out
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
         if images.shape[0] == 0:
             return RewardOutput(torch.zeros(0), {f"{self.name}/parsed": torch.zeros(0),
                                                  f"{self.name}/from_logprobs": torch.zeros(0)})
+        sources = self._sources(metadata, images.shape[0]) if self.edit else None
         if self.endpoint is not None:
-            values, from_logprobs, answers = self._score_remote(images, prompts)
+            values, from_logprobs, answers = self._score_remote(images, prompts, sources)
         else:
-            values, from_logprobs, answers = self._score_local(images, prompts)
+            values, from_logprobs, answers = self._score_local(images, prompts, sources)
         for value, answer in zip(values, answers):
             if value is None and self.on_unparseable == "error":
                 expected = "yes or no" if self.mode == "yes_no" else "a number from 0 to 10"

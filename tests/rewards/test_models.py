@@ -204,3 +204,31 @@ def test_wrong_checkpoint_contents(tmp_path):
     torch.save({"state_dict": {"w": torch.zeros(1)}, "optimizer": object()}, pickled)
     with pytest.raises(RewardError, match="weights_only"):
         rewards.load("hpsv2", checkpoint=str(pickled))
+
+
+def test_vlm_judge_local_edit_sees_the_source(llava_dir, images, prompts):
+    """``edit=true`` on a local VLM: the source is the first image of the conversation, so another source changes
+    the score of the same edit; the score equals a by-hand forward of [source, edit] with two image slots."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    reward = rewards.load("vlm_judge", model=llava_dir, edit=True)
+    gen = torch.Generator().manual_seed(0)
+    src_a = torch.rand(images.shape[0], *images.shape[1:], generator=gen)
+    src_b = 1 - src_a
+    a = reward(images, prompts, [{"source_image": s} for s in src_a]).scores
+    b = reward(images, prompts, [{"source_image": s} for s in src_b]).scores
+    assert (a - b).abs().max() > 1e-4
+    model, processor = AutoModelForImageTextToText.from_pretrained(llava_dir), AutoProcessor.from_pretrained(llava_dir)
+    tok = processor.tokenizer
+    yes = [tok.convert_tokens_to_ids(t) for t in ("yes", "Yes")]
+    no = [tok.convert_tokens_to_ids(t) for t in ("no", "No")]
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "image"}, {"type": "text", "text": reward.question.replace("{prompt}", prompts[0])}]}],
+        add_generation_prompt=True, tokenize=False)
+    pils = to_pil_images(torch.stack([src_a[0], images[0]]))
+    with torch.no_grad():
+        probs = model(**processor(images=pils, text=[text], return_tensors="pt")).logits[0, -1].softmax(-1)
+    expected = probs[yes].sum() / (probs[yes].sum() + probs[no].sum())
+    assert abs(a[0].item() - expected.item()) < 1e-4
+    with pytest.raises(RewardError, match="have no metadata"):
+        reward(images, prompts)

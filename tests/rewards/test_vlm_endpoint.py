@@ -152,3 +152,30 @@ def test_configuration_mistakes():
         rewards.load("vlm_judge", endpoint="http://127.0.0.1:1", mode="stars")
     with pytest.raises(RewardError, match="http"):
         rewards.load("vlm_judge", endpoint="127.0.0.1:8000")
+
+
+def test_edit_mode_sends_the_source_then_the_edit(endpoint):
+    """``edit=true``: each request carries two images, the row's source first (its pixels), then the edit, and the
+    editing question; a row without a source is refused with the fix."""
+    endpoint.reply = lambda req: (200, completion("yes", [("yes", math.log(0.8)), ("no", math.log(0.2))]))
+    judge = rewards.load("vlm_judge", endpoint=endpoint.url, edit=True)
+    edits = torch.zeros(2, 3, 8, 8)
+    sources = [torch.ones(3, 8, 8), torch.rand(3, 8, 8)]
+    out = judge(edits, ["make it red", "make it blue"], [{"source_image": s} for s in sources])
+    torch.testing.assert_close(out.scores, torch.full((2,), 0.8))
+    by_prompt = {}
+    for request in endpoint.requests:
+        parts = request["body"]["messages"][0]["content"]
+        text = next(p["text"] for p in parts if p["type"] == "text")
+        urls = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+        assert len(urls) == 2 and "the result of the edit instruction" in text
+        shown = [torch.tensor(list(Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB")
+                                   .getdata()), dtype=torch.float32) for u in urls]
+        by_prompt[text.split('"')[1]] = shown
+    for prompt, source in zip(["make it red", "make it blue"], sources):
+        first, second = by_prompt[prompt]
+        expected = (source.clamp(0, 1) * 255).round().permute(1, 2, 0).reshape(-1, 3)
+        assert torch.equal(first, expected)  # the source, first
+        assert torch.equal(second, torch.zeros(64, 3))  # then the edit
+    with pytest.raises(RewardError, match=r"rows \[1\] have no metadata\['source_image'\]"):
+        judge(edits, ["a", "b"], [{"source_image": sources[0]}, {}])
