@@ -418,6 +418,9 @@ def _upload_only_file():
         server before any handler runs; this component refuses it instead, so the demo never fetches a URL
         on a visitor's behalf."""
 
+        def get_block_name(self) -> str:
+            return "file"  # the browser draws gr.File's own widget (a subclass's name has no frontend)
+
         async def async_move_resource_to_block_cache(self, url_or_file_path):
             if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
                 raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
@@ -442,6 +445,9 @@ def _upload_only_image():
         handler the uploaded file's path, which the demo opens as PNG, JPEG or WebP only
         (:func:`flowrl.demo.engine.open_source`, ``flowrl.untrusted.open_image``). A ``data:`` URL is refused too
         (Gradio would decode it with PIL)."""
+
+        def get_block_name(self) -> str:
+            return "image"  # the browser draws gr.Image's own widget (a subclass's name has no frontend)
 
         def preprocess(self, payload):
             if payload is None:
@@ -542,7 +548,8 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                         c_seeds = gr.Textbox("0-3", label="Seeds (columns)", info="'4', '0-7' or '0,3,5'",
                                              elem_id="compare-seeds")
                         with gr.Row():
-                            c_steps = gr.Slider(1, limits.max_steps, value=20, step=1, label="Steps")
+                            c_steps = gr.Slider(1, limits.max_steps, value=20, step=1, label="Steps",
+                                                elem_id="compare-steps")
                             c_guidance = gr.Slider(0, min(15.0, limits.max_guidance), value=default_guidance,
                                                    step=0.5, label="Guidance")
                         c_sampler = gr.Radio(list(SAMPLERS), value="ode", label="Sampler")
