@@ -1,11 +1,16 @@
 """Command line of the demo::
 
-    python app.py [--model shapes|PATH] [--checkpoint NAME=PATH ...] [--reward NAME ...]
+    python app.py [--model shapes|PATH|FAMILY [--path DIR_OR_HUB_ID]] [--checkpoint NAME=PATH ...] [--reward NAME ...]
                   [--host 127.0.0.1] [--port P] [--auth FILE] [--runs-dir runs] [--device cpu|cuda] [--no-ema]
+                  [--dtype D] [--resolution PX] [--num-frames N]
 
 - ``--model``: the base model, ``shapes`` (the shipped checkpoint, default), a saved shapes-model
-  directory (a pretraining run directory works too) or a diffusers SD3 / FLUX pipeline directory. It is the row
-  called ``base``.
+  directory (a pretraining run directory works too), a diffusers pipeline directory of any family flowrl adapts
+  (SD3, FLUX, Wan text-to-video, FLUX.1-Kontext editing, ...), or a family name (``wan``, ``flux_kontext``, ...)
+  with ``--path DIR_OR_HUB_ID``. It is the row called ``base``.
+- ``--dtype`` / ``--resolution`` / ``--num-frames``: how pipelines (the base, and ``--checkpoint`` pipeline
+  directories) load: weights dtype, image size in px, pixel frames per clip of a video model (``4 k + 1``;
+  Wan's default is 81). A run loads as it trained (its config has these).
 - ``--checkpoint NAME=PATH``: a fine-tuned model to compare, loaded at start-up: a run directory
   (its newest checkpoint; SD3 / FLUX runs too), a ``checkpoints/epoch_<N>`` directory, a saved model or a
   pipeline directory (``flowrl export --format merged``); ``NAME=`` may be left out
@@ -49,12 +54,31 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned "
                                                   "models, with their rewards and trajectories.")
     parser.add_argument("--model", default="shapes",
-                        help="base model: `shapes` (the shipped model, default), a saved shapes-model directory or "
-                             "an SD3 / FLUX pipeline directory")
+                        help="base model: `shapes` (the shipped model, default), a saved shapes-model directory, a "
+                             "diffusers pipeline directory (SD3, FLUX, Wan video, FLUX.1-Kontext editing, ...) or a "
+                             "family name with --path")
+    parser.add_argument("--path", default=None,
+                        help="with --model FAMILY (e.g. wan, flux_kontext): a pipeline directory or hub id")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="weights dtype of pipelines (default: bfloat16 on a GPU, float32 on the CPU)")
+    parser.add_argument("--resolution", type=_positive, default=None,
+                        help="image size in px of pipelines (default: the adapter's)")
+    parser.add_argument("--num-frames", type=_positive, default=None,
+                        help="pixel frames per clip of a video model (wan: 4 k + 1; default 81)")
     parser.add_argument("--checkpoint", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="fine-tuned model(s): a run directory, a checkpoints/epoch_<N> directory or a saved "
                              "model; NAME= is optional")
@@ -139,11 +163,14 @@ def _unique(name: str, taken) -> str:
 
 def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: list[str] | None = None,
                runs_dir: str | None = "runs", device=None, use_ema: bool = True, limits: Limits | None = None,
-               log=None):
+               log=None, path: str | None = None, dtype: str | None = None, resolution: int | None = None,
+               num_frames: int | None = None):
     """Load the base model and the named checkpoints, find the runs, load the rewards.
 
     Args:
-        model: ``--model``.
+        model: ``--model`` (with ``path``: ``--path``).
+        dtype / resolution / num_frames: ``--dtype`` / ``--resolution`` / ``--num-frames``, for the base and
+            for checkpoints that are pipeline directories (runs load as they trained).
         checkpoints: ``--checkpoint`` specs (``NAME=PATH`` or ``PATH``), loaded now.
         rewards: ``--reward`` specs (None: ``["shapes"]``).
         runs_dir: where to look for more runs (None or ``"none"``: nowhere); they load on first use.
@@ -167,7 +194,8 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
     device = device_arg(device) if not hasattr(device, "type") else device
     limits = limits or Limits()
     bank = ModelBank(max_loaded=max(limits.max_loaded_models, limits.max_models))
-    bank.add_model("base", load_base(model, device=device), source=model, kind="base")
+    pipeline = {"dtype": dtype, "resolution": resolution, "num_frames": num_frames}
+    bank.add_model("base", load_base(model, device=device, path=path, **pipeline), source=path or model, kind="base")
     explicit = ["base"]
     given_paths = set()
     for spec in checkpoints:
@@ -175,7 +203,7 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
         name = name or _default_name(Path(path))
         if name in bank.names():
             raise UsageError(f"--checkpoint {spec!r}: a model is already called {name!r}; write NAME=PATH")
-        bank.add(name, lambda p=path: load_finetuned(p, device=device, use_ema=use_ema), source=path,
+        bank.add(name, lambda p=path: _load_checkpoint(p, device=device, use_ema=use_ema, **pipeline), source=path,
                  kind="checkpoint", load_now=True)
         explicit.append(name)
         given_paths.add(Path(path).resolve())
@@ -186,7 +214,7 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
                 continue
             name = _unique(run.name, bank.names())
             bank.add(name, lambda p=run.path: load_finetuned(p, device=device, use_ema=use_ema),
-                     source=str(run.path), kind="run")
+                     source=str(run.path), kind="run", family=run.family)
             if run.recipe != "pretrain":
                 discovered.append(name)
     reward_set = RewardSet.load(rewards if rewards else ["shapes"], log=log)
@@ -194,9 +222,44 @@ def make_state(*, model: str = "shapes", checkpoints: list[str] = (), rewards: l
         reasons = "; ".join(f"{n}: {r}" for n, r in reward_set.failed.items())
         raise UsageError(f"no reward could be loaded ({reasons})")
     # Rows preselected in Compare: the base and the named checkpoints; without any, the first discovered
-    # fine-tuning runs.
+    # fine-tuning runs. Only those of the base's kind (editing or not, video or image): a mix is refused
+    # (flowrl.demo.engine.check_comparison), so the first click on Generate must not be one.
+    like_base = lambda name: _kind(bank, name) == _kind(bank, "base")  # noqa: E731
+    explicit = [name for name in explicit if like_base(name)]
+    discovered = [name for name in discovered if like_base(name)]
     defaults = explicit if len(explicit) > 1 else explicit + discovered[:2]
     return DemoState(bank=bank, rewards=reward_set, limits=limits, default_models=defaults)
+
+
+def _kind(bank, name: str) -> tuple[bool, bool] | None:
+    """``(edits, makes videos)`` of a model of the bank: the loaded model's, else from its family (a run not
+    loaded yet); None when unknown."""
+    from flowrl.demo.engine import is_editing, is_video
+    from flowrl.demo.models import family_edits
+    from flowrl.models.config import VIDEO_FAMILIES
+
+    if bank.is_loaded(name):
+        model = bank.get(name)
+        return is_editing(model), is_video(model)
+    family = bank.family(name)
+    return None if family is None else (family_edits(family), family in VIDEO_FAMILIES)
+
+
+def _load_checkpoint(path: str, *, device, use_ema: bool, **pipeline):
+    """A ``--checkpoint``: a diffusers pipeline directory (e.g. ``flowrl export --format merged``) loads as the base
+    does, with ``--dtype`` / ``--resolution`` / ``--num-frames``; anything else as its run trained it."""
+    from flowrl.demo.models import load_base, load_finetuned
+
+    if (Path(path) / "model_index.json").is_file():
+        from flowrl.models.config import VIDEO_FAMILIES
+        from flowrl.models.resolve import pipeline_kind
+
+        if pipeline_kind(path) not in VIDEO_FAMILIES:  # --num-frames is the video base's; an image pipeline has none
+            pipeline = {**pipeline, "num_frames": None}
+        model = load_base(path, device=device, **pipeline)
+        model.finetune_info = {"run": path, "checkpoint": "", "epoch": None, "lora": False, "ema": False}
+        return model
+    return load_finetuned(path, device=device, use_ema=use_ema)
 
 
 def launch(state, *, host: str = "127.0.0.1", port: int | None = None, block: bool = True, quiet: bool = False,
@@ -233,7 +296,8 @@ def _run(argv: list[str]) -> int:
 
     hf_logging.disable_progress_bar()  # per-model "Loading weights" bars would bury the app's own lines
     state = make_state(model=args.model, checkpoints=args.checkpoint, rewards=args.reward,
-                       runs_dir=args.runs_dir, device=args.device, use_ema=not args.no_ema)
+                       runs_dir=args.runs_dir, device=args.device, use_ema=not args.no_ema, path=args.path,
+                       dtype=args.dtype, resolution=args.resolution, num_frames=args.num_frames)
     if not _is_loopback(args.host):
         print(f"{PROG}: note: binding {args.host} with a log-in ({len(args.credentials)} user(s)); serve it "
               "behind HTTPS (a TLS proxy) so that passwords do not travel in clear text", file=sys.stderr)

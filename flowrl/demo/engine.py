@@ -17,7 +17,8 @@ import torch
 from flowrl.demo.limits import DemoInputError, Limits
 
 __all__ = ["RewardSet", "parse_reward_spec", "sample_images", "CompareResult", "compare",
-           "TrajectoryResult", "trajectory", "ScoreResult", "score_files", "format_score"]
+           "TrajectoryResult", "trajectory", "ScoreResult", "score_files", "format_score", "is_video", "is_editing",
+           "open_source", "source_for", "check_comparison"]
 
 Tick = Callable[[int], None]
 
@@ -94,9 +95,11 @@ class RewardSet:
                 raise DemoInputError(f"reward {name!r} is not loaded{why}; loaded: {', '.join(self.loaded) or 'none'}")
         return list(dict.fromkeys(names))
 
-    def score(self, images: torch.Tensor, prompts: list[str], names: Sequence[str]
-              ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """Score ``images [B, 3, H, W]`` with each named reward.
+    def score(self, images: torch.Tensor, prompts: list[str], names: Sequence[str],
+              metadata: list[dict] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Score ``images [B, 3, H, W]`` (or videos ``[B, F, 3, H, W]``: an image reward scores every frame) with
+        each named reward; ``metadata`` (one row per image, e.g. an edit's ``source_image``) reaches rewards
+        that read it.
 
         Returns:
             ``(columns, warnings)``: ``columns`` maps each reward name to ``[B]`` scores (NaN where it
@@ -109,7 +112,8 @@ class RewardSet:
         warnings: list[str] = []
         for name in names:
             try:
-                out = self.loaded[name](images, prompts)
+                reward = self.loaded[name]
+                out = reward(images, prompts) if metadata is None else reward(images, prompts, metadata)
             except RewardError as err:
                 warnings.append(" ".join(str(err).split()))
                 columns[name] = torch.full((len(prompts),), math.nan)
@@ -139,9 +143,13 @@ def _expand(cond: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _rollout(model, prompts: list[str], seeds: list[int], *, steps: int, guidance: float | None, sampler: str,
-             noise_level: float | None, store_x0: bool = False, tick: Tick | None = None):
-    """One rollout of ``len(prompts)`` samples; returns ``(trajectory, cond, velocity_fn)``."""
+             noise_level: float | None, store_x0: bool = False, tick: Tick | None = None,
+             metadata: list[dict] | None = None):
+    """One rollout of ``len(prompts)`` samples (``metadata``: one row per prompt, an editing model's
+    ``source_image``); returns ``(trajectory, cond, velocity_fn)``."""
     from samplers import initial_noise, noise_kwargs, rollout
+
+    from flowrl.models.base import encode_rows
 
     velocity = model.velocity_fn(guidance)
 
@@ -151,7 +159,7 @@ def _rollout(model, prompts: list[str], seeds: list[int], *, steps: int, guidanc
             tick(1)
         return v
 
-    cond = model.encode_prompts(prompts)
+    cond = encode_rows(model, prompts, metadata)  # an editing model reads each row's source_image
     seeds_t = torch.as_tensor(seeds, dtype=torch.int64)
     x = initial_noise(model.latent_shape, seeds_t, device=model.device)
     traj = rollout(counted, x, model.sigmas(steps), cond=cond, step=sampler,
@@ -162,17 +170,88 @@ def _rollout(model, prompts: list[str], seeds: list[int], *, steps: int, guidanc
 
 def sample_images(model, prompts: list[str], seeds: list[int], *, steps: int, guidance: float | None = None,
                   sampler: str = "ode", noise_level: float | None = None, batch_size: int = 16,
-                  tick: Tick | None = None) -> torch.Tensor:
-    """Images ``[B, 3, H, W]`` in [0, 1] (CPU), one per ``(prompts[b], seeds[b])``.
+                  tick: Tick | None = None, metadata: list[dict] | None = None) -> torch.Tensor:
+    """Images ``[B, 3, H, W]`` in [0, 1] (CPU), one per ``(prompts[b], seeds[b])``; a video model's clips
+    ``[B, F, 3, H, W]``.
 
     ``tick(1)`` is called after every model call (``steps`` per batch of ``batch_size``), for progress bars.
+    ``metadata``: one row per prompt; an editing model edits each row's ``source_image`` ``[3, H, W]``.
     """
     out = []
     for start in range(0, len(prompts), batch_size):
+        rows = None if metadata is None else metadata[start:start + batch_size]
         traj, _, _ = _rollout(model, prompts[start:start + batch_size], seeds[start:start + batch_size],
-                              steps=steps, guidance=guidance, sampler=sampler, noise_level=noise_level, tick=tick)
+                              steps=steps, guidance=guidance, sampler=sampler, noise_level=noise_level, tick=tick,
+                              metadata=rows)
         out.append(model.decode(traj.x0).float().cpu())
     return torch.cat(out)
+
+
+# ============================================================================ video and editing models
+
+
+def is_video(model) -> bool:
+    """A video model (``model.num_frames``: Wan): its samples are clips ``[F, 3, H, W]``."""
+    return getattr(model, "num_frames", None) is not None
+
+
+def is_editing(model) -> bool:
+    """An editing model (FLUX.1-Kontext): it edits a source image beside each prompt."""
+    return bool(getattr(model, "conditions_on_source", False))
+
+
+def open_source(path: str | Path, limits: Limits):
+    """The uploaded source image of an edit, as an RGB PIL image: PNG, JPEG or WebP only (decoded through
+    :func:`flowrl.untrusted.open_image`), at most ``limits.max_upload_mb`` MB and ``limits.max_image_side`` px.
+
+    Raises:
+        DemoInputError: not such an image, or too large (the message says what is allowed).
+    """
+    return _open_image(path, limits)
+
+
+def source_for(model, image) -> torch.Tensor:
+    """``image`` (RGB PIL) at ``model``'s image size as ``[3, H, W]`` float32 in [0, 1]: the source an editing
+    model edits and the grid's first column (bicubic, as ``flowrl sample --source``)."""
+    import numpy as np
+    from PIL import Image
+
+    height, width = (side * model.vae_scale_factor for side in model.latent_shape[-2:])
+    resized = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+    return torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
+
+
+def check_comparison(models: dict, source) -> None:
+    """Refuse a comparison whose rows cannot sit in one grid, with the reason and the fix.
+
+    - Editing models edit the source; text-to-image / text-to-video models draw from the prompt alone. Their
+      outputs answer different questions (and the source column would belong to some rows only), so they are
+      compared separately: a mix is refused, naming which is which.
+    - An editing model needs a source; a source given to non-editing models only is refused (naming them), so
+      that a visitor never believes a model saw an image it ignored.
+    - Video and image models are not mixed either (frame strips and images of one grid, drift between a clip and
+      an image: not like for like).
+
+    Raises:
+        DemoInputError.
+    """
+    editing = [name for name, model in models.items() if is_editing(model)]
+    others = [name for name in models if name not in editing]
+    if editing and others:
+        raise DemoInputError(f"{', '.join(editing)} edit(s) a source image and {', '.join(others)} draw(s) from the "
+                             "prompt alone: compare editing models and text-to-image models separately (select "
+                             "either kind only)")
+    if editing and source is None:
+        raise DemoInputError(f"{', '.join(editing)} edit(s) a source image: upload one under 'Source image'")
+    if source is not None and not editing:
+        raise DemoInputError(f"a source image was given but {', '.join(others)} do(es) not edit images (no "
+                             "editing model selected, e.g. FLUX.1-Kontext): remove the source, or select editing "
+                             "models")
+    videos = [name for name, model in models.items() if is_video(model)]
+    images = [name for name in models if name not in videos]
+    if videos and images:
+        raise DemoInputError(f"{', '.join(videos)} make(s) videos and {', '.join(images)} image(s): compare video "
+                             "models and image models separately")
 
 
 # ============================================================================ Compare
@@ -182,8 +261,9 @@ def sample_images(model, prompts: list[str], seeds: list[int], *, steps: int, gu
 class CompareResult:
     """Generations of several models on the same prompts and seeds.
 
-    ``images[m]`` is ``[P * S, 3, H, W]`` in prompt-major order (prompt ``p``, seed ``s`` at ``p * S + s``);
-    ``scores[m]`` maps each reward column to ``[P * S]``.
+    ``images[m]`` is ``[P * S, 3, H, W]`` in prompt-major order (prompt ``p``, seed ``s`` at ``p * S + s``),
+    a video model's ``[P * S, F, 3, H, W]``; ``scores[m]`` maps each reward column to ``[P * S]``. For editing
+    models ``sources[m]`` is the source ``[3, H, W]`` at that model's image size (what it edited).
     """
 
     models: list[str]
@@ -193,6 +273,12 @@ class CompareResult:
     scores: dict[str, dict[str, torch.Tensor]]
     columns: list[str]
     warnings: list[str] = field(default_factory=list)
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def videos(self) -> bool:
+        """Whether the samples are clips ``[F, 3, H, W]``."""
+        return any(v.dim() == 5 for v in self.images.values())
 
     def mean_rows(self) -> list[list]:
         """``[model, mean of each column...]`` (NaN-aware: n/a only when every score failed)."""
@@ -236,34 +322,46 @@ class CompareResult:
 
 def compare(models: dict, prompts: list[str], seeds: list[int], *, steps: int, guidance: float | None,
             sampler: str, noise_level: float | None, rewards: RewardSet, reward_names: Sequence[str],
-            tick: Tick | None = None, on_model: Callable[[str], None] | None = None) -> CompareResult:
-    """Generate every (prompt, seed) with every model and score the images.
+            tick: Tick | None = None, on_model: Callable[[str], None] | None = None, source=None) -> CompareResult:
+    """Generate every (prompt, seed) with every model and score the images (or clips).
 
     Args:
         models: name -> model, in row order.
         prompts / seeds: the grid's prompts and its columns.
         steps / guidance / sampler / noise_level: the sampling settings, the same for every model.
-        rewards / reward_names: the rewards to score with.
+        rewards / reward_names: the rewards to score with (per frame for videos: rewards/ scores clips).
         tick: called with 1 after every model call; on_model: called with each model's name before it samples.
+        source: editing models: the source image (RGB PIL, any size; :func:`open_source`) every prompt edits,
+            resized to each model's image size (:func:`source_for`); the rewards see it as ``source_image``.
+
+    Raises:
+        DemoInputError: a mix :func:`check_comparison` refuses (editing with other models, a missing or
+            unneeded source, videos with images).
     """
+    check_comparison(models, source)
     flat_prompts = [p for p in prompts for _ in seeds]
     flat_seeds = [s for _ in prompts for s in seeds]
     images: dict[str, torch.Tensor] = {}
     scores: dict[str, dict[str, torch.Tensor]] = {}
+    sources: dict[str, torch.Tensor] = {}
     warnings: list[str] = []
     columns: list[str] = []
     for name, model in models.items():
         if on_model is not None:
             on_model(name)
+        metadata = None
+        if source is not None:
+            sources[name] = source_for(model, source)
+            metadata = [{"source_image": sources[name]} for _ in flat_prompts]
         images[name] = sample_images(model, flat_prompts, flat_seeds, steps=steps, guidance=guidance,
-                                     sampler=sampler, noise_level=noise_level, tick=tick)
-        scores[name], found = rewards.score(images[name], flat_prompts, reward_names)
+                                     sampler=sampler, noise_level=noise_level, tick=tick, metadata=metadata)
+        scores[name], found = rewards.score(images[name], flat_prompts, reward_names, metadata)
         warnings += [w for w in found if w not in warnings]
         columns += [c for c in scores[name] if c not in columns]
     for name in models:  # every model has every column (a reward may have failed for one model only)
         for c in columns:
             scores[name].setdefault(c, torch.full((len(flat_prompts),), math.nan))
-    return CompareResult(list(models), list(prompts), list(seeds), images, scores, columns, warnings)
+    return CompareResult(list(models), list(prompts), list(seeds), images, scores, columns, warnings, sources)
 
 
 # ============================================================================ Trajectory
@@ -353,12 +451,19 @@ def trajectory(model, prompt: str, seed: int, *, steps: int, guidance: float | N
                tick: Tick | None = None, completion_batch: int = 64) -> TrajectoryResult:
     """Sample one trajectory and analyse it: predicted clean images, TP-GRPO rewards, cosine credit.
 
+    Image models only: a video or editing model is a DemoInputError (the Compare tab shows them).
     With an SDE sampler every step but the last is an SDE step (``n = T - 1``). The ``n`` ODE completions
     (from the states before SDE steps ``1..n``; the last one is the sample itself) run batched in
     ``samplers.ode_complete``: ``sum_k (T - k)`` extra model evaluations, about ``T^2 / 2``.
     """
     from samplers import ode_complete
 
+    if is_video(model):
+        raise DemoInputError("the Trajectory tab is for image models: a video model's trajectory would be a strip "
+                             "of clips; compare its clips (frame strips and GIFs) in the Compare tab")
+    if is_editing(model):
+        raise DemoInputError("the Trajectory tab is for text-to-image models: an editing model needs a source "
+                             "image, which only the Compare tab takes; compare its edits there")
     traj, cond, velocity = _rollout(model, [prompt], [seed], steps=steps, guidance=guidance, sampler=sampler,
                                     noise_level=noise_level, store_x0=True, tick=tick)
     x0_images = model.decode(traj.x0_preds[0]).float().cpu()

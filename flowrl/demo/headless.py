@@ -23,8 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
-__all__ = ["ChromiumNotFound", "BrowserError", "find_chromium", "find_chromedriver", "open_browser",
-           "capture_compare", "main"]
+__all__ = ["ChromiumNotFound", "BrowserError", "find_chromium", "find_chromedriver", "open_browser", "open_page",
+           "compare_in", "capture_compare", "main"]
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 DRIVERS = ("chromedriver", "/usr/lib/chromium/chromedriver")
@@ -101,15 +101,6 @@ const h = document.querySelector('#compare-hacking');
 return !!(i && i.complete && i.naturalWidth > 0 && m && m.innerText.includes('mean')
           && h && h.innerText.includes('model'));
 """
-_FETCH_IMAGE = """
-const done = arguments[arguments.length - 1];
-fetch(document.querySelector('#compare-grid img').src)
-  .then(r => r.arrayBuffer())
-  .then(b => { let s = ''; const a = new Uint8Array(b);
-               for (let k = 0; k < a.length; k += 8192) s += String.fromCharCode.apply(null, a.subarray(k, k + 8192));
-               done(btoa(s)); })
-  .catch(e => done('error: ' + e));
-"""
 
 
 def _wait(browser, condition, timeout: float, what: str):
@@ -142,6 +133,164 @@ def _type_into(browser, selector: str, value: str) -> None:
         box.send_keys(line)
 
 
+def _click(browser, element, timeout: float, what: str) -> None:
+    """Click ``element`` once nothing covers it (Gradio lays a translucent status overlay over components while
+    the page settles)."""
+    from selenium.common.exceptions import ElementClickInterceptedException
+
+    def attempt(_):
+        try:
+            element.click()
+        except ElementClickInterceptedException:
+            return False
+        return True
+
+    _wait(browser, attempt, timeout, f"{what} to be clickable")
+
+
+def _set_models(browser, names, timeout: float = 60.0) -> None:
+    """Tick exactly ``names`` in the Compare tab's model checkboxes (clicking their labels, as a user would)."""
+    from selenium.webdriver.common.by import By
+
+    labels = browser.find_elements(By.CSS_SELECTOR, "#compare-models label")
+    offered = {label.text.strip(): label for label in labels}
+    unknown = [n for n in names if n not in offered]
+    if unknown:
+        raise BrowserError(f"no model checkbox {', '.join(unknown)} in the page (offered: {', '.join(offered)})")
+    for text, label in offered.items():
+        box = label.find_element(By.CSS_SELECTOR, "input[type=checkbox]")
+        if box.is_selected() != (text in names):
+            _click(browser, label, timeout, f"the model checkbox {text!r}")
+
+
+_CLIPS_READY = """
+const imgs = Array.from(document.querySelectorAll('#compare-clips img'));
+return imgs.length >= arguments[0] && imgs.every(i => i.complete && i.naturalWidth > 0);
+"""
+_FETCH_SRC = """
+const done = arguments[arguments.length - 1];
+fetch(arguments[0])
+  .then(r => r.arrayBuffer())
+  .then(b => { let s = ''; const a = new Uint8Array(b);
+               for (let k = 0; k < a.length; k += 8192) s += String.fromCharCode.apply(null, a.subarray(k, k + 8192));
+               done(btoa(s)); })
+  .catch(e => done('error: ' + e));
+"""
+
+
+def _fetch(browser, src: str, what: str) -> bytes:
+    data = browser.execute_async_script(_FETCH_SRC, src)
+    if data.startswith("error:"):
+        raise BrowserError(f"cannot read {what} back from the page ({data})")
+    return base64.b64decode(data)
+
+
+def compare_in(browser, *, prompts: str | None = None, seeds: str | None = None, models: list[str] | None = None,
+               source: str | Path | None = None, steps: int | None = None, clips: int = 0, timeout: float = 180.0,
+               screenshot: bool = True) -> dict:
+    """One generation in the Compare tab of the page ``browser`` shows (:func:`open_browser`, then ``get(url)``).
+
+    Args:
+        prompts / seeds: typed into the form first (None: leave them).
+        models: the models to tick, exactly (None: leave the selection).
+        source: an image file to upload as the source of editing models (None: leave the upload box).
+        steps: typed into the steps slider's number box (None: leave it).
+        clips: wait for at least this many clips (GIFs of a video model) under the grid too.
+        screenshot: grow the window to the page's height and screenshot it (``png`` in the result).
+
+    Returns:
+        ``{"png", "grid_rect", "grid_natural", "grid_png", "means_text", "table_text", "status_text", "hacking_text",
+        "clips": [{"gif": bytes, "rect": (x, y, w, h), "natural": (w, h), "caption": text}], "source_shown": whether
+        the source upload box shows an image}`` (see :func:`capture_compare`).
+
+    Raises:
+        BrowserError: a widget is missing, or the page did not render the results in time (with its messages).
+    """
+    from selenium.webdriver.common.by import By
+
+    run = _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#compare-run"), timeout,
+                "the Compare tab's Generate button")[0]
+    if models is not None:
+        _set_models(browser, list(models), timeout)
+    for selector, value in (("#compare-prompts", prompts), ("#compare-seeds", seeds)):
+        if value is not None:
+            _type_into(browser, selector, value)
+    if steps is not None:
+        from selenium.webdriver.common.keys import Keys
+
+        boxes = browser.find_elements(By.CSS_SELECTOR, "#compare-steps input[type=number]")
+        if not boxes:
+            raise BrowserError("no steps box (#compare-steps) in the page")
+        boxes[0].send_keys(Keys.CONTROL, "a")
+        boxes[0].send_keys(str(steps), Keys.TAB)  # the slider takes the number when the box loses focus
+    if source is not None:
+        inputs = browser.find_elements(By.CSS_SELECTOR, "#compare-source input[type=file]")
+        if not inputs:
+            raise BrowserError("no source upload box (#compare-source) in the page: is an editing model offered?")
+        inputs[0].send_keys(str(Path(source).resolve()))
+        _wait(browser, lambda b: b.execute_script(
+            "const i = document.querySelector('#compare-source img'); return !!(i && i.complete && i.naturalWidth);"),
+            timeout, "the uploaded source image's preview")
+    # A fresh result replaces the grid: remember the old one so that it is not mistaken for the new.
+    before = browser.execute_script("const i = document.querySelector('#compare-grid img'); return i ? i.src : '';")
+    time.sleep(0.3)  # the UI registers the last keystrokes before the click
+    run.click()
+    ready = lambda b: b.execute_script(_GRID_READY) and b.execute_script(  # noqa: E731
+        "const i = document.querySelector('#compare-grid img'); return i.src !== arguments[0];", before) and (
+        not clips or b.execute_script(_CLIPS_READY, clips))
+    try:
+        _wait(browser, ready, timeout, "the Compare grid and its reward table" + (" and clips" if clips else ""))
+    except BrowserError as err:
+        toast = browser.execute_script("return Array.from(document.querySelectorAll('.toast-body, "
+                                       "[data-testid=\"toast-body\"]')).map(e => e.innerText).join(' | ')")
+        raise BrowserError(f"{err}; messages in the page: {toast or 'none'}") from None
+    grid = browser.find_element(By.CSS_SELECTOR, _GRID_IMG)
+    png = None
+    if screenshot:
+        width = browser.get_window_size()["width"]
+        page_height = int(browser.execute_script("return Math.ceil(document.documentElement.scrollHeight)"))
+        browser.set_window_size(width, max(browser.get_window_size()["height"], min(page_height, 4000)))
+        time.sleep(0.3)  # one layout pass at the new size
+        browser.execute_script("window.scrollTo(0, 0)")
+        png = browser.get_screenshot_as_png()
+    rect_of = lambda e: tuple(round(v) for v in browser.execute_script(  # noqa: E731
+        "const r = arguments[0].getBoundingClientRect(); "
+        "return [r.left + window.scrollX, r.top + window.scrollY, r.width, r.height];", e))
+    natural_of = lambda e: tuple(browser.execute_script(  # noqa: E731
+        "return [arguments[0].naturalWidth, arguments[0].naturalHeight];", e))
+    text = lambda selector: browser.execute_script(  # noqa: E731
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';", selector)
+    shown = []
+    for img in browser.find_elements(By.CSS_SELECTOR, "#compare-clips img"):
+        caption = browser.execute_script(
+            "const b = arguments[0].closest('button, .thumbnail-item, .gallery-item'); return b ? b.innerText : '';", img)
+        shown.append({"gif": _fetch(browser, img.get_attribute("src"), "a clip"), "rect": rect_of(img),
+                      "natural": natural_of(img), "caption": caption})
+    return {"png": png, "grid_rect": rect_of(grid), "grid_natural": natural_of(grid),
+            "grid_png": _fetch(browser, grid.get_attribute("src"), "the grid image"),
+            "means_text": text("#compare-means"), "table_text": text("#compare-table"),
+            "status_text": text("#compare-status"), "hacking_text": text("#compare-hacking"), "clips": shown,
+            "source_shown": bool(browser.execute_script(
+                "const i = document.querySelector('#compare-source img'); return !!(i && i.naturalWidth);"))}
+
+
+def open_page(url: str, *, timeout: float = 180.0, width: int = 1280, height: int = 900, binary: str | None = None,
+              driver: str | None = None):
+    """A headless browser (:func:`open_browser`) showing the app at ``url``; the caller quits it."""
+    browser = open_browser(width=width, height=height, binary=binary, driver=driver)
+    try:
+        browser.set_page_load_timeout(timeout)
+        browser.set_script_timeout(60)
+        try:
+            browser.get(url)
+        except Exception as err:  # noqa: BLE001 - WebDriver wraps connection failures in several types
+            raise BrowserError(f"cannot open {url}: {' '.join(str(getattr(err, 'msg', None) or err).split())[:200]}") from None
+    except BaseException:
+        browser.quit()
+        raise
+    return browser
+
+
 def capture_compare(url: str, out: str | Path | None = None, *, prompts: str | None = None,
                     seeds: str | None = None, timeout: float = 180.0, width: int = 1280, height: int = 900,
                     binary: str | None = None, driver: str | None = None) -> dict:
@@ -158,52 +307,15 @@ def capture_compare(url: str, out: str | Path | None = None, *, prompts: str | N
         ``{"png": screenshot bytes, "grid_rect": (x, y, w, h) of the grid image in the screenshot's pixels,
         "grid_natural": (w, h) of the grid image, "grid_png": the grid image's own bytes, "means_text": the
         mean-reward table's text, "table_text": the per-image table's text, "status_text": the status line,
-        "hacking_text": the reward-hacking panel's text}``.
+        "hacking_text": the reward-hacking panel's text, "clips": the video clips shown under the grid}``
+        (:func:`compare_in`).
 
     Raises:
         ChromiumNotFound: no browser; BrowserError: the page did not render the grid in time.
     """
-    from selenium.webdriver.common.by import By
-
-    browser = open_browser(width=width, height=height, binary=binary, driver=driver)
+    browser = open_page(url, timeout=timeout, width=width, height=height, binary=binary, driver=driver)
     try:
-        browser.set_page_load_timeout(timeout)
-        browser.set_script_timeout(60)
-        try:
-            browser.get(url)
-        except Exception as err:  # noqa: BLE001 - WebDriver wraps connection failures in several types
-            raise BrowserError(f"cannot open {url}: {' '.join(str(getattr(err, 'msg', None) or err).split())[:200]}") from None
-        run = _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#compare-run"), timeout,
-                    "the Compare tab's Generate button")[0]
-        for selector, value in (("#compare-prompts", prompts), ("#compare-seeds", seeds)):
-            if value is not None:
-                _type_into(browser, selector, value)
-        time.sleep(0.3)  # the UI registers the last keystrokes before the click
-        run.click()
-        try:
-            _wait(browser, lambda b: b.execute_script(_GRID_READY), timeout, "the Compare grid and its reward table")
-        except BrowserError as err:
-            toast = browser.execute_script("return Array.from(document.querySelectorAll('.toast-body, "
-                                           "[data-testid=\"toast-body\"]')).map(e => e.innerText).join(' | ')")
-            raise BrowserError(f"{err}; messages in the page: {toast or 'none'}") from None
-        grid = browser.find_element(By.CSS_SELECTOR, _GRID_IMG)
-        page_height = int(browser.execute_script("return Math.ceil(document.documentElement.scrollHeight)"))
-        browser.set_window_size(width, max(height, min(page_height, 4000)))  # the whole page in one shot
-        time.sleep(0.3)  # one layout pass at the new size
-        browser.execute_script("window.scrollTo(0, 0)")
-        png = browser.get_screenshot_as_png()
-        rect = browser.execute_script("const r = arguments[0].getBoundingClientRect(); "
-                                      "return [r.left + window.scrollX, r.top + window.scrollY, r.width, r.height];", grid)
-        natural = browser.execute_script("return [arguments[0].naturalWidth, arguments[0].naturalHeight];", grid)
-        grid_b64 = browser.execute_async_script(_FETCH_IMAGE)
-        if grid_b64.startswith("error:"):
-            raise BrowserError(f"cannot read the grid image back from the page ({grid_b64})")
-        text = lambda selector: browser.execute_script(  # noqa: E731
-            "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';", selector)
-        info = {"png": png, "grid_rect": tuple(round(v) for v in rect), "grid_natural": tuple(natural),
-                "grid_png": base64.b64decode(grid_b64), "means_text": text("#compare-means"),
-                "table_text": text("#compare-table"), "status_text": text("#compare-status"),
-                "hacking_text": text("#compare-hacking")}
+        info = compare_in(browser, prompts=prompts, seeds=seeds, timeout=timeout)
     finally:
         browser.quit()
     if out is not None:

@@ -22,21 +22,48 @@ from typing import Callable
 import torch
 
 from flowrl.models.base import FlowModel, ModelLoadError
-from flowrl.models.resolve import load_finetuned, load_named_model, read_run_config
+from flowrl.models.resolve import load_finetuned, read_run_config
 
-__all__ = ["load_finetuned", "load_base", "discover_runs", "RunInfo", "ModelBank"]
+__all__ = ["load_finetuned", "load_base", "discover_runs", "RunInfo", "ModelBank", "family_edits"]
 
 
-def load_base(spec: str, *, device: str | torch.device = "cpu") -> FlowModel:
-    """The base model of ``--model``: ``shapes`` (the shipped checkpoint) or a saved shapes-model directory
-    (a pretraining run directory works too).
+def load_base(spec: str, *, device: str | torch.device = "cpu", path: str | None = None, dtype: str | None = None,
+              resolution: int | None = None, num_frames: int | None = None) -> FlowModel:
+    """The base model of ``--model`` (resolved by :func:`flowrl.models.select.model_from_args`, as ``flowrl
+    sample`` resolves it): ``shapes`` (the shipped checkpoint), a saved shapes-model directory (a pretraining run
+    directory works too), a diffusers pipeline directory of any family flowrl adapts (``model_index.json``: SD3,
+    FLUX, Wan text-to-video, FLUX.1-Kontext editing, ...), or a family name with ``path`` (a directory or hub id).
+
+    Args:
+        dtype / resolution / num_frames: a pipeline's weights dtype, image size in px and, for video models, pixel
+            frames per clip (``4 k + 1``); None: the adapter's defaults (Wan: 81 frames).
 
     Raises:
         ModelLoadError: nothing loadable there; the message says what to give instead.
+        UsageError: ``path`` with a model that takes none, or ``num_frames`` for an image model.
     """
-    model = load_named_model(spec, device=device)
+    import argparse
+
+    from flowrl.models.select import model_from_args
+
+    args = argparse.Namespace(model=spec, path=path, lora=None, run=None, dtype=dtype, resolution=resolution,
+                              num_frames=num_frames, no_ema=False)
+    model = model_from_args(args, device)
     model.eval()
     return model
+
+
+def family_edits(family: str | None) -> bool:
+    """Whether models of ``family`` (``model.name``) are editing models (their adapter's ``conditions_on_source``),
+    read from the family's adapter class without loading any weights; False for an unknown family."""
+    import importlib
+
+    from flowrl.models.families import FAMILIES
+
+    if family not in FAMILIES:
+        return False
+    module, cls = FAMILIES[family].adapter.split(":")
+    return bool(getattr(getattr(importlib.import_module(module), cls), "conditions_on_source", False))
 
 
 
@@ -47,6 +74,7 @@ class RunInfo:
     name: str
     path: Path
     recipe: str
+    family: str | None = None  # the run's model.name (shapes, wan, flux_kontext, ...)
 
 
 def discover_runs(runs_dir: str | Path | None) -> list[RunInfo]:
@@ -66,16 +94,19 @@ def discover_runs(runs_dir: str | Path | None) -> list[RunInfo]:
         if not config.is_file():
             continue
         try:
-            recipe = str(read_run_config(config).get("recipe", "?"))
+            data = read_run_config(config)
         except ModelLoadError:
             continue
+        recipe = str(data.get("recipe", "?"))
         if recipe.startswith("vlm_"):
             continue
+        section = data.get("model")
+        family = str(section.get("name", "shapes")) if isinstance(section, dict) else None
         if recipe == "pretrain":
             if (run / "model" / "model.json").is_file():
-                found.append(RunInfo(run.name, run, recipe))
+                found.append(RunInfo(run.name, run, recipe, "shapes"))
         elif latest_checkpoint(run) is not None:
-            found.append(RunInfo(run.name, run, recipe))
+            found.append(RunInfo(run.name, run, recipe, family))
     return found
 
 
@@ -85,6 +116,7 @@ class _Entry:
     source: str
     kind: str  # base | checkpoint | run
     loader: Callable[[], FlowModel]
+    family: str | None = None  # model.name when known before loading (a run's config)
     model: FlowModel | None = None
     error: str | None = None
     info: dict = field(default_factory=dict)
@@ -106,10 +138,10 @@ class ModelBank:
         self._recent: list[str] = []  # loaded non-base models, least recently used first
 
     def add(self, name: str, loader: Callable[[], FlowModel], *, source: str, kind: str,
-            load_now: bool = False) -> None:
+            load_now: bool = False, family: str | None = None) -> None:
         if name in self._entries:
             raise ValueError(f"two models are named {name!r}; give them different names (NAME=PATH)")
-        self._entries[name] = _Entry(name, source, kind, loader)
+        self._entries[name] = _Entry(name, source, kind, loader, family)
         if load_now:
             self.get(name)
 
@@ -122,6 +154,13 @@ class ModelBank:
 
     def kind(self, name: str) -> str:
         return self._entries[name].kind
+
+    def family(self, name: str) -> str | None:
+        """The model family of ``name``: the loaded model's, else the one given when it was added (None: unknown)."""
+        entry = self._entries[name]
+        if entry.model is not None:
+            return getattr(entry.model, "family", None) or entry.family
+        return entry.family
 
     def is_loaded(self, name: str) -> bool:
         return name in self._entries and self._entries[name].model is not None

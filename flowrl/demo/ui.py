@@ -24,7 +24,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flowrl.demo.engine import RewardSet
 from flowrl.demo.handlers import guarded, one_line
@@ -69,6 +71,50 @@ class DemoState:
     limits: Limits = field(default_factory=Limits)
     default_models: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    media_dir: str | None = None  # where the Compare tab writes its GIFs (None: a temporary folder, made once)
+
+    def has_editing_models(self) -> bool:
+        """Whether an editing model is offered (the Compare tab then shows its source upload)."""
+        from flowrl.demo.engine import is_editing
+        from flowrl.demo.models import family_edits
+
+        return self._offers(is_editing, family_edits)
+
+    def has_video_models(self) -> bool:
+        """Whether a video model is offered (the Compare tab then shows its clips under the grid)."""
+        from flowrl.demo.engine import is_video
+        from flowrl.models.config import VIDEO_FAMILIES
+
+        return self._offers(is_video, lambda family: family in VIDEO_FAMILIES)
+
+    def _offers(self, of_model, of_family) -> bool:
+        """Whether ``of_model(model)`` holds for a loaded model, or ``of_family(model.name)`` for a run not loaded
+        yet (read from its config when it was found, so that nothing is loaded to lay out the page)."""
+        for name in self.bank.names():
+            if self.bank.is_loaded(name):
+                if of_model(self.bank.get(name)):
+                    return True
+            elif of_family(self.bank.family(name)):
+                return True
+        return False
+
+    def media_root(self) -> Path:
+        """The folder of the Compare tab's clips, with the folders older than ``limits.cache_seconds`` removed."""
+        import shutil
+        import tempfile
+
+        if self.media_dir is None:
+            self.media_dir = tempfile.mkdtemp(prefix="flowrl-demo-media-")
+        root = Path(self.media_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        cutoff = time.time() - max(1, int(self.limits.cache_seconds))
+        for folder in root.glob("compare-*"):
+            try:
+                if folder.stat().st_mtime < cutoff:
+                    shutil.rmtree(folder, ignore_errors=True)
+            except OSError:
+                pass
+        return root
 
     @property
     def base_name(self) -> str:
@@ -151,12 +197,17 @@ def _noise(value, sampler: str) -> float | None:
 
 
 def handle_compare(state: DemoState, models, prompts, seeds, steps, guidance, sampler, noise_level, reward_names,
-                   progress=None):
+                   source=None, progress=None):
     """Compare tab: ``(grid image, mean rewards DataFrame, per-image DataFrame, status markdown, hacking panel
-    DataFrame)``."""
+    DataFrame, clips)``.
+
+    ``source``: the uploaded source image's file path (editing models; None without one). ``clips``: for video
+    models, one ``(GIF path, caption)`` per clip (looping, 16 fps) in the grid's order; ``[]`` for images. A video's
+    grid cell is its frame strip; an edit's grid row starts with the source (at the model's size).
+    """
     import pandas as pd
 
-    from flowrl.demo.engine import compare
+    from flowrl.demo.engine import compare, open_source
     from flowrl.demo.render import grid_image
 
     limits = state.limits
@@ -172,30 +223,86 @@ def handle_compare(state: DemoState, models, prompts, seeds, steps, guidance, sa
     if total > limits.max_images:
         raise DemoInputError(f"{n_models} models x {len(prompt_list)} prompts x {len(seed_list)} seeds = {total} "
                              f"images; at most {limits.max_images} per request")
+    source_path = _upload_path(source)
+    source_image = open_source(source_path, limits) if source_path else None
     with state.lock:
         chosen = _models(state, models, progress)
         per_model_calls = steps * math.ceil(len(prompt_list) * len(seed_list) / 16)
         ticker = _Ticker(progress, per_model_calls * len(chosen))
         result = compare(chosen, prompt_list, seed_list, steps=steps, guidance=guidance, sampler=sampler,
                          noise_level=noise, rewards=state.rewards, reward_names=names, tick=ticker,
-                         on_model=lambda m: ticker.describe(f"sampling {m}"))
+                         on_model=lambda m: ticker.describe(f"sampling {m}"), source=source_image)
     _warn(result.warnings)
-    import torch
-
-    images = torch.cat([result.images[m][p * len(seed_list):(p + 1) * len(seed_list)]
-                        for p in range(len(prompt_list)) for m in result.models])
-    row_labels = [m if len(prompt_list) == 1 else f"{m}\n{prompt}" for prompt in prompt_list for m in result.models]
-    captions = [result.caption(m, p * len(seed_list) + s)
-                for p in range(len(prompt_list)) for m in result.models for s in range(len(seed_list))]
-    grid = grid_image(images, row_labels, [f"seed {s}" for s in seed_list], captions)
+    grid = _compare_grid(result, grid_image)
     means = pd.DataFrame(result.mean_rows(), columns=["model"] + [f"mean {c}" for c in result.columns])
     per_image = pd.DataFrame(result.sample_rows(), columns=["model", "prompt", "seed"] + result.columns)
+    clips = _write_clips(state, result) if result.videos else []
     total = len(chosen) * len(prompt_list) * len(seed_list)
-    status = (f"{total} images: {len(chosen)} model(s) x {len(prompt_list)} prompt(s) x {len(seed_list)} seed(s), "
+    what = "videos" if result.videos else ("edits" if result.sources else "images")
+    status = (f"{total} {what}: {len(chosen)} model(s) x {len(prompt_list)} prompt(s) x {len(seed_list)} seed(s), "
               f"{steps} {sampler} steps, guidance {guidance:g}"
               + (f", noise level {noise:g}" if noise is not None else "")
               + (". Prompt: " + prompt_list[0] if len(prompt_list) == 1 else ""))
-    return grid, means, per_image, status, _hacking_table(result, prompt_list, seed_list)
+    if result.videos:
+        frames = next(iter(result.images.values())).shape[1]
+        status += f". Each cell is a clip's {frames} frames, left to right; the clips play under the grid."
+    if result.sources:
+        status += ". The first column is the source image, as each model saw it."
+    return grid, means, per_image, status, _hacking_table(result, prompt_list, seed_list), clips
+
+
+def _upload_path(value) -> str | None:
+    """The server-side path of an upload (a path string, Gradio's FileData-like object or a dict), or None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, dict):
+        value = value.get("path") or value.get("name")
+    path = value if isinstance(value, str) else getattr(value, "path", None) or getattr(value, "name", None)
+    if not path:
+        raise DemoInputError("the source image did not arrive: upload it again")
+    return str(path)
+
+
+def _compare_grid(result, grid_image):
+    """The Compare grid: rows model (x prompt), columns the seeds; editing models' rows start with their
+    source (the column ``source``, captionless), as ``flowrl sample --source`` draws it."""
+    import torch
+
+    prompts, seeds = result.prompts, result.seeds
+    cells, captions = [], []
+    for p in range(len(prompts)):
+        for m in result.models:
+            if result.sources:
+                cells.append(result.sources[m][None].to(result.images[m].dtype))
+                captions.append("")
+            cells.append(result.images[m][p * len(seeds):(p + 1) * len(seeds)])
+            captions += [result.caption(m, p * len(seeds) + s) for s in range(len(seeds))]
+    row_labels = [m if len(prompts) == 1 else f"{m}\n{prompt}" for prompt in prompts for m in result.models]
+    columns = (["source"] if result.sources else []) + [f"seed {s}" for s in seeds]
+    return grid_image(torch.cat(cells), row_labels, columns, captions)
+
+
+def _write_clips(state: DemoState, result) -> list[tuple[str, str]]:
+    """Each clip of ``result`` as a looping GIF (16 fps, Wan's frame rate; ``flowrl.grid.save_gif``, as ``flowrl
+    sample`` writes them) in a fresh folder of the state's media directory; returns ``(path, caption)`` in the
+    grid's order (prompt, then model, then seed). Folders older than ``Limits.cache_seconds`` are removed first
+    (Gradio has copied each request's files into its own cache, which it cleans itself)."""
+    import tempfile
+
+    from flowrl.grid import save_gif
+
+    root = state.media_root()
+    folder = Path(tempfile.mkdtemp(prefix="compare-", dir=root))
+    clips = []
+    for p, prompt in enumerate(result.prompts):
+        for m in result.models:
+            for s, seed in enumerate(result.seeds):
+                i = p * len(result.seeds) + s
+                path = folder / f"{len(clips):03d}_p{p}_s{seed}.gif"
+                save_gif(result.images[m][i], path, fps=16.0)
+                caption = f"{m}, seed {seed}" + (f": {prompt}" if len(result.prompts) > 1 else "")
+                clips.append((str(path), caption))
+    return clips
 
 
 def _hacking_table(result, prompts: list[str], seeds: list[int]):
@@ -213,6 +320,8 @@ def _hacking_table(result, prompts: list[str], seeds: list[int]):
     rows = []
     for name in result.models:
         base = result.images[first] if name != first else None
+        if base is not None and base.shape != result.images[name].shape:
+            base = None  # e.g. two video models of different lengths: no pixel drift between them
         panel = hacking_panel(result.images[name], labels, base_images=base, features=features)
         rows.append({"model": name, **{k.removeprefix("hack/"): round(v, 4) for k, v in panel.items()
                                        if k.count("/") == 1 and k not in ("hack/bg_r", "hack/bg_g", "hack/bg_b")}})
@@ -309,6 +418,9 @@ def _upload_only_file():
         server before any handler runs; this component refuses it instead, so the demo never fetches a URL
         on a visitor's behalf."""
 
+        def get_block_name(self) -> str:
+            return "file"  # the browser draws gr.File's own widget (a subclass's name has no frontend)
+
         async def async_move_resource_to_block_cache(self, url_or_file_path):
             if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
                 raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
@@ -320,6 +432,41 @@ def _upload_only_file():
             return super().move_resource_to_block_cache(url_or_file_path)
 
     return UploadOnlyFile
+
+
+def _upload_only_image():
+    import gradio as gr
+    from gradio_client.utils import is_http_url_like
+
+    class UploadOnlyImage(gr.Image):
+        """``gr.Image`` (an upload box with a preview) that takes uploaded files only and leaves their decoding to
+        the demo. Like :class:`UploadOnlyFile` it refuses file data naming a URL; and where ``gr.Image`` would open
+        the upload with ``PIL.Image.open`` (every format PIL knows) before the handler runs, this one hands the
+        handler the uploaded file's path, which the demo opens as PNG, JPEG or WebP only
+        (:func:`flowrl.demo.engine.open_source`, ``flowrl.untrusted.open_image``). A ``data:`` URL is refused too
+        (Gradio would decode it with PIL)."""
+
+        def get_block_name(self) -> str:
+            return "image"  # the browser draws gr.Image's own widget (a subclass's name has no frontend)
+
+        def preprocess(self, payload):
+            if payload is None:
+                return None
+            if (payload.url or "").startswith("data:") or payload.path is None:
+                raise gr.Error("upload the source image as a file (PNG, JPEG or WebP)", print_exception=False)
+            return str(payload.path)
+
+        async def async_move_resource_to_block_cache(self, url_or_file_path):
+            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
+                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
+            return await super().async_move_resource_to_block_cache(url_or_file_path)
+
+        def move_resource_to_block_cache(self, url_or_file_path):
+            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
+                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
+            return super().move_resource_to_block_cache(url_or_file_path)
+
+    return UploadOnlyImage
 
 
 def theme():
@@ -354,18 +501,21 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
     import gradio as gr
 
     UploadOnlyFile = _upload_only_file()
+    UploadOnlyImage = _upload_only_image()
     limits = state.limits
     names = state.bank.names()
     base = state.base_model()
     default_guidance = float(getattr(base, "default_guidance", 1.0))
     default_models = state.default_models or names[:1]
     reward_names = state.rewards.names
+    any_editing, any_video = state.has_editing_models(), state.has_video_models()
     concurrency = {"concurrency_limit": 1, "concurrency_id": "generate"}
 
     @guarded
-    def run_compare(models, prompts, seeds, steps, guidance, sampler, noise_level, rewards_, progress=gr.Progress()):
+    def run_compare(models, prompts, seeds, steps, guidance, sampler, noise_level, rewards_, source=None,
+                    progress=gr.Progress()):
         return handle_compare(state, models, prompts, seeds, steps, guidance, sampler, noise_level, rewards_,
-                              progress=progress)
+                              source=source, progress=progress)
 
     @guarded
     def run_trajectory(model, prompt, seed, steps, guidance, sampler, noise_level, reward, window,
@@ -398,13 +548,17 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                         c_seeds = gr.Textbox("0-3", label="Seeds (columns)", info="'4', '0-7' or '0,3,5'",
                                              elem_id="compare-seeds")
                         with gr.Row():
-                            c_steps = gr.Slider(1, limits.max_steps, value=20, step=1, label="Steps")
+                            c_steps = gr.Slider(1, limits.max_steps, value=20, step=1, label="Steps",
+                                                elem_id="compare-steps")
                             c_guidance = gr.Slider(0, min(15.0, limits.max_guidance), value=default_guidance,
                                                    step=0.5, label="Guidance")
                         c_sampler = gr.Radio(list(SAMPLERS), value="ode", label="Sampler")
                         c_noise = gr.Slider(0, 1, value=0.7, step=0.05, label="Noise level",
                                             info="SDE samplers: flow_sde / cps a, dance_sde eta")
                         c_rewards = gr.CheckboxGroup(reward_names, value=reward_names, label="Rewards")
+                        c_source = UploadOnlyImage(type="filepath", sources=["upload"], format="png",
+                                                   label="Source image (editing models only)",
+                                                   elem_id="compare-source", visible=any_editing, height=200)
                         c_run = gr.Button("Generate", variant="primary", elem_id="compare-run")
                         gr.Examples(EXAMPLES, [c_prompts, c_seeds], label="Example prompts")
                     with gr.Column(scale=3):
@@ -413,6 +567,10 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                         c_means = gr.Dataframe(label="Mean reward per model", interactive=False,
                                                elem_id="compare-means")
                         c_status = gr.Markdown(elem_id="compare-status")
+                        c_clips = gr.Gallery(label="Clips of the video models (looping GIFs, 16 fps; row by row "
+                                                   "as in the grid)", visible=any_video, columns=4, height="auto",
+                                             object_fit="contain", interactive=False,
+                                             elem_id="compare-clips")
                         c_hack = gr.Dataframe(label="Reward hacking: what the reward cannot see (drift from the "
                                               "first model's images of the same noise, diversity over seeds, "
                                               "colour entropy in bits and histogram shift from the first model, "
@@ -423,8 +581,9 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                             c_table = gr.Dataframe(interactive=False, elem_id="compare-table")
                 c_sampler.change(lambda s: NOISE_DEFAULTS.get(s, 0.7), c_sampler, c_noise, api_visibility="private")
                 c_run.click(run_compare,
-                            [c_models, c_prompts, c_seeds, c_steps, c_guidance, c_sampler, c_noise, c_rewards],
-                            [c_grid, c_means, c_table, c_status, c_hack], api_name="compare", **concurrency)
+                            [c_models, c_prompts, c_seeds, c_steps, c_guidance, c_sampler, c_noise, c_rewards,
+                             c_source],
+                            [c_grid, c_means, c_table, c_status, c_hack, c_clips], api_name="compare", **concurrency)
 
             with gr.Tab("Trajectory", id="trajectory"):
                 with gr.Row():

@@ -24,7 +24,7 @@ def test_api_lists_the_three_tabs(client):
 
 
 def test_compare_returns_a_grid_and_scores(client):
-    grid, means, per_image, status, hacking = client.predict(
+    grid, means, per_image, status, hacking, clips = client.predict(
         ["base", "flow_grpo", "lora"], "a red circle\ntwo blue squares", "0-2", 3, 1.0, "flow_sde", 0.7,
         ["shapes", "jpeg_compressibility"], api_name="/compare")
     with Image.open(grid) as image:
@@ -38,7 +38,7 @@ def test_compare_returns_a_grid_and_scores(client):
     headers, rows = _table(per_image)
     assert headers == ["model", "prompt", "seed", "shapes", "shapes correct", "jpeg_compressibility"]
     assert len(rows) == 3 * 2 * 3
-    assert "18 images" in status
+    assert "18 images" in status and not clips  # an image model has no clips
     headers, rows = _table(hacking)
     assert headers[0] == "model" and {"drift_pixel", "extra_object_rate", "bg_shift", "accuracy_strict",
                                       "diversity", "color_entropy", "color_hist_shift", "dark_frac",

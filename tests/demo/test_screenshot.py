@@ -2,7 +2,9 @@
 prompts and three seeds into Compare, clicks Generate, and screenshots the page. The test then checks what
 the user sees: the grid image shown at its place in the screenshot, every one of its 18 cells holding a
 generated image with its reward caption under it (read back with OCR), the row labels, and the table of
-mean rewards naming every model.
+mean rewards naming every model. A second app of a tiny video model (Wan) and a tiny editing model (FLUX.1-Kontext)
+is driven the same way: the video's clips play under the grid as GIFs of every frame, and the uploaded source is
+the first column of the edits' grid.
 
 Without Chromium this test FAILS: `make install` (run by `make test`) installs chromium and chromium-driver."""
 
@@ -13,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flowrl.demo.headless import capture_compare, find_chromedriver, find_chromium
+from flowrl.demo.headless import capture_compare, compare_in, find_chromedriver, find_chromium, open_page
 from flowrl.demo.render import grid_image
-from flowrl.grid import HEADER, LINE_HEIGHT, PAD  # grid_image's geometry (HEADER: the column labels on top)
+from flowrl.grid import FRAME_GAP, HEADER, LINE_HEIGHT, PAD  # grid_image's geometry (HEADER: the column labels on top)
 
 
 @pytest.fixture(scope="session")
@@ -100,3 +102,49 @@ def test_compare_tab_shows_the_grid_with_images_and_captions(browser_binaries, d
     # 5. The reward-hacking panel under it: one row per model, the shapes world's metrics as columns.
     for word in ("extra_object_rate", "bg_shift", "accuracy_strict", "drift_pixel", "flow_grpo", "lora"):
         assert word in info["hacking_text"], info["hacking_text"]
+
+
+def test_video_clips_and_the_editing_source_show_in_the_page(browser_binaries, media_url, source_png):
+    from .conftest import MEDIA_FRAMES
+
+    binary, driver = browser_binaries
+    browser = open_page(media_url, timeout=240, binary=binary, driver=driver)
+    try:
+        video = compare_in(browser, prompts="a red cat", seeds="0-1", models=["base"], steps=2, clips=2,
+                           screenshot=False, timeout=240)
+        edit = compare_in(browser, prompts="a red cat", seeds="0", models=["kontext"], source=source_png,
+                          steps=2, timeout=240)
+    finally:
+        browser.quit()
+    defaults = inspect.signature(grid_image).parameters
+    cell, label_w = defaults["cell"].default, defaults["row_label_width"].default
+
+    # The video model: its grid cells are frame strips, and each clip plays under the grid as a GIF of every frame.
+    strip_w = MEDIA_FRAMES * cell + (MEDIA_FRAMES - 1) * FRAME_GAP
+    assert video["grid_natural"][0] == label_w + 2 * (strip_w + PAD) + PAD
+    assert "2 videos" in video["status_text"] and "2 ode steps" in video["status_text"]
+    assert len(video["clips"]) == 2, video["clips"]
+    gifs = []
+    for clip in video["clips"]:
+        x, y, w, h = clip["rect"]
+        assert w > 32 and h > 32, f"a clip is displayed at {w}x{h} px"
+        with Image.open(io.BytesIO(clip["gif"])) as gif:
+            assert gif.format == "GIF" and gif.n_frames == MEDIA_FRAMES and gif.info.get("loop") == 0
+            assert gif.size == (64, 64) == tuple(clip["natural"])
+            gifs.append(np.asarray(gif.convert("RGB"), dtype=np.float32))
+    assert np.abs(gifs[0] - gifs[1]).mean() > 1  # seeds 0 and 1: two different clips
+
+    # The editing model: the source was uploaded (its preview shows), and it is the first column of the grid,
+    # resized to the model's 64 px (drawn 2x), as the user sees it in the screenshot.
+    assert edit["source_shown"] and edit["clips"] == []
+    assert "1 edits" in edit["status_text"] and "first column is the source" in edit["status_text"]
+    grid = np.asarray(Image.open(io.BytesIO(edit["grid_png"])).convert("RGB"))
+    assert grid.shape[1] == label_w + 2 * (cell + PAD) + PAD  # source, seed 0
+    resized = np.asarray(Image.open(source_png).convert("RGB").resize((64, 64), Image.Resampling.BICUBIC))
+    first = grid[HEADER:HEADER + cell, label_w:label_w + cell]
+    assert np.array_equal(first[::2, ::2], resized)
+    page = np.asarray(Image.open(io.BytesIO(edit["png"])).convert("RGB")).astype(np.float32)
+    x, y, w, h = edit["grid_rect"]
+    shown = page[y:y + h, x:x + w]
+    as_shown = np.asarray(Image.fromarray(grid).resize((w, h), Image.Resampling.BILINEAR), dtype=np.float32)
+    assert np.abs(shown - as_shown).mean() < 12, "the screenshot's grid area does not show the edits' grid"
