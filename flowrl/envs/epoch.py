@@ -83,7 +83,8 @@ def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, pr
     s = cfg.sampling
     kinds = tuple(cfg.env.kinds or env_spec.kinds)
     settings = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                stop_strings=tuple(s.stop_strings), batch_size=s.batch_size)
+                                stop_strings=tuple(s.stop_strings), batch_size=s.batch_size,
+                                share_prompts=s.share_prompts)
     max_turns = cfg.env.max_turns or env_spec.max_turns
     kept: list[list] = []
     rounds, seen_groups, zero_std_groups = 0, 0, 0

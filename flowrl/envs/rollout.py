@@ -31,6 +31,7 @@ class SamplingSettings:
     stop_strings: tuple[str, ...] = ()
     greedy: bool = False
     batch_size: int = 64
+    share_prompts: bool = False  # encode identical prompts (a group's first turn) once: TokenPolicy.generate
 
 
 @dataclass
@@ -113,7 +114,8 @@ def play_episodes(policy, make_env: Callable[[], Any], tasks: list[Task], indice
                                       seeds=[sample_seed(seed, episodes[i].index, turn) for i in active],
                                       temperature=sampling.temperature, top_p=sampling.top_p,
                                       max_new_tokens=sampling.max_new_tokens, stop_strings=sampling.stop_strings,
-                                      greedy=sampling.greedy, batch_size=sampling.batch_size)
+                                      greedy=sampling.greedy, batch_size=sampling.batch_size,
+                                      share_prompts=sampling.share_prompts)
         still = []
         for i, gen in zip(active, generations):
             ep, env = episodes[i], envs[i]

@@ -358,7 +358,7 @@ class TokenPolicy:
     @torch.no_grad()
     def generate(self, conversations: list[list[Turn]], *, seeds: list[int], temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 32, stop_strings: tuple[str, ...] = (),
-                 greedy: bool = False, batch_size: int = 32) -> list[Generation]:
+                 greedy: bool = False, batch_size: int = 32, share_prompts: bool = False) -> list[Generation]:
         """Sample the next assistant turn of each conversation.
 
         Args:
@@ -370,6 +370,10 @@ class TokenPolicy:
             stop_strings: generation stops after any of these strings (it is kept in the text and ids).
             greedy: arg-max decoding (evaluation); ``seeds`` are then unused.
             batch_size: conversations per ``generate`` call.
+            share_prompts: encode each distinct conversation of a call once (the vision tower and the prompt's
+                forward), then copy its cache to every row asking it, as for the members of a GRPO group. The
+                tokens and log-probs are those of the unshared path up to float rounding (tested); families
+                without a shared-cache path here generate unshared.
 
         Returns:
             ``B`` :class:`Generation`.
@@ -382,10 +386,40 @@ class TokenPolicy:
         for start in range(0, len(conversations), batch_size):
             chunk = conversations[start:start + batch_size]
             out += self._generate_chunk(chunk, seeds[start:start + batch_size], temperature, top_p, max_new_tokens,
-                                        tuple(stop_strings), greedy)
+                                        tuple(stop_strings), greedy, share_prompts)
         return out
 
-    def _generate_chunk(self, conversations, seeds, temperature, top_p, max_new_tokens, stop_strings, greedy):
+    def _shared_prefix(self, conversations, inputs: PolicyInputs) -> dict | None:
+        """The distinct conversations' prompt minus its last token run once, its cache copied to every row:
+        ``{"cache": ..., "rows": distinct count}`` for :meth:`_generate_chunk`, or None when every row is distinct
+        or the family has no shared-cache path (the rope offsets of Qwen2-VL-style M-RoPE are copied too)."""
+        keys = [_conversation_key(c) for c in conversations]
+        first: dict = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        if len(first) == len(keys) or inputs.input_ids.shape[1] < 2:
+            return None
+        inner = self.model.get_base_model() if self.is_lora else self.model
+        if self.family.name not in _SHARED_PREFILL_FAMILIES:
+            return None
+        distinct = list(first.values())
+        index = torch.tensor([distinct.index(first[k]) for k in keys], device=self.device)
+        unique = self.build_inputs([conversations[i] for i in distinct], add_generation_prompt=True).to(self.device)
+        if not torch.equal(unique.input_ids[index], inputs.input_ids):  # another padding: not worth special-casing
+            return None
+        prefix = {k: (v[:, :-1] if k in _PER_TOKEN_KEYS else v) for k, v in unique.tensors.items()}
+        result = self.model(**prefix, use_cache=True)
+        cache = getattr(result, "cache", None) or getattr(result, "past_key_values", None)
+        if cache is None:
+            return None
+        cache.reorder_cache(index)  # row i continues from its distinct conversation's cache
+        language = getattr(inner, "model", inner)
+        if getattr(language, "rope_deltas", None) is not None:
+            language.rope_deltas = language.rope_deltas[index]
+        return {"cache": cache, "rows": len(distinct)}
+
+    def _generate_chunk(self, conversations, seeds, temperature, top_p, max_new_tokens, stop_strings, greedy,
+                        share_prompts=False):
         from transformers import GenerationConfig, LogitsProcessorList
 
         inputs = self.build_inputs(conversations, add_generation_prompt=True).to(self.device)
@@ -402,7 +436,15 @@ class TokenPolicy:
         was_training = self.model.training
         self.model.eval()
         try:
-            result = self.model.generate(**inputs.tensors, generation_config=config,
+            model_inputs = inputs.tensors
+            shared = None
+            if share_prompts:
+                with torch.no_grad():
+                    shared = self._shared_prefix(conversations, inputs)
+            if shared is not None:  # images are in the cache: only the text ids, mask and cache go in
+                model_inputs = {k: v for k, v in inputs.tensors.items() if k in _PER_TOKEN_KEYS}
+                model_inputs["cache" if _CACHE_KWARG == "cache" else "past_key_values"] = shared["cache"]
+            result = self.model.generate(**model_inputs, generation_config=config,
                                          logits_processor=LogitsProcessorList([_RowSampler(generators, temperature, top_p, greedy, self.banned_token_ids)]),
                                          **extra)
         finally:
@@ -439,6 +481,27 @@ class TokenPolicy:
             if s in text:
                 text = text[: text.index(s) + len(s)]
         return Generation(ids, logps[:n].clone(), text.strip(), finish)
+
+
+# Families whose generate() continues from a copied prompt cache exactly (tests/policies: shared == unshared).
+_SHARED_PREFILL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "causal_lm")
+# Inputs with one entry per token (cut with the prompt's last token); the others (images) are per image.
+_PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+_CACHE_KWARG = "cache"  # transformers 5.x names generate()'s cache `cache` (past_key_values is deprecated)
+
+
+def _conversation_key(conversation) -> tuple:
+    """A hashable identity of a conversation: roles, texts and the images' bytes."""
+    import hashlib
+
+    import numpy as np
+
+    parts = []
+    for turn in conversation:
+        digests = tuple(hashlib.sha1(np.ascontiguousarray(np.asarray(image)).tobytes()).hexdigest()
+                        for image in (turn.images or ()))
+        parts.append((turn.role, turn.text, digests, tuple(getattr(turn, "token_ids", None) or ())))
+    return tuple(parts)
 
 
 def _ban(logits: torch.Tensor, banned: list[int]) -> torch.Tensor:

@@ -105,6 +105,9 @@ class SamplingConfig:
     stop_strings: list[str] = field(default_factory=list)
     batch_size: int = field(default=64, metadata=bounds(ge=1))  # episodes per generate call, per process
     max_sampling_rounds: int = field(default=4, metadata=bounds(ge=1))  # DAPO dynamic sampling
+    # The vision tower and prompt forward once per distinct prompt (a group's members share theirs), the cache
+    # copied to each member; same tokens and log-probs up to float rounding (flowrl.policies.TokenPolicy.generate).
+    share_prompts: bool = True
 
 
 @dataclass

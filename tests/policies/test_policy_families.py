@@ -227,3 +227,33 @@ def test_score_can_return_the_entropy_of_the_tempered_distribution(policy):
     expected = -(p[p > 0] * p[p > 0].log()).sum()
     assert abs(float(entropy[b, t]) - float(expected)) < 1e-4 * max(1.0, float(expected))
     assert (entropy[~mask] == 0).all() and (entropy[mask] > 0).all()
+
+
+def test_shared_prompts_give_the_unshared_tokens_and_logprobs(policy):
+    """``share_prompts``: a batch of 3 distinct questions x 4 copies (a GRPO epoch's groups, rows interleaved)
+    samples the same tokens with the same log-probs as generating every row on its own; on the families with a
+    shared-cache path the language model's prompt forward runs on 3 rows, not 12."""
+    texts = ["what colour is the circle ?", "is there a square ?", "how many squares are there ?"]
+    distinct = [[Turn("user", text, _images(policy, 1, 40 + i))] for i, text in enumerate(texts)]
+    rows = [distinct[i % 3] for i in range(12)]
+    seeds = list(range(100, 112))
+    plain = policy.generate(rows, seeds=seeds, max_new_tokens=4)
+    batch_rows = []
+    language = policy.model.get_base_model() if policy.is_lora else policy.model
+    lm = getattr(getattr(language, "model", language), "language_model", None) or getattr(language, "model", language)
+    hook = lm.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_rows.append(
+            (kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None else kwargs["input_ids"]).shape[:2]),
+        with_kwargs=True)
+    try:
+        shared = policy.generate(rows, seeds=seeds, max_new_tokens=4, share_prompts=True)
+    finally:
+        hook.remove()
+    for a, b in zip(plain, shared):
+        assert a.token_ids == b.token_ids and a.finish == b.finish
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)  # float32 rounding of other shapes
+    assert len({tuple(g.token_ids) for g in plain}) > 3  # rows of one question sample differently
+    if policy.family.name in ("qwen2_vl", "qwen2_5_vl", "causal_lm"):
+        prompt_len = batch_rows[0][1]
+        assert batch_rows[0][0] == 3 and prompt_len > 4  # the prompt ran once per distinct question
+        assert all(n == 12 and t == 1 for n, t in batch_rows[1:])  # then one token at a time for every row
