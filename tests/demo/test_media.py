@@ -201,3 +201,22 @@ def test_the_api_takes_an_uploaded_source_and_never_fetches_a_url(media_url, sou
         client.predict(["kontext"], PROMPT, "0", 2, 2.5, "ode", 0.7, ["jpeg_compressibility"],
                        gradio_client.handle_file("https://images.example.com/x.png"), api_name="/compare")
     assert fetched == []
+
+
+def test_qwen_image_edit_edits_the_uploaded_source_too(media_state, source_png, tmp_path):
+    """The demo's editing path is generic: a tiny Qwen-Image-Edit pipeline loaded by folder edits the uploaded
+    source (drawn first, resized to its 64 px), as plain generation with that source does."""
+    from flowrl.demo.models import load_base
+    from flowrl.testing import TINY_RESOLUTION, build_tiny
+
+    model = load_base(str(build_tiny("qwen_image_edit")), resolution=TINY_RESOLUTION)
+    assert model.conditions_on_source
+    source = open_source(source_png, media_state.limits)
+    result = compare({"qwen_edit": model}, [PROMPT], [0, 3], steps=2, guidance=4.0, sampler="ode", noise_level=None,
+                     rewards=media_state.rewards, reward_names=["jpeg_compressibility"], source=source)
+    side = TINY_RESOLUTION
+    resized = np.asarray(Image.open(source_png).convert("RGB").resize((side, side), Image.Resampling.BICUBIC))
+    assert np.array_equal((result.sources["qwen_edit"].permute(1, 2, 0) * 255).round().byte().numpy(), resized)
+    expected = generate(model, [PROMPT, PROMPT], [0, 3], steps=2, guidance=4.0,
+                        metadata=[{"source_image": result.sources["qwen_edit"]}] * 2)
+    torch.testing.assert_close(result.images["qwen_edit"], expected, atol=1e-6, rtol=0)
