@@ -108,6 +108,24 @@ def cond_cat(conds: list[Cond]) -> Cond:
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
 
 
+class GuidanceEmbedded:
+    """``velocity_fn`` of a guidance-distilled model (FLUX.1 dev, FLUX.2 [dev]): the scale goes into the guidance
+    embedding of ``_predict(denoiser, x, sigma, cond, guidance=)``, no CFG branch runs (so ``detach_uncond`` has
+    nothing to detach). Mixed in before :class:`FlowModel`."""
+
+    def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
+        """``velocity_fn(x, sigma, cond)`` with ``guidance_scale`` in the guidance embedding."""
+        scale = self.default_guidance if guidance_scale is None else float(guidance_scale)
+        if scale == self.default_guidance:
+            return self.velocity
+
+        def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+            sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
+            return self._predict(self.denoiser, x, sigma, cond, guidance=scale).float()
+
+        return velocity
+
+
 class FlowModel(nn.Module):
     """Base class of model adapters. Subclasses implement ``_encode``, ``_predict`` and ``decode``.
 

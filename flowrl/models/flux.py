@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, VelocityFn, unwrap
+from .base import Cond, FlowModel, GuidanceEmbedded, LoraSettings, unwrap
 from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_,
                       vae_decode, vae_encode)
 
@@ -58,7 +58,7 @@ FLUX_LORA_TARGETS = [
 _COMPONENTS = ["transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"]
 
 
-class FluxModel(FlowModel):
+class FluxModel(GuidanceEmbedded, FlowModel):
     """FLUX.1 (dev or schnell) behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond keys: ``"prompt_embeds"`` ``[B, max_sequence_length, 4096]`` (T5) and
@@ -140,20 +140,7 @@ class FluxModel(FlowModel):
         return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
                    max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
 
-    # ------------------------------------------------------------------ velocity
-
-    def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
-        """``velocity_fn(x, sigma, cond)`` with ``guidance_scale`` in the guidance embedding (no CFG, so
-        ``detach_uncond`` has nothing to detach)."""
-        scale = self.default_guidance if guidance_scale is None else float(guidance_scale)
-        if scale == self.default_guidance:
-            return self.velocity
-
-        def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
-            sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
-            return self._predict(self.denoiser, x, sigma, cond, guidance=scale).float()
-
-        return velocity
+    # ------------------------------------------------------------------ velocity (GuidanceEmbedded's velocity_fn)
 
     def _predict(self, denoiser: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Cond,
                  guidance: float | None = None) -> torch.Tensor:

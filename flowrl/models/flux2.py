@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, VelocityFn, unwrap
+from .base import Cond, FlowModel, GuidanceEmbedded, LoraSettings, unwrap
 from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_)
 
 __all__ = ["Flux2KleinModel", "Flux2DevModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL", "FLUX2_DEV_DEFAULT_MODEL"]
@@ -193,7 +193,7 @@ class Flux2KleinModel(FlowModel):
         return self
 
 
-class Flux2DevModel(Flux2KleinModel):
+class Flux2DevModel(GuidanceEmbedded, Flux2KleinModel):
     """FLUX.2 [dev] behind :class:`~flowrl.models.base.FlowModel` (see the module docstring): [klein]'s adapter
     with the guidance embedding instead of CFG and Mistral Small 3.1 as the text encoder.
 
@@ -243,18 +243,6 @@ class Flux2DevModel(Flux2KleinModel):
         return cls(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
                    max_sequence_length=max_sequence_length, guidance_scale=guidance_scale)
 
-    def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
-        """``velocity_fn(x, sigma, cond)`` with ``guidance_scale`` in the guidance embedding (no CFG, so
-        ``detach_uncond`` has nothing to detach)."""
-        scale = self.default_guidance if guidance_scale is None else float(guidance_scale)
-        if scale == self.default_guidance:
-            return self.velocity
-
-        def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
-            sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
-            return self._predict(self.denoiser, x, sigma, cond, guidance=scale).float()
-
-        return velocity
 
     def _guidance(self, batch: int, device: torch.device, guidance: float | None) -> torch.Tensor:
         value = self.default_guidance if guidance is None else guidance
