@@ -408,11 +408,31 @@ def handle_score(state: DemoState, files, prompt, reward_names, resize):
 # ============================================================================ layout
 
 
-def _upload_only_file():
+def _refusing_urls():
+    """A mixin for Gradio upload components: file data naming an ``http(s)`` URL is refused, never fetched."""
     import gradio as gr
     from gradio_client.utils import is_http_url_like
 
-    class UploadOnlyFile(gr.File):
+    def refuse(url_or_file_path) -> None:
+        if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
+            raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
+
+    class RefusingURLs:
+        async def async_move_resource_to_block_cache(self, url_or_file_path):
+            refuse(url_or_file_path)
+            return await super().async_move_resource_to_block_cache(url_or_file_path)
+
+        def move_resource_to_block_cache(self, url_or_file_path):
+            refuse(url_or_file_path)
+            return super().move_resource_to_block_cache(url_or_file_path)
+
+    return RefusingURLs
+
+
+def _upload_only_file():
+    import gradio as gr
+
+    class UploadOnlyFile(_refusing_urls(), gr.File):
         """``gr.File`` that takes uploads only. Gradio downloads file data that names an ``http(s)`` URL (an
         API client can send ``{"path": "https://...", "meta": {"_type": "gradio.FileData"}}``) from the
         server before any handler runs; this component refuses it instead, so the demo never fetches a URL
@@ -421,24 +441,13 @@ def _upload_only_file():
         def get_block_name(self) -> str:
             return "file"  # the browser draws gr.File's own widget (a subclass's name has no frontend)
 
-        async def async_move_resource_to_block_cache(self, url_or_file_path):
-            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
-                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
-            return await super().async_move_resource_to_block_cache(url_or_file_path)
-
-        def move_resource_to_block_cache(self, url_or_file_path):
-            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
-                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
-            return super().move_resource_to_block_cache(url_or_file_path)
-
     return UploadOnlyFile
 
 
 def _upload_only_image():
     import gradio as gr
-    from gradio_client.utils import is_http_url_like
 
-    class UploadOnlyImage(gr.Image):
+    class UploadOnlyImage(_refusing_urls(), gr.Image):
         """``gr.Image`` (an upload box with a preview) that takes uploaded files only and leaves their decoding to
         the demo. Like :class:`UploadOnlyFile` it refuses file data naming a URL; and where ``gr.Image`` would open
         the upload with ``PIL.Image.open`` (every format PIL knows) before the handler runs, this one hands the
@@ -455,16 +464,6 @@ def _upload_only_image():
             if (payload.url or "").startswith("data:") or payload.path is None:
                 raise gr.Error("upload the source image as a file (PNG, JPEG or WebP)", print_exception=False)
             return str(payload.path)
-
-        async def async_move_resource_to_block_cache(self, url_or_file_path):
-            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
-                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
-            return await super().async_move_resource_to_block_cache(url_or_file_path)
-
-        def move_resource_to_block_cache(self, url_or_file_path):
-            if url_or_file_path is not None and is_http_url_like(str(url_or_file_path)):
-                raise gr.Error("the demo does not fetch URLs: upload the image file itself", print_exception=False)
-            return super().move_resource_to_block_cache(url_or_file_path)
 
     return UploadOnlyImage
 
