@@ -52,6 +52,13 @@ _WAN_14B = {**_WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layer
 _FLUX2_DEV = {"patch_size": 1, "in_channels": 128, "num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128,
               "num_attention_heads": 48, "joint_attention_dim": 15360, "timestep_guidance_channels": 256,
               "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True}
+# black-forest-labs/FLUX.2-klein-4B's and -9B's transformer/config.json (the base and the distilled checkpoints share
+# them): the [dev] blocks at 24 / 32 heads x 128, 5 + 20 / 8 + 24 blocks, three Qwen3 hidden states (3 x 2560 /
+# 3 x 4096) in, no guidance embedding (the base samples with CFG, the distilled without).
+_FLUX2_KLEIN_4B = {**_FLUX2_DEV, "num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
+                   "joint_attention_dim": 7680, "guidance_embeds": False, "rope_theta": 2000}
+_FLUX2_KLEIN_9B = {**_FLUX2_KLEIN_4B, "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32,
+                   "joint_attention_dim": 12288}
 
 #: Published transformer configs of the models flowrl's configs name (diffusers ``config.json`` fields).
 KNOWN_MODELS: dict[str, tuple[str, dict]] = {
@@ -71,6 +78,10 @@ KNOWN_MODELS: dict[str, tuple[str, dict]] = {
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("wan", _WAN_14B),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("wan", _WAN_14B),
     "black-forest-labs/FLUX.2-dev": ("flux2", _FLUX2_DEV),
+    "black-forest-labs/FLUX.2-klein-4B": ("flux2_klein", _FLUX2_KLEIN_4B),
+    "black-forest-labs/FLUX.2-klein-base-4B": ("flux2_klein", _FLUX2_KLEIN_4B),
+    "black-forest-labs/FLUX.2-klein-9B": ("flux2_klein", _FLUX2_KLEIN_9B),
+    "black-forest-labs/FLUX.2-klein-base-9B": ("flux2_klein", _FLUX2_KLEIN_9B),
 }
 
 #: Models with a second expert of the same architecture (Wan 2.2 A14B's ``transformer_2``).
@@ -82,9 +93,12 @@ _UMT5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, 
 _WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
             "temperal_downsample": [False, True, True]}
 
-# Z-Image's text encoder (Qwen3-4B, text_encoder/config.json).
+# Z-Image's and FLUX.2-klein-4B's text encoder (Qwen3-4B, text_encoder/config.json; input and output embeddings
+# tied) and FLUX.2-klein-9B's (Qwen3-8B, untied).
 _QWEN3_4B = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True}
+_QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
 
 # Qwen-Image's text encoder (Qwen2.5-VL-7B-Instruct, text_encoder/config.json) and VAE (vae/config.json).
 _QWEN25_VL_7B = {"text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -178,7 +192,7 @@ def _configs(cfg) -> tuple[str, dict | None, dict[str, dict], str]:
     return cfg.name, None, {}, ""
 
 
-def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
+def _text_and_vae(kind: str, found: dict[str, dict], transformer_cfg: dict) -> dict[str, nn.Module]:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
@@ -212,6 +226,17 @@ def _text_and_vae(kind: str, found: dict[str, dict]) -> dict[str, nn.Module]:
         text = {k: v for k, v in (found.get("text_encoder") or {}).items() if not k.startswith("_")}
         return {"vae": AutoencoderKLFlux2.from_config(vae),
                 "text_encoder (Mistral Small 3.1)": Mistral3ForConditionalGeneration(Mistral3Config(**text))}
+    if kind == "flux2_klein":  # Qwen3ForCausalLM (4B for the 4B models, 8B for the 9B ones) and FLUX.2's VAE
+        from diffusers import AutoencoderKLFlux2
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        vae = {k: v for k, v in (found.get("vae") or {}).items() if not k.startswith("_")}
+        # the transformer reads three of the text encoder's hidden states side by side
+        default = _QWEN3_8B if transformer_cfg.get("joint_attention_dim") == 3 * _QWEN3_8B["hidden_size"] else _QWEN3_4B
+        text = found.get("text_encoder") or default
+        text = {k: v for k, v in text.items() if not k.startswith("_")}
+        return {"vae": AutoencoderKLFlux2.from_config(vae),
+                "text_encoder (Qwen3)": Qwen3ForCausalLM(Qwen3Config(**text))}
     vae_config = {k: v for k, v in (found.get("vae") or SD3_VAE).items() if not k.startswith("_")}
     parts = {"vae": AutoencoderKL.from_config(vae_config)}
     if kind == "z_image":
@@ -244,13 +269,14 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
                "qwen_image": "QwenImageTransformer2DModel", "z_image": "ZImageTransformer2DModel",
                "wan": "WanTransformer3DModel", "flux2": "Flux2Transformer2DModel",
+               "flux2_klein": "Flux2Transformer2DModel",
                "qwen_image_edit": "QwenImageTransformer2DModel", "flux_kontext": "FluxTransformer2DModel"}
-    if kind not in classes:  # a family without a published architecture here (e.g. flux2_klein)
+    if kind not in classes:  # a family without a published architecture here
         return None
     with torch.device("meta"):
         cls = getattr(diffusers, classes[kind])
         denoiser = cls.from_config(transformer_cfg)
-        parts = _text_and_vae(kind, found)
+        parts = _text_and_vae(kind, found, transformer_cfg)
         second = found.get("transformer_2") if kind == "wan" else None  # Wan 2.2: the low-noise expert
         if second:
             parts = {"transformer_2": cls.from_config({k: v for k, v in second.items() if not k.startswith("_")}),

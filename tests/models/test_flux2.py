@@ -118,3 +118,25 @@ def test_lora_targets_and_reference(tiny_klein):
     assert (model.velocity(x, sigma, cond) - base).abs().max() > 1e-4
     with model.reference():
         torch.testing.assert_close(model.velocity(x, sigma, cond), base, rtol=0, atol=0)
+
+
+def test_footprint_of_the_published_klein_architectures():
+    """FLUX.2 [klein]'s published transformers on the meta device: 4B (about 3.9B parameters, Qwen3-4B's 4.0B text
+    encoder) and 9B (about 9.1B, Qwen3-8B's 8.2B); the base checkpoints share the distilled ones' architectures, and
+    the token count is the 1/16 latent grid plus the text."""
+    from flowrl.config import from_dict
+    from flowrl.models.config import ModelConfig
+    from flowrl.models.footprint import footprint
+
+    def of(path, **extra):
+        return footprint(from_dict(ModelConfig, {"name": "flux2_klein", "path": path, **extra}))
+
+    small = of("black-forest-labs/FLUX.2-klein-base-4B", resolution=512, max_sequence_length=512)
+    assert small.source == "published config" and set(small.params) == {"transformer", "vae", "text_encoder (Qwen3)"}
+    assert 3.7e9 < small.params["transformer"] < 4.1e9 and 3.9e9 < small.params["text_encoder (Qwen3)"] < 4.1e9
+    assert small.trainable == small.params["transformer"]  # full fine-tuning
+    assert small.layers == 5 + 20 and small.hidden == 24 * 128 and small.tokens == (512 // 16) ** 2 + 512
+    assert of("black-forest-labs/FLUX.2-klein-4B").params == of("black-forest-labs/FLUX.2-klein-base-4B").params
+    big = of("black-forest-labs/FLUX.2-klein-9B", lora={"rank": 64, "alpha": 128})
+    assert 8.8e9 < big.params["transformer"] < 9.4e9 and 8.0e9 < big.params["text_encoder (Qwen3)"] < 8.4e9
+    assert big.layers == 8 + 24 and big.hidden == 32 * 128 and 0 < big.trainable < big.params["transformer"] / 20
