@@ -9,13 +9,14 @@ counts its budget on the reference clock, which probes the CPU's speed every 5 C
 CPU time by it: budgets are in *reference CPU-minutes*, the same training on any CPU and any load.
 ``FLOWRL_BENCH_CLOCK_SCALE=S`` instead counts plain CPU time times ``S`` (no probes; 1 = as measured).
 
-``flowrl.calibration.PROBE_REFERENCE_SECONDS``, the probe's time on the reference machine, was derived, not
+``flowrl.calibration.PROBE_REFERENCE_SECONDS`` (the bf16 probe) and ``PROBE_REFERENCE_SECONDS_FLOAT32`` (the
+float32 probe, used on CPUs without bf16 hardware), the probe's time on the reference machine, were derived, not
 measured there (that machine was gone): ``--derive RECORD`` reruns a committed record's command here for
 epochs 2-16 on the reference clock and scales the constant by the ratio of the record's CPU seconds to the
 reference seconds counted here (the same prompts and images on both machines).
 
     python benchmarks/calibrate.py                 # this CPU's speed now, against the reference machine
-    python benchmarks/calibrate.py --derive RECORD # PROBE_REFERENCE_SECONDS from a reference record
+    python benchmarks/calibrate.py --derive RECORD # the probe's reference seconds from a reference record
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ def budget_clock() -> tuple[str, ...]:
 def speed_now(probes: int = 30) -> dict:
     """``probes`` probe times in a row here, and the reference clock's rate at their median (reference seconds
     per CPU-second: above 1 on a CPU faster than the reference machine's)."""
-    from flowrl.calibration import PROBE_REFERENCE_SECONDS, probe_seconds
+    from flowrl import calibration
 
-    times = [probe_seconds() for _ in range(probes)]
+    times = [calibration.probe_seconds() for _ in range(probes)]
     median = statistics.median(times)
-    return {"probe_s": {"min": min(times), "median": median, "max": max(times)},
-            "probe_reference_s": PROBE_REFERENCE_SECONDS, "rate_at_median": PROBE_REFERENCE_SECONDS / median}
+    reference = calibration.reference_seconds()
+    return {"probe_precision": calibration.probe_precision(), "probe_s": {"min": min(times), "median": median,
+            "max": max(times)}, "probe_reference_s": reference, "rate_at_median": reference / median}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -69,12 +71,19 @@ def epoch_cpu_seconds(rows: list[dict]) -> dict[int, float]:
 
 
 def derive(record: Path, epochs: range = range(2, 17)) -> dict:
-    """``PROBE_REFERENCE_SECONDS`` from a reference record: rerun its command here for the same epochs on the
-    reference clock and scale the constant by the ratio of the record's CPU seconds to the seconds counted here."""
+    """The probe's reference seconds from a reference record: rerun its command here for the same epochs on the
+    reference clock and scale the constant by the ratio of the record's CPU seconds to the seconds counted here.
+
+    On a CPU without bfloat16 hardware the record's bf16 settings run in float32 (bf16 is refused there), and the
+    constant derived is the float32 probe's (``PROBE_REFERENCE_SECONDS_FLOAT32``): a float32 epoch here then
+    counts what the record's bf16 epoch counted."""
     import subprocess
     import tempfile
 
-    from flowrl.calibration import PROBE_REFERENCE_SECONDS
+    from flowrl.calibration import probe_precision, reference_seconds
+
+    precision = probe_precision()
+    used = reference_seconds(precision)
 
     done = json.loads((record / "benchmark_done.json").read_text())
     reference = epoch_cpu_seconds(read_jsonl(record / "metrics.jsonl.gz"))
@@ -82,6 +91,8 @@ def derive(record: Path, epochs: range = range(2, 17)) -> dict:
         command = [a for a in done["command"] if not a.startswith(("run.output_dir=", "run.max_minutes=",
                                                                    "run.max_epochs=", "run.clock_scale=",
                                                                    "run.clock="))]
+        if precision == "float32":
+            command = [a.replace("=bfloat16", "=float32") if a.endswith("precision=bfloat16") else a for a in command]
         config = next(i for i, a in enumerate(command) if a.endswith(".yaml"))  # its path in that checkout
         command[config] = str(ROOT / "configs" / Path(command[config]).relative_to(Path(command[config]).parents[1]))
         command += [f"run.output_dir={tmp}/run", f"run.max_epochs={max(epochs)}", "eval.every_minutes=null",
@@ -95,14 +106,14 @@ def derive(record: Path, epochs: range = range(2, 17)) -> dict:
     rates = [r["time/clock_rate"] for r in rows if "time/clock_rate" in r]
     return {"record": str(record), "epochs": list(epochs), "reference_epoch_s": [reference[e] for e in epochs],
             "here_reference_epoch_s": [here[e] for e in epochs], "clock_rate_min_max": [min(rates), max(rates)],
-            "ratio": ratio, "probe_reference_s_used": PROBE_REFERENCE_SECONDS,
-            "probe_reference_s": PROBE_REFERENCE_SECONDS * ratio}
+            "ratio": ratio, "probe_precision": precision, "probe_reference_s_used": used,
+            "probe_reference_s": used * ratio}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="benchmarks/calibrate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--derive", metavar="RECORD", help="derive PROBE_REFERENCE_SECONDS from a reference run's record")
+    p.add_argument("--derive", metavar="RECORD", help="derive the probe's reference seconds (of this CPU's probe precision) from a reference run's record")
     args = p.parse_args(argv)
     if args.derive:
         print(json.dumps(derive(Path(args.derive)), indent=2))

@@ -21,20 +21,40 @@ import time
 
 import torch
 
-__all__ = ["PROBE_REFERENCE_SECONDS", "Probe", "probe_seconds"]
+__all__ = ["PROBE_REFERENCE_SECONDS", "PROBE_REFERENCE_SECONDS_FLOAT32", "Probe", "probe_precision",
+           "reference_seconds", "probe_seconds"]
 
 # The probe's CPU seconds on the reference machine, at one thread. Derived 2026-12-03 from the Flow-GRPO and
 # AWM records (benchmarks/results/clock_check.json); see the module docstring.
 PROBE_REFERENCE_SECONDS = 0.30
+# The float32 probe's reference seconds, for CPUs without bfloat16 hardware, where the benchmarks sample in float32
+# (bf16 autocast is emulated there, ~30x slower). Derived like the bf16 constant, by rerunning the records' epochs
+# in float32 on such a CPU: a budget then buys the epochs the records' bf16 runs fit (clock_check.json).
+PROBE_REFERENCE_SECONDS_FLOAT32 = 0.30
 PROBE_BATCH = 2
+
+
+def probe_precision() -> str:
+    """The probe's precision here: ``bfloat16`` (the records' sampling precision) on a CPU with bf16 hardware,
+    else ``float32`` (what runs here use; a bf16 probe would time the emulation)."""
+    from flowrl.runtime import native_bfloat16
+
+    return "bfloat16" if native_bfloat16() else "float32"
+
+
+def reference_seconds(precision: str | None = None) -> float:
+    """The reference machine's seconds for the probe of ``precision`` (default: :func:`probe_precision`)."""
+    precision = precision or probe_precision()
+    return PROBE_REFERENCE_SECONDS if precision == "bfloat16" else PROBE_REFERENCE_SECONDS_FLOAT32
 
 
 class Probe:
     """The shapes UNet (random weights, seed 0) and a batch of ``batch`` noisy latents, built once; calling it
-    returns the CPU seconds of one workload: two bfloat16 forward passes without gradient (as in sampling) and one
-    forward + backward (as in training), at one thread."""
+    returns the CPU seconds of one workload: two forward passes without gradient (as in sampling) and one
+    forward + backward (as in training), at one thread, under bfloat16 autocast or in float32 (``precision``)."""
 
-    def __init__(self, batch: int = PROBE_BATCH):
+    def __init__(self, batch: int = PROBE_BATCH, precision: str = "bfloat16"):
+        self.precision = precision
         from flowrl.models.config import ModelConfig, build_model
 
         with torch.random.fork_rng(devices=[]):  # leave the run's random stream untouched
@@ -47,7 +67,7 @@ class Probe:
         self()  # warm-up: allocations, oneDNN kernel selection
 
     def _step(self) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bfloat16"):
             with torch.no_grad():
                 self.velocity(self.x, self.sigma, self.cond)
                 self.velocity(self.x, self.sigma, self.cond)
@@ -72,8 +92,9 @@ _probe: Probe | None = None
 
 
 def probe_seconds() -> float:
-    """CPU seconds of one probe workload now (the model is built on the first call, once per process)."""
+    """CPU seconds of one probe workload now, in :func:`probe_precision` (the model is built on the first call,
+    once per process)."""
     global _probe
     if _probe is None:
-        _probe = Probe()
+        _probe = Probe(precision=probe_precision())
     return _probe()

@@ -354,6 +354,22 @@ def _offline() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _cpu_precision(data: dict, notes: list[str]) -> None:
+    """A tiny epoch on a CPU without bfloat16 hardware runs in float32: bf16 autocast is refused there (emulated,
+    ~30x slower; :func:`flowrl.runtime.check_bfloat16`), and the real run keeps the config's precision."""
+    import torch
+
+    from flowrl.runtime import native_bfloat16
+
+    if torch.cuda.is_available() or native_bfloat16():
+        return
+    for section in ("sampling", "eval"):
+        if isinstance(data.get(section), dict) and data[section].get("precision") == "bfloat16":
+            data[section]["precision"] = "float32"
+            notes.append(f"{section}.precision: float32 for the tiny epoch (this CPU has no bfloat16 hardware); the "
+                         "real run keeps bfloat16")
+
+
 def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResult:
     from flowrl.config import from_dict, to_dict
     from flowrl.errors import user_errors
@@ -383,6 +399,7 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
             notes.append(f"log.backends {data['log']['backends']} off (metrics.jsonl and plots only)")
             data["log"]["backends"] = []
         _tiny_model(data, workdir, notes)
+        _cpu_precision(data, notes)
         probe = _prompts(data, workdir, notes, needs)
         _rewards(data, probe, notes, needs)
         hook = getattr(importlib.import_module(recipe.main.__module__), "dry_run_overrides", None)
