@@ -29,8 +29,9 @@ __all__ = ["PROBE_REFERENCE_SECONDS", "PROBE_REFERENCE_SECONDS_FLOAT32", "Probe"
 PROBE_REFERENCE_SECONDS = 0.30
 # The float32 probe's reference seconds, for CPUs without bfloat16 hardware, where the benchmarks sample in float32
 # (bf16 autocast is emulated there, ~30x slower). Derived like the bf16 constant, by rerunning the records' epochs
-# in float32 on such a CPU: a budget then buys the epochs the records' bf16 runs fit (clock_check.json).
-PROBE_REFERENCE_SECONDS_FLOAT32 = 0.30
+# in float32 on such a CPU (2026-12-04, a 2-core AVX2 AMD EPYC: Flow-GRPO 0.170, AWM 0.169; clock_check.json): a
+# budget then buys the epochs the records' bf16 runs fit.
+PROBE_REFERENCE_SECONDS_FLOAT32 = 0.17
 PROBE_BATCH = 2
 
 
