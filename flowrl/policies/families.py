@@ -6,9 +6,10 @@ and :mod:`flowrl.policies.policy`. A family is chosen from the model's ``config.
 Markup per family (the text between turns; the processor expands the image placeholder into the image
 tokens of each image, so their number always equals the number of image features):
 
-- ``qwen2_vl`` / ``qwen2_5_vl``: ChatML (``<|im_start|>user\\n ... <|im_end|>\\n``), images as
+- ``qwen2_vl`` / ``qwen2_5_vl`` / ``qwen3_vl``: ChatML (``<|im_start|>user\\n ... <|im_end|>\\n``), images as
   ``<|vision_start|><|image_pad|><|vision_end|>``, tool results inside ``<tool_response>`` in a user turn
-  (as Qwen2.5's chat template renders the ``tool`` role).
+  (as Qwen2.5's chat template renders the ``tool`` role). Qwen3-VL's processor returns the same keys
+  (``mm_token_type_ids`` per token; ``pixel_values`` as flat patches and ``image_grid_thw`` per image).
 - ``idefics3`` / ``smolvlm``: ``User:... <end_of_utterance>\\nAssistant:``, images as ``<image>``.
 - ``causal_lm`` (any ``AutoModelForCausalLM``): ChatML when the tokenizer knows ``<|im_start|>``, else the
   plain ``User:`` / ``Assistant:`` form; no images.
@@ -100,6 +101,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family("qwen2_5_vl", ("qwen2_5_vl",), image_marker="<|vision_start|><|image_pad|><|vision_end|>",
                          token_keys=("input_ids", "attention_mask", "mm_token_type_ids"),
                          image_keys=("pixel_values", "image_grid_thw"), **_CHATML),
+    "qwen3_vl": Family("qwen3_vl", ("qwen3_vl",), image_marker="<|vision_start|><|image_pad|><|vision_end|>",
+                       token_keys=("input_ids", "attention_mask", "mm_token_type_ids"),
+                       image_keys=("pixel_values", "image_grid_thw"), **_CHATML),
     "idefics3": Family("idefics3", ("idefics3",), image_marker="<image>",
                        image_keys=("pixel_values", "pixel_attention_mask"), padded_images=True, **_IDEFICS),
     "smolvlm": Family("smolvlm", ("smolvlm",), image_marker="<image>",

@@ -5,6 +5,9 @@ word-level tokenizer built locally with ``tokenizers`` (nothing is downloaded). 
 - :func:`tiny_qwen2_vl` / :func:`tiny_qwen2_5_vl`: ``Qwen2VLForConditionalGeneration`` /
   ``Qwen2_5_VLForConditionalGeneration`` with ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` (16 px images:
   patch 4, merge 2, 4 image tokens per image);
+- :func:`tiny_qwen3_vl`: ``Qwen3VLForConditionalGeneration`` with ``Qwen3VLProcessor`` (the same 16 px images
+  and 4 image tokens; a 2-layer vision tower with a 4 x 4 grid of learned position embeddings and DeepStack
+  from its first layer; interleaved M-RoPE in a Qwen3 text model);
 - :func:`tiny_idefics3` / :func:`tiny_smolvlm`: ``Idefics3ForConditionalGeneration`` /
   ``SmolVLMForConditionalGeneration`` with their processors (32 px images, patch 8, pixel shuffle 2: 4 image
   tokens per image, no image splitting);
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_idefics3", "tiny_smolvlm", "tiny_causal_lm", "TINY_BUILDERS",
+__all__ = ["tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_idefics3", "tiny_smolvlm", "tiny_causal_lm", "TINY_BUILDERS",
            "word_tokenizer"]
 
 _WORDS = ("system user assistant tool what colour is the circle square triangle red blue green yes no how many "
@@ -94,6 +97,35 @@ def tiny_qwen2_5_vl(folder: str | Path, seed: int = 0) -> str:
     return _qwen(folder, seed, v25=True)
 
 
+def tiny_qwen3_vl(folder: str | Path, seed: int = 0) -> str:
+    from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tok = word_tokenizer(_QWEN_SPECIAL, _TAGS, eos="<|im_end|>", pad="<|endoftext|>",
+                         extra={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    kw = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=256, max_pixels=256, **kw),
+                                 tokenizer=tok, video_processor=Qwen3VLVideoProcessor(**kw))
+    # Head dim 16 (rotary half 8): the interleaved layout gives H the frequencies 1, 4, 7, ... and W 2, 5, ...
+    # up to 3 * section, so [4, 2, 2] is Qwen3-VL's [24, 20, 20] scaled down with every index in range.
+    text = _qwen_text(tok, head_dim=16)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                               "mrope_interleaved": True}
+    # 16 px / patch 4 = a 4 x 4 patch grid, so 16 learned position embeddings are used as they are (no
+    # interpolation); DeepStack adds the first vision layer's merged features to the first text layer.
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision,
+                           image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                           video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+                           vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+                           vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return str(folder)
+
+
 def _idefics(folder: str | Path, seed: int, smol: bool) -> str:
     special = ["<|endoftext|>", "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
     special += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
@@ -147,5 +179,5 @@ def tiny_causal_lm(folder: str | Path, seed: int = 0) -> str:
     return str(folder)
 
 
-TINY_BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl, "idefics3": tiny_idefics3,
-                 "smolvlm": tiny_smolvlm, "causal_lm": tiny_causal_lm}
+TINY_BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,
+                 "idefics3": tiny_idefics3, "smolvlm": tiny_smolvlm, "causal_lm": tiny_causal_lm}

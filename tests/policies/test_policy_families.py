@@ -1,5 +1,5 @@
-"""The token-policy adapter on tiny random models of every supported family (Qwen2-VL, Qwen2.5-VL, Idefics3,
-SmolVLM, a text-only causal LM), loaded offline through the real loading code."""
+"""The token-policy adapter on tiny random models of every supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Idefics3, SmolVLM, a text-only causal LM), loaded offline through the real loading code."""
 
 from __future__ import annotations
 
@@ -60,6 +60,14 @@ def _play(policy, conversations, turns: int = 2):
             nxt.append(conv)
         conversations = nxt
     return conversations, [torch.cat(lp) for lp in logps]
+
+
+def test_the_family_comes_from_the_config_model_type(policy):
+    from flowrl.policies.families import FAMILIES as REGISTRY
+
+    model_type = policy.base_model.config.model_type  # the tiny causal LM is a Qwen2ForCausalLM ("qwen2")
+    assert policy.family.name == (model_type if model_type in REGISTRY else "causal_lm")
+    assert policy.family.vision == (policy.family.name != "causal_lm")
 
 
 def test_image_tokens_equal_image_features(policy):
