@@ -484,7 +484,7 @@ class TokenPolicy:
 
 
 # Families whose generate() continues from a copied prompt cache exactly (tests/policies: shared == unshared).
-_SHARED_PREFILL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "causal_lm")
+_SHARED_PREFILL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "causal_lm")
 # Inputs with one entry per token (cut with the prompt's last token); the others (images) are per image.
 _PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 _CACHE_KWARG = "cache"  # transformers 5.x names generate()'s cache `cache` (past_key_values is deprecated)

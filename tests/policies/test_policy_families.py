@@ -261,7 +261,7 @@ def test_shared_prompts_give_the_unshared_tokens_and_logprobs(policy):
         assert a.token_ids == b.token_ids and a.finish == b.finish
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)  # float32 rounding of other shapes
     assert len({tuple(g.token_ids) for g in plain}) > 3  # rows of one question sample differently
-    if policy.family.name in ("qwen2_vl", "qwen2_5_vl", "causal_lm"):
+    if policy.family.name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "causal_lm"):
         prompt_len = batch_rows[0][1]
         assert batch_rows[0][0] == 3 and prompt_len > 4  # the prompt ran once per distinct question
         assert all(n == 12 and t == 1 for n, t in batch_rows[1:])  # then one token at a time for every row
