@@ -17,8 +17,9 @@ answer from the overview, or zoom with probability ``data.zoom_tool_fraction``. 
 format; *when* the tool pays is left to RL (``configs/vlm/shapes_zoom_gigpo.yaml``). A short stage on zoom
 demonstrations from a base's weights is ``configs/vlm/shapes_zoom_sft.yaml``.
 
-The model is built in code from ``model`` (a ``Qwen2VLForConditionalGeneration``, see
-``flowrl/policies/shapes_vlm.py``), or continued from ``init_from``. Evaluation (greedy, held-out split)
+The model is built in code from ``model`` (a ``Qwen2VLForConditionalGeneration``, or with
+``model.family: qwen3_vl`` a ``Qwen3VLForConditionalGeneration``; see ``flowrl/policies/shapes_vlm.py``), or
+continued from ``init_from``. Evaluation (greedy, held-out split)
 logs ``eval/vqa/accuracy``, one ``eval/vqa/<kind>`` per question kind and
 ``eval/vqa/top_answer_share/<kind>`` (1: the kind is answered by a constant); the answers per kind are
 appended to ``output_dir/eval_answers.jsonl``. The run stops at

@@ -86,3 +86,23 @@ def test_mrope_sections_must_fill_half_the_head():
     model, _ = build_model(cfg.model)
     assert model.config.text_config.rope_parameters["mrope_section"] == [2, 7, 7]
     assert model.config.text_config.rope_parameters["rope_theta"] == cfg.model.rope_theta
+
+
+def test_the_model_family_is_a_checked_choice():
+    import pytest
+
+    from flowrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.family: got 'qwen4_vl'; expected one of 'qwen2_vl', 'qwen3_vl'"):
+        load_recipe_config(CONFIG, ["model.family=qwen4_vl"])
+    # Sections that Qwen2-VL takes but Qwen3-VL's interleaved layout cannot hold (width 6 needs index 17 of 16).
+    load_recipe_config(CONFIG, ["model.mrope_section=[4, 6, 6]"])
+    with pytest.raises(ConfigError, match=r"model.mrope_section: \[4, 6, 6\]: qwen3_vl interleaves .* height can be at "
+                                          "most 5 and width at most 5"):
+        load_recipe_config(CONFIG, ["model.family=qwen3_vl", "model.mrope_section=[4, 6, 6]"])
+    _, cfg = load_recipe_config(CONFIG, ["model.family=qwen3_vl"])
+    from flowrl.policies.shapes_vlm import build_model
+
+    model, processor = build_model(cfg.model)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and type(processor).__name__ == "Qwen3VLProcessor"
+    assert model.config.text_config.rope_parameters["rope_theta"] == cfg.model.rope_theta
