@@ -329,16 +329,9 @@ def describe_objects(scene: Scene) -> str:
     The dense perception target of supervised training (several supervised tokens per image where a
     question has one): it names each object's colour and shape and, through the order, where it is.
     """
-    k = scene.resolution / RESOLUTION
-    band = MAX_SIZE * k / 2
-    rows: list[list[SceneObject]] = []
-    for obj in sorted(scene.objects, key=lambda o: (o.cy, o.cx)):
-        if rows and obj.cy - rows[-1][0].cy <= band:
-            rows[-1].append(obj)
-        else:
-            rows.append([obj])
-    ordered = [o for row in rows for o in sorted(row, key=lambda o: o.cx)]
-    return " , ".join(f"{o.color} {o.shape}" for o in ordered)
+    from flowrl.data.vqa_reasoning import reading_order
+
+    return " , ".join(f"{o.color} {o.shape}" for o in reading_order(scene))
 
 
 SCENE_QUESTION_KINDS = ("exists", "position", "count")

@@ -33,8 +33,7 @@ from .base import Observation, StepResult, Task
 from .tools import ToolCallError, ToolSpec, extract_answer, has_tool_call, parse_tool_calls
 
 __all__ = ["ZoomEnv", "OverviewEnv", "CropEnv", "zoom_tasks", "zoom_eval_tasks", "QUADRANTS", "ZOOM_KINDS", "ZOOM_TOOL",
-           "zoom_prompt",
-           "demonstration", "TOOL_PENALTY"]
+           "zoom_prompt", "local_scene", "demonstration", "TOOL_PENALTY"]
 
 QUADRANTS = ("top_left", "top_right", "bottom_left", "bottom_right")
 ZOOM_KINDS = ("count", "color")
@@ -69,7 +68,8 @@ def _task(kind: str, split: str, seed: int) -> Task:
     else:
         raise ValueError(f"unknown zoom task kind {kind!r}; valid: {', '.join(ZOOM_KINDS)}")
     scene = _offset(local, quadrant)
-    return Task(question, answer, kind, data={"scene": scene, "quadrant": quadrant, "seed": seed},
+    spec = spec if kind == "count" else QuestionSpec("color", shape=shape)
+    return Task(question, answer, kind, data={"scene": scene, "quadrant": quadrant, "seed": seed, "spec": spec},
                 group=(question, seed))
 
 
@@ -169,14 +169,32 @@ class CropEnv(OverviewEnv):
         return Observation(text=task.question, images=[crop(task, task.data["quadrant"])], anchor=("start",))
 
 
-def demonstration(task: Task, use_tool: bool) -> list:
+def local_scene(task: Task, quadrant: str) -> Scene:
+    """The objects of ``quadrant`` as a 32 px scene: what :func:`crop` shows."""
+    qx, qy = QUADRANTS.index(quadrant) % 2, QUADRANTS.index(quadrant) // 2
+    inside = [o for o in task.data["scene"].objects if 32 * qx <= o.cx < 32 * qx + 32 and 32 * qy <= o.cy < 32 * qy + 32]
+    return Scene(tuple(SceneObject(o.shape, o.color, o.cx - 32 * qx, o.cy - 32 * qy, o.size) for o in inside), 32)
+
+
+def demonstration(task: Task, use_tool: bool, reasoning: bool = False) -> list:
     """A supervised conversation for ``task``: answer from the overview, or zoom into the quadrant that holds
-    the objects first. Used to teach the tool's format before RL decides when it pays."""
+    the objects first. Used to teach the tool's format before RL decides when it pays.
+
+    With ``reasoning`` the answer is a reasoning turn (:mod:`flowrl.data.vqa_reasoning`) over what the last image
+    shows: the crop after a zoom, else the overview (the whole scene, its cells at the overview's resolution)."""
+    from types import SimpleNamespace
+
+    from flowrl.data.vqa_reasoning import reasoning_answer
     from flowrl.policies.inputs import Turn
 
     turns = [Turn("user", zoom_prompt(task.question), [overview(task)])]
+    seen = task.data["scene"]
     if use_tool:
         q = task.data["quadrant"]
         turns += [Turn("assistant", f"<tool_call> zoom ( {q} ) </tool_call>"), Turn("tool", "", [crop(task, q)])]
-    turns.append(Turn("assistant", task.answer))
+        seen = local_scene(task, q)
+    answer = task.answer
+    if reasoning:
+        answer = reasoning_answer(SimpleNamespace(scene=seen, spec=task.data["spec"], answer=task.answer))
+    turns.append(Turn("assistant", answer))
     return turns

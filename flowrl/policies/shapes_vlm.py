@@ -44,10 +44,12 @@ TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<
 
 def _vocab_words() -> list[str]:
     from flowrl.data.vqa import answer_vocabulary, question_words
+    from flowrl.data.vqa_reasoning import reasoning_words
     from flowrl.envs.zoom import QUADRANTS
 
     words = ["system", "user", "assistant", "tool", ":", "|", "(", ")", ",", "=", ";", ".", "?", "{", "}", '"']
     words += question_words() + answer_vocabulary() + ["zoom", "quadrant", *QUADRANTS]
+    words += reasoning_words()  # object tokens, cell digits and step marks of the reasoning traces
     # Words of the error turns of malformed tool calls (flowrl/envs/tools.py).
     words += ("error empty the tool call is not valid json a needs name arguments must be mapping write as "
               "too many use unknown argument missing bad close with tools").split()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -53,6 +53,10 @@ class DataConfig:
     # Further train-only question turns about the same scene, one per kind listed (exists, position, count;
     # flowrl.data.vqa.scene_questions), after the question and before the description.
     scene_questions: list[str] = field(default_factory=list)
+    # direct: the answer alone ("2"). reasoning: "<think> TRACE </think> <answer> 2 </answer>", a trace over the
+    # scene that splits every binding into single-attribute steps (flowrl.data.vqa_reasoning); zoom
+    # demonstrations end the same way. Evaluate with eval.max_new_tokens that fits a trace (~60 tokens).
+    answer_format: Literal["direct", "reasoning"] = "direct"
 
 
 @dataclass
@@ -73,6 +77,7 @@ class EvalConfig:
     num_examples: int = field(default=500, metadata=bounds(ge=1))
     num_zoom_examples: int = field(default=100, metadata=bounds(ge=0))
     batch_size: int = field(default=100, metadata=bounds(ge=1))
+    max_new_tokens: int = field(default=16, metadata=bounds(ge=1, le=1024))  # per turn, greedy
 
 
 @dataclass
@@ -92,6 +97,9 @@ class Config:
     def check(self) -> None:
         from flowrl.data.vqa import SCENE_QUESTION_KINDS
 
+        if self.data.answer_format == "reasoning" and (self.data.describe or self.data.scene_questions):
+            fail("data.answer_format", "reasoning answers already describe the scene; set data.describe=false and "
+                 "data.scene_questions=[] (they add direct-answer turns)")
         for kind in self.data.scene_questions:
             if kind not in SCENE_QUESTION_KINDS:
                 fail("data.scene_questions", f"unknown kind {kind!r}; use any of {', '.join(SCENE_QUESTION_KINDS)}")
@@ -110,6 +118,7 @@ class Config:
 def batch_conversations(cfg: Config, step: int) -> list:
     """The training conversations of ``step`` (a pure function of ``(run.seed, step)``)."""
     from flowrl.data.vqa import DESCRIBE_QUESTION, sample_vqa, scene_questions
+    from flowrl.data.vqa_reasoning import reasoning_answer
     from flowrl.envs.zoom import demonstration, zoom_tasks
     from flowrl.policies import Turn
 
@@ -118,9 +127,10 @@ def batch_conversations(cfg: Config, step: int) -> list:
     examples = sample_vqa("train", n - n_zoom, seed=cfg.run.seed, start=step * n)
     kinds = tuple(cfg.data.scene_questions)
     questions_rng = random.Random(f"scene-questions:{cfg.run.seed}:{step}")
+    reasoning = cfg.data.answer_format == "reasoning"
     conversations = []
     for e in examples:
-        turns = [Turn("user", e.question, [e.image()]), Turn("assistant", e.answer)]
+        turns = [Turn("user", e.question, [e.image()]), Turn("assistant", reasoning_answer(e) if reasoning else e.answer)]
         for question, answer in scene_questions(e.scene, kinds, questions_rng) if kinds else ():
             turns += [Turn("user", question), Turn("assistant", answer)]
         if cfg.data.describe:
@@ -130,7 +140,7 @@ def batch_conversations(cfg: Config, step: int) -> list:
         rng = random.Random(cfg.run.seed * 1_000_003 + step)
         for task in zoom_tasks("train", n_zoom, seed=cfg.run.seed, start=step * n):
             use_tool = task.kind == "count" or rng.random() < cfg.data.zoom_tool_fraction
-            conversations.append(demonstration(task, use_tool))
+            conversations.append(demonstration(task, use_tool, reasoning=reasoning))
     return conversations
 
 
@@ -162,10 +172,10 @@ def _evaluate(cfg: Config, policy, epoch: int, output_dir) -> dict[str, float]:
 
     answers: dict = {}
     metrics = evaluate_policy(policy, "shapes_vqa", cfg.eval.num_examples, batch_size=cfg.eval.batch_size,
-                              answers=answers)
+                              answers=answers, max_new_tokens=cfg.eval.max_new_tokens)
     if cfg.eval.num_zoom_examples:
         metrics.update(evaluate_with_baselines(policy, "shapes_zoom", cfg.eval.num_zoom_examples,
-                                               batch_size=cfg.eval.batch_size))
+                                               batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens))
     with open(output_dir / "eval_answers.jsonl", "a") as f:
         f.write(json.dumps({"epoch": epoch, "vqa": answers}) + "\n")
     return metrics

@@ -42,7 +42,7 @@ def test_sft_learns_and_saves_a_loadable_policy(tmp_path):
     shape = answers[-1]["vqa"]["shape"]
     assert abs(max(shape.values()) / sum(shape.values()) - rows[-1]["eval/vqa/top_answer_share/shape"]) < 1e-9
     policy = TokenPolicy.from_pretrained(tmp_path / "model")
-    assert policy.family.name == "qwen2_vl"
+    assert policy.family.name == "qwen3_vl"
 
 
 def test_sft_resumes_exactly(tmp_path):
@@ -59,8 +59,8 @@ def test_batches_hold_a_description_turn_and_count_demonstrations_zoom():
     from flowrl.data.vqa import DESCRIBE_QUESTION
     from flowrl.recipes.vlm_sft import batch_conversations
 
-    _, cfg = load_recipe_config(CONFIG, ["data.batch_size=20", "data.zoom_fraction=0.5"])
-    assert cfg.data.describe and cfg.model.rope_theta < 100
+    _, cfg = load_recipe_config(CONFIG, ["data.batch_size=20", "data.zoom_fraction=0.5", "data.answer_format=direct",
+                                         "data.describe=true"])
     conversations = batch_conversations(cfg, step=3)
     vqa, zoom = conversations[:10], conversations[10:]
     for turns in vqa:  # the question first (the layout of evaluation), then the train-only description
@@ -73,6 +73,30 @@ def test_batches_hold_a_description_turn_and_count_demonstrations_zoom():
     assert {t[0].text.startswith("how many") for t in zoom} == {True, False}
 
 
+def test_the_shipped_recipe_answers_with_a_reasoning_trace():
+    """The shipped config: every question and every zoom demonstration ends in ``<think> TRACE </think> <answer> A
+    </answer>`` whose answer is the task's; describing turns with it are refused (the trace describes already)."""
+    import re
+
+    import pytest
+
+    from flowrl.config import ConfigError
+    from flowrl.data.vqa import sample_vqa
+    from flowrl.recipes.vlm_sft import batch_conversations
+
+    _, cfg = load_recipe_config(CONFIG, ["data.batch_size=20", "data.zoom_fraction=0.5"])
+    assert cfg.data.answer_format == "reasoning" and cfg.model.family == "qwen3_vl" and cfg.eval.max_new_tokens >= 64
+    conversations = batch_conversations(cfg, step=3)
+    examples = sample_vqa("train", 10, seed=cfg.run.seed, start=3 * 20)
+    for turns, example in zip(conversations[:10], examples):
+        assert [t.role for t in turns] == ["user", "assistant"] and turns[0].text == example.question
+        assert re.fullmatch(r"<think> .+ </think> <answer> (\S+) </answer>", turns[1].text).group(1) == example.answer
+    for turns in conversations[10:]:
+        assert re.fullmatch(r"<think> .+ </think> <answer> \S+ </answer>", turns[-1].text)
+    with pytest.raises(ConfigError, match="data.answer_format: reasoning answers already describe the scene"):
+        load_recipe_config(CONFIG, ["data.describe=true"])
+
+
 def test_mrope_sections_must_fill_half_the_head():
     import pytest
 
@@ -80,7 +104,7 @@ def test_mrope_sections_must_fill_half_the_head():
 
     with pytest.raises(ConfigError, match="model.mrope_section.*adding up to half the head dimension"):
         load_recipe_config(CONFIG, ["model.mrope_section=[4, 4, 4]"])
-    _, cfg = load_recipe_config(CONFIG, ["model.mrope_section=[2, 7, 7]"])
+    _, cfg = load_recipe_config(CONFIG, ["model.family=qwen2_vl", "model.mrope_section=[2, 7, 7]"])
     from flowrl.policies.shapes_vlm import build_model
 
     model, _ = build_model(cfg.model)
@@ -96,7 +120,7 @@ def test_the_model_family_is_a_checked_choice():
     with pytest.raises(ConfigError, match="model.family: got 'qwen4_vl'; expected one of 'qwen2_vl', 'qwen3_vl'"):
         load_recipe_config(CONFIG, ["model.family=qwen4_vl"])
     # Sections that Qwen2-VL takes but Qwen3-VL's interleaved layout cannot hold (width 6 needs index 17 of 16).
-    load_recipe_config(CONFIG, ["model.mrope_section=[4, 6, 6]"])
+    load_recipe_config(CONFIG, ["model.family=qwen2_vl", "model.mrope_section=[4, 6, 6]"])
     with pytest.raises(ConfigError, match=r"model.mrope_section: \[4, 6, 6\]: qwen3_vl interleaves .* height can be at "
                                           "most 5 and width at most 5"):
         load_recipe_config(CONFIG, ["model.family=qwen3_vl", "model.mrope_section=[4, 6, 6]"])
