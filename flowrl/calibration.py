@@ -38,7 +38,7 @@ PROBE_BATCH = 2
 def probe_precision() -> str:
     """The probe's precision here: ``bfloat16`` (the records' sampling precision) on a CPU with bf16 hardware,
     else ``float32`` (what runs here use; a bf16 probe would time the emulation)."""
-    from flowrl.runtime import native_bfloat16
+    from flowrl.hardware import native_bfloat16
 
     return "bfloat16" if native_bfloat16() else "float32"
 

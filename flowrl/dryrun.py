@@ -356,10 +356,10 @@ def _offline() -> Iterator[None]:
 
 def _cpu_precision(data: dict, notes: list[str]) -> None:
     """A tiny epoch on a CPU without bfloat16 hardware runs in float32: bf16 autocast is refused there (emulated,
-    ~30x slower; :func:`flowrl.runtime.check_bfloat16`), and the real run keeps the config's precision."""
+    ~30x slower; :func:`flowrl.hardware.check_bfloat16`), and the real run keeps the config's precision."""
     import torch
 
-    from flowrl.runtime import native_bfloat16
+    from flowrl.hardware import native_bfloat16
 
     if torch.cuda.is_available() or native_bfloat16():
         return

@@ -377,7 +377,7 @@ def _model(args, device):
     """The model of ``--model`` / ``--path`` / ``--lora`` / ``--run`` (flowrl.models.select), in eval mode."""
     from flowrl.config import ConfigError
     from flowrl.models.select import model_from_args
-    from flowrl.runtime import check_bfloat16
+    from flowrl.hardware import check_bfloat16
 
     try:  # before loading anything: bfloat16 where it is emulated is a 30x slowdown
         check_bfloat16(args.precision, device, "--precision")

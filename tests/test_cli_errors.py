@@ -192,17 +192,17 @@ def test_bfloat16_where_the_cpu_emulates_it_is_refused_in_one_line(argv, fragmen
                                                                   monkeypatch):
     """On a CPU without bf16 hardware, bf16 autocast runs ~30x slower than float32: training and sampling refuse it
     before any work, naming the setting and the fix (on a CPU with it, the same check lets bf16 through)."""
-    from flowrl import runtime
+    from flowrl import hardware
 
-    monkeypatch.setattr(runtime, "native_bfloat16", lambda: False)
+    monkeypatch.setattr(hardware, "native_bfloat16", lambda: False)
     filled = [a.format(tmp=tmp_path, **places) for a in argv]
     assert main(filled) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert "Traceback" not in err and len(lines) == 1 and fragment in lines[0], err
     assert "float32" in lines[0].partition("; ")[2], lines[0]
-    monkeypatch.setattr(runtime, "native_bfloat16", lambda: True)
-    runtime.check_bfloat16("bfloat16", "cpu", "sampling.precision")  # passes
-    monkeypatch.setattr(runtime, "native_bfloat16", lambda: False)
-    runtime.check_bfloat16("bfloat16", "cuda", "sampling.precision")  # a GPU: not this check's business
-    runtime.check_bfloat16("float32", "cpu", "sampling.precision")
+    monkeypatch.setattr(hardware, "native_bfloat16", lambda: True)
+    hardware.check_bfloat16("bfloat16", "cpu", "sampling.precision")  # passes
+    monkeypatch.setattr(hardware, "native_bfloat16", lambda: False)
+    hardware.check_bfloat16("bfloat16", "cuda", "sampling.precision")  # a GPU: not this check's business
+    hardware.check_bfloat16("float32", "cpu", "sampling.precision")

@@ -126,10 +126,10 @@ def test_bfloat16_generation_is_close_to_float32_and_recorded(model_dir, tmp_pat
     """--precision bfloat16 runs the model calls under autocast: images near float32's (not equal: the precision
     is really used), float32 output, and the setting in the eval JSON (on every CPU: where bf16 is emulated the
     command would refuse it, tests/test_cli_errors.py)."""
-    from flowrl import runtime
+    from flowrl import hardware
     from flowrl.generate import generate
 
-    monkeypatch.setattr(runtime, "native_bfloat16", lambda: True)
+    monkeypatch.setattr(hardware, "native_bfloat16", lambda: True)
     from flowrl.models.shapes import ShapesModel
 
     model = ShapesModel.from_pretrained(model_dir)

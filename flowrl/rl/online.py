@@ -144,7 +144,7 @@ class OnlineLoop:
         self.run = run = Run(cfg, recipe, dist=dist, plots={**IMAGE_PLOTS, **(plot_groups or {})},
                              units=IMAGE_PLOT_UNITS, counters=("images_sampled",))
         self.dist, s = run.dist, cfg.sampling
-        from flowrl.runtime import check_bfloat16
+        from flowrl.hardware import check_bfloat16
 
         check_bfloat16(s.precision, self.dist.device, "sampling.precision")
         check_bfloat16(cfg.eval.precision, self.dist.device, "eval.precision")

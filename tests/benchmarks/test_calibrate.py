@@ -45,12 +45,12 @@ def test_speed_now_reports_the_probe_and_the_rate_at_its_median(monkeypatch):
 def test_the_probe_times_float32_where_the_cpu_has_no_bfloat16_hardware(monkeypatch):
     """Without bf16 hardware the clock probes in float32 against the float32 constant (a bf16 probe would time the
     emulation, ~30x slower, and undervalue every float32 epoch); with it, the records' bf16 probe and constant."""
-    from flowrl import calibration, runtime
+    from flowrl import calibration, hardware
 
     monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS", 0.3)
     monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS_FLOAT32", 0.45)
     for native, precision, seconds in ((True, "bfloat16", 0.3), (False, "float32", 0.45)):
-        monkeypatch.setattr(runtime, "native_bfloat16", lambda native=native: native)
+        monkeypatch.setattr(hardware, "native_bfloat16", lambda native=native: native)
         assert calibration.probe_precision() == precision and calibration.reference_seconds() == seconds
     probe = calibration.Probe(precision="float32")
     assert probe.precision == "float32" and probe() > 0
