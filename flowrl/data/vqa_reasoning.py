@@ -19,11 +19,16 @@ copy over that text:
      triangles>`` (``none`` for an empty step), the answer the number of the last step's objects / whether any;
    - ``shape`` "what shape is the blue object?": ``blue : <the blue object>``;
    - ``color`` "what colour is the square?": ``square : <the square>``;
-   - ``position`` "is the circle left of the triangle?": the two objects in the question's order and the relation
-     that holds between them on the asked axis, ``blue_circle 2 4 , red_triangle 6 5 ; left``; the answer is yes
-     when it is the asked one. The trace never reorders the pair by the relation: such a canonical order would be
-     a function of the pair and the relation together, and the held-out split (a relation with its mirror) is
-     exactly where a model that learned it per pair inverts (measured: 2% on held-out position questions).
+   - ``position`` "is the circle left of the triangle?": the two objects in the question's order, then the
+     relation that holds between them on the asked axis and the asked one, ``blue_circle 2 4 , red_triangle 6 5 ;
+     left left``; the answer is yes when the two words agree. The trace never reorders the pair by the relation:
+     such a canonical order would be a function of the pair and the relation together, and the held-out split (a
+     relation with its mirror) is exactly where a model that learned it per pair inverts (measured: 2% on held-out
+     position questions). The asked word is copied next to the one that holds for the same reason: with the asked
+     relation only in the question, the model learned the answer per pair and stated relation (each pair's axis
+     is asked one way only in training) and said "no" to 91% of the held-out position questions even where the
+     relation it wrote was the asked one (2026-12-04); two adjacent words that agree or not is a rule for every
+     pair.
 
 Every answer follows from its trace (tested), and the trace from the scene alone.
 """
@@ -97,7 +102,7 @@ def reasoning_trace(example) -> str:
         else:  # rows grow downwards
             holds = "above" if first.cy < second.cy else "below"
         steps.append(f"{_entry(first, scene)} , {_entry(second, scene)}")
-        steps.append(holds)
+        steps.append(f"{holds} {RELATION_WORD[spec.relation]}")
     else:
         raise ValueError(f"no reasoning trace for question kind {spec.kind!r}")
     return " ; ".join(steps)

@@ -85,6 +85,7 @@ def handle_agent(models: AgentModels, names: list[str], env_name: str, index: in
         a markdown transcript per model, and one summary row per model (answer, correct, reward, tool calls).
     """
     from flowrl.demo.limits import DemoInputError
+    from flowrl.envs.evaluate import ANSWER_MAX_NEW_TOKENS
     from flowrl.envs.registry import ENV_NAMES, get_env
     from flowrl.envs.rewards import exact_match
     from flowrl.envs.rollout import SamplingSettings, play_episodes
@@ -108,7 +109,7 @@ def handle_agent(models: AgentModels, names: list[str], env_name: str, index: in
         policy = models.get(name)
         (episode,) = play_episodes(policy, spec.make, [task], [index], seed=int(seed),
                                    sampling=SamplingSettings(greedy=bool(greedy), temperature=float(temperature),
-                                                             max_new_tokens=16), max_turns=spec.max_turns)
+                                                             max_new_tokens=ANSWER_MAX_NEW_TOKENS), max_turns=spec.max_turns)
         correct = float(exact_match([episode.answer], [task])[0]) if episode.answered else 0.0
         reward = correct + sum(episode.turn_rewards)
         lines.append(f"\n**{name}**")

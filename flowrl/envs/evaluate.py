@@ -7,7 +7,12 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 __all__ = ["evaluate_policy", "evaluate_with_baselines", "format_kind_table", "answer_distribution",
-           "first_zoom_quadrant", "ZOOM_BASELINES"]
+           "first_zoom_quadrant", "ZOOM_BASELINES", "ANSWER_MAX_NEW_TOKENS"]
+
+# Tokens per turn where a user evaluates or tries a model (flowrl eval, the demo's Agent tab): the shipped
+# Shapes-VQA model writes a reasoning trace before its answer (a count over four objects is ~60 tokens), and
+# greedy decoding stops at the end of the turn, so a short answer costs no more.
+ANSWER_MAX_NEW_TOKENS = 96
 
 # One-turn baselines on the zoom environment's held-out tasks: the plain question on the overview (what the
 # tool must beat) and on the right quadrant at full resolution (what a perfect zoom gives).
@@ -168,6 +173,9 @@ def vqa_eval_main(argv: list[str]) -> int:
     parser.add_argument("--n", type=positive_int, default=None, help="examples (default 500 for vqa, 200 for zoom)")
     parser.add_argument("--batch-size", type=positive_int, default=100)
     parser.add_argument("--max-turns", type=positive_int, default=None)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=ANSWER_MAX_NEW_TOKENS,
+                        help=f"tokens per turn (default {ANSWER_MAX_NEW_TOKENS}: the shipped model writes a reasoning "
+                             "trace before its answer)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="write the metrics as JSON here")
     try:
@@ -190,7 +198,8 @@ def vqa_eval_main(argv: list[str]) -> int:
     n = args.n or (500 if args.task == "vqa" else 200)  # the zoom tasks and their baselines: 200
     start = time.perf_counter()
     answers: dict = {}
-    metrics = evaluate_policy(policy, env, n, batch_size=args.batch_size, max_turns=args.max_turns, answers=answers)
+    metrics = evaluate_policy(policy, env, n, batch_size=args.batch_size, max_turns=args.max_turns, answers=answers,
+                              max_new_tokens=args.max_new_tokens)
     from flowrl.envs.registry import get_env
 
     prefix = f"eval/{args.task}/"

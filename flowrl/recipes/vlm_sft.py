@@ -74,6 +74,7 @@ class OptimConfig:
 @dataclass
 class EvalConfig:
     every_epochs: int = field(default=2, metadata=bounds(ge=1))
+    at_start: bool = True  # evaluate before the first step (off for a model built from scratch: it scores 0)
     num_examples: int = field(default=500, metadata=bounds(ge=1))
     num_zoom_examples: int = field(default=100, metadata=bounds(ge=0))
     batch_size: int = field(default=100, metadata=bounds(ge=1))

@@ -15,8 +15,10 @@ def answer_from_trace(question: QuestionSpec, trace: str) -> str:
     """What a reader of the trace alone answers: the last step's objects, or the relation it states."""
     steps = [s.strip() for s in trace.split(";")]
     last = steps[-1]
-    if question.kind == "position":
-        return "yes" if last == RELATION_WORD[question.relation] else "no"
+    if question.kind == "position":  # the relation that holds, then the asked one
+        holds, asked = last.split()
+        assert asked == RELATION_WORD[question.relation]
+        return "yes" if holds == asked else "no"
     listed = last.split(":", 1)[1].strip()
     entries = [] if listed == "none" else [e.split()[0] for e in listed.split(",")]
     if question.kind == "count":
@@ -62,9 +64,10 @@ def test_the_steps_look_up_one_attribute_at_a_time():
         f"{listed} ; green : green_triangle 1 1 , green_square 6 1 ; triangle : green_triangle 1 1")
     assert trace(QuestionSpec("shape", color="red")) == f"{listed} ; red : red_triangle 3 6"
     assert trace(QuestionSpec("color", shape="square")) == f"{listed} ; square : green_square 6 1"
-    # The pair in the question's order, never reordered by the relation; the relation that holds on its axis.
+    # The pair in the question's order, never reordered by the relation; the relation that holds on its axis, then
+    # the asked one.
     assert trace(QuestionSpec("position", shape="square", relation="left of", other="triangle")) == (
-        f"{listed} ; green_square 6 1 , green_triangle 1 1 ; right")
+        f"{listed} ; green_square 6 1 , green_triangle 1 1 ; right left")
 
 
 def test_the_tiny_models_tokenizer_knows_every_word_of_every_trace():

@@ -82,8 +82,8 @@ VLM_SFT = {
     "model.hidden_size": 32, "model.layers": 1, "model.heads": 2, "model.kv_heads": 1, "model.intermediate_size": 64,
     "model.vision_width": 32, "model.vision_layers": 1, "model.vision_heads": 2, "data.batch_size": 8,
     "data.steps_per_epoch": 3, "optim.warmup_steps": 2, "optim.lr": 3e-3, "eval.num_examples": 10,
-    "eval.num_zoom_examples": 4, "eval.every_epochs": 1, "run.max_minutes": "null", "run.max_epochs": 2,
-    "run.deterministic": "true",
+    "eval.num_zoom_examples": 4, "eval.every_epochs": 1, "eval.at_start": "true", "run.max_minutes": "null",
+    "run.max_epochs": 2, "run.deterministic": "true",
 }
 OTHER_RECIPES: dict[str, tuple[Path, dict]] = {
     "pretrain": (SHAPES / "pretrain.yaml", PRETRAIN),
