@@ -1,5 +1,5 @@
 """The shipped Shapes-VQA model: safetensors, at most 25 MB, loads offline through the generic loader as a
-real Qwen2-VL, and answers the held-out questions as its model card says."""
+real Qwen3-VL, and answers the held-out questions as its model card says (``benchmarks/vlm_card.py`` wrote it)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ def test_shipped_model_files():
 
 
 def test_shipped_model_loads_offline_and_matches_its_card(monkeypatch):
-    from flowrl.envs.evaluate import evaluate_policy
+    from flowrl.envs.evaluate import ANSWER_MAX_NEW_TOKENS, evaluate_policy
     from flowrl.policies import TokenPolicy
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
     policy = TokenPolicy.from_pretrained(SHIPPED_VLM)
-    assert policy.family.name == "qwen2_vl" and type(policy.model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert policy.family.name == "qwen3_vl" and type(policy.model).__name__ == "Qwen3VLForConditionalGeneration"
     card = json.loads((SHIPPED_VLM / "model_card.json").read_text())
-    metrics = evaluate_policy(policy, "shapes_vqa", 100)
-    # Greedy decoding of a fixed held-out set is deterministic: the first 100 questions give the card's number.
-    assert metrics["eval/vqa/accuracy"] == pytest.approx(card["eval_first_100"]["accuracy"], abs=1e-9)
-    assert 0.3 <= card["eval"]["accuracy"] <= 0.7
+    metrics = evaluate_policy(policy, "shapes_vqa", 100, max_new_tokens=ANSWER_MAX_NEW_TOKENS)
+    # Greedy decoding of a fixed held-out set: the first 100 questions give the card's number. A CPU that rounds
+    # differently may flip a near-tie in a ~60-token trace, so up to 3 answers may differ (a different model, or a
+    # trace cut short, moves it by far more).
+    assert metrics["eval/vqa/accuracy"] == pytest.approx(card["eval_first_100"]["accuracy"], abs=0.03)
+    assert 0.6 <= card["eval"]["accuracy"] <= 0.8 and card["eval"]["kinds"]["shape"] >= 0.8
