@@ -38,7 +38,7 @@ from __future__ import annotations
 from flowrl.data.shapes import COLORS, RESOLUTION, SHAPES, Scene, SceneObject
 
 __all__ = ["CELL", "object_token", "reading_order", "scene_trace", "reasoning_trace", "reasoning_answer",
-           "reasoning_words", "RELATION_WORD"]
+           "reasoning_words", "answer_from_trace", "RELATION_WORD"]
 
 CELL = 4  # pixels per coordinate step on the 32 px canvas: digits 0-7 (position questions' pairs differ by >= 5 px)
 RELATION_WORD = {"left of": "left", "right of": "right", "above": "above", "below": "below"}
@@ -111,6 +111,38 @@ def reasoning_trace(example) -> str:
 def reasoning_answer(example) -> str:
     """The assistant's whole reasoning turn: ``<think> TRACE </think> <answer> ANSWER </answer>``."""
     return f"<think> {reasoning_trace(example)} </think> <answer> {example.answer} </answer>"
+
+
+def answer_from_trace(spec, trace: str) -> str | None:
+    """What a reader of ``trace`` alone answers to the question ``spec`` (a :class:`~flowrl.data.vqa.QuestionSpec`):
+    the number of the last step's objects, whether there are any, the attribute of its one object, or whether the
+    relation that holds is the asked one. ``None`` when the trace does not read the question (a lookup by another
+    attribute than the question's, another asked relation) or cannot be parsed; a generated trace may join a comma
+    to the word before it, which is accepted."""
+    steps = [step.strip() for step in trace.split(";")]
+    last = steps[-1]
+    if spec.kind == "position":
+        words = last.split()
+        if len(words) != 2 or words[1] != RELATION_WORD[spec.relation]:
+            return None
+        return "yes" if words[0] == words[1] else "no"
+    labels = {"count": (spec.color, spec.shape), "exists": (spec.color, spec.shape), "shape": (spec.color,),
+              "color": (spec.shape,)}.get(spec.kind)
+    if labels is None or len(steps) < len(labels) + 1:
+        return None
+    lookups = [step.split(":", 1) for step in steps[-len(labels):]]
+    if any(len(parts) != 2 or parts[0].strip() != label for parts, label in zip(lookups, labels)):
+        return None
+    listed = lookups[-1][1].strip()
+    entries = [] if listed == "none" else [e.split()[0] for e in listed.split(",") if e.split()]
+    if spec.kind == "count":
+        return str(len(entries))
+    if spec.kind == "exists":
+        return "yes" if entries else "no"
+    if len(entries) != 1 or entries[0].count("_") != 1:  # a colour or shape question is about one object
+        return None
+    color, shape = entries[0].split("_")
+    return shape if spec.kind == "shape" else color
 
 
 def reasoning_words() -> list[str]:

@@ -47,7 +47,8 @@ class EpochBatch:
 
 def score_episodes(episodes: list, answer_rewards, cfg, variant):
     """Episode rewards, per-turn rewards and components."""
-    scores, details = answer_rewards([e.answer for e in episodes], [e.task for e in episodes],
+    # Rewards read the whole final turn (each extracts the answer itself; `grounded` and `format` need the rest).
+    scores, details = answer_rewards([e.final_text for e in episodes], [e.task for e in episodes],
                                      [e.image for e in episodes])
     answered = torch.tensor([float(e.answered) for e in episodes])
     scores = scores * answered  # an episode that hit the turn limit answered nothing

@@ -6,6 +6,10 @@ by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
 
 - ``exact``: 1 when the normalised answer (``flowrl.data.vqa.normalize_answer``: case, punctuation, number
   words) equals the task's answer, else 0.
+- ``grounded``: ``exact``, and the answer follows from the turn's own reasoning trace
+  (:func:`flowrl.data.vqa_reasoning.answer_from_trace` on the ``<think>`` block, for tasks with a Shapes-VQA
+  question spec): a right answer after a trace that says otherwise (a lucky guess) earns 0. Tasks without a spec
+  fall back to ``exact``.
 - ``numeric``: 1 when both parse as numbers within ``tolerance`` (absolute), else 0.
 - ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
   e.g. ``<think>.*</think>\\s*<answer>.*</answer>`` for R1-style outputs), else 0.
@@ -30,7 +34,8 @@ from flowrl.registry import Registry
 
 from .tools import extract_answer
 
-__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "numeric_match", "format_match", "JudgeReward"]
+__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "grounded_match", "numeric_match", "format_match",
+           "JudgeReward"]
 
 ANSWER_REWARDS: Registry = Registry("answer reward")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -40,6 +45,32 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def exact_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
     return torch.tensor([float(normalize_answer(extract_answer(a)) == normalize_answer(t.answer))
                          for a, t in zip(answers, tasks)])
+
+
+_TRACE = re.compile(r"<think>(.*?)</think>", re.S)
+
+
+def _question_spec(task):
+    """The Shapes-VQA question of ``task`` (a VQA example's ``spec``, or the zoom task's ``data["spec"]``)."""
+    data = getattr(task, "data", None)
+    return data.get("spec") if isinstance(data, dict) else getattr(data, "spec", None)
+
+
+@ANSWER_REWARDS.register("grounded")
+def grounded_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
+    from flowrl.data.vqa_reasoning import answer_from_trace
+
+    exact = exact_match(answers, tasks)
+    out = []
+    for text, task, right in zip(answers, tasks, exact.tolist()):
+        spec = _question_spec(task)
+        if spec is None or not right:
+            out.append(right)
+            continue
+        trace = _TRACE.search(text)
+        derived = answer_from_trace(spec, trace.group(1).strip()) if trace else None
+        out.append(float(derived is not None and normalize_answer(derived) == normalize_answer(extract_answer(text))))
+    return torch.tensor(out)
 
 
 def _number(text: str) -> float | None:

@@ -46,6 +46,7 @@ class Episode:
             one by the recipe).
         anchors: per action, the anchor key of the state the action was taken in (GiGPO).
         answer: the final answer text ("" if the episode never answered).
+        final_text: the whole final turn (reasoning trace, answer tags): what answer rewards read.
         counts: ``truncated``, ``empty``, ``malformed``, ``tool_call``, ``turn_limit`` for this episode.
         index: the global index of the episode in its epoch (its seeds derive from it).
     """
@@ -56,6 +57,7 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)
     anchors: list[Any] = field(default_factory=list)
     answer: str = ""
+    final_text: str = ""
     answered: bool = False
     counts: dict[str, float] = field(default_factory=dict)
     index: int = 0
@@ -130,7 +132,7 @@ def play_episodes(policy, make_env: Callable[[], Any], tasks: list[Task], indice
                 ep.counts[key] += float(result.info.get(key, 0.0))
             ep.turn_rewards.append(float(result.reward))
             if result.done:
-                ep.answer, ep.answered = result.info.get("answer", ""), True
+                ep.answer, ep.final_text, ep.answered = result.info.get("answer", ""), gen.text, True
                 continue
             if turn == max_turns - 1:
                 ep.counts["turn_limit"] += 1

@@ -7,27 +7,8 @@ import pytest
 
 from flowrl.data.shapes import Scene, SceneObject
 from flowrl.data.vqa import QUESTION_KINDS, QuestionSpec, sample_vqa
-from flowrl.data.vqa_reasoning import (RELATION_WORD, reading_order, reasoning_answer, reasoning_trace,
+from flowrl.data.vqa_reasoning import (answer_from_trace, reading_order, reasoning_answer, reasoning_trace,
                                        scene_trace)
-
-
-def answer_from_trace(question: QuestionSpec, trace: str) -> str:
-    """What a reader of the trace alone answers: the last step's objects, or the relation it states."""
-    steps = [s.strip() for s in trace.split(";")]
-    last = steps[-1]
-    if question.kind == "position":  # the relation that holds, then the asked one
-        holds, asked = last.split()
-        assert asked == RELATION_WORD[question.relation]
-        return "yes" if holds == asked else "no"
-    listed = last.split(":", 1)[1].strip()
-    entries = [] if listed == "none" else [e.split()[0] for e in listed.split(",")]
-    if question.kind == "count":
-        return str(len(entries))
-    if question.kind == "exists":
-        return "yes" if entries else "no"
-    (token,) = entries  # a colour or shape question is about one object
-    color, shape = token.split("_")
-    return shape if question.kind == "shape" else color
 
 
 @pytest.mark.parametrize("split", ["train", "eval"])
@@ -37,6 +18,24 @@ def test_every_answer_follows_from_its_trace(kind, split):
         trace = reasoning_trace(example)
         assert answer_from_trace(example.spec, trace) == example.answer, (example.question, trace)
         assert reasoning_answer(example) == f"<think> {trace} </think> <answer> {example.answer} </answer>"
+
+
+def test_a_trace_that_does_not_read_the_question_answers_nothing():
+    scene = "green_square 6 1 , red_triangle 3 6"
+    count = QuestionSpec("count", color="green", shape="square")
+    # As a model writes it (the comma joined to the word before): still read.
+    assert answer_from_trace(count, f"{scene} ; green : green_square 6 1, red_square 2 2 ; square : green_square 6 1, "
+                                    "green_square 2 2") == "2"
+    assert answer_from_trace(count, f"{scene} ; red : none ; square : none") is None  # looked up another colour
+    assert answer_from_trace(count, f"{scene} ; square : none") is None  # a step missing
+    shape = QuestionSpec("shape", color="red")
+    assert answer_from_trace(shape, f"{scene} ; red : red_triangle 3 6") == "triangle"
+    assert answer_from_trace(shape, f"{scene} ; red : red_triangle 3 6 , red_square 1 1") is None  # two objects
+    assert answer_from_trace(shape, f"{scene} ; red : red 3 6") is None
+    position = QuestionSpec("position", shape="square", relation="left of", other="triangle")
+    assert answer_from_trace(position, f"{scene} ; green_square 6 1 , red_triangle 3 6 ; right left") == "no"
+    assert answer_from_trace(position, f"{scene} ; green_square 6 1 , red_triangle 3 6 ; left left") == "yes"
+    assert answer_from_trace(position, f"{scene} ; green_square 6 1 , red_triangle 3 6 ; right right") is None
 
 
 def test_the_trace_lists_the_scene_in_reading_order_with_each_centres_cell():

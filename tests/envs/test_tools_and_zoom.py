@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.data.shapes import render
-from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, numeric_match
+from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, grounded_match, numeric_match
 from flowrl.envs.rollout import SamplingSettings, play_episodes
 from flowrl.envs.tools import ToolCallError, ToolSpec, extract_answer, parse_tool_calls
 from flowrl.envs.zoom import QUADRANTS, TOOL_PENALTY, ZoomEnv, crop, demonstration, overview, zoom_tasks
@@ -63,6 +63,31 @@ def test_answers_and_rule_rewards():
     total, details = AnswerRewards({"exact": 1.0, "format": {"weight": 0.5, "kwargs": {"pattern": "<answer>.*"}}})(
         answers, tasks)
     assert total.tolist() == [1.0, 1.5, 0.0] and set(details) == {"exact", "format"}
+    assert grounded_match(answers, tasks).tolist() == [1.0, 1.0, 0.0]  # no question spec: exact
+
+
+def test_grounded_reward_pays_a_right_answer_only_after_a_trace_that_gives_it():
+    from flowrl.data.vqa import sample_vqa
+    from flowrl.data.vqa_reasoning import reasoning_answer, reasoning_trace
+    from flowrl.envs.vqa import task_from_example
+
+    examples = sample_vqa("train", 40, seed=5)
+    tasks = [task_from_example(e) for e in examples]
+    right = [reasoning_answer(e) for e in examples]
+    assert grounded_match(right, tasks).tolist() == [1.0] * 40
+    # The answer of another question's trace: right answers after a trace that gives another one earn nothing.
+    other = {"yes": "no", "no": "yes", "0": "1", "1": "0", "2": "0", "3": "0", "red": "blue", "blue": "red",
+             "green": "red", "yellow": "red", "purple": "red", "cyan": "red", "circle": "square", "square": "circle",
+             "triangle": "circle"}
+    guesses = []
+    for e in examples:  # the trace of a scene whose answer differs, then the right answer
+        donor = next(d for d in sample_vqa("train", 400, seed=6, kinds=(e.kind,))
+                     if d.spec == e.spec and d.answer != e.answer)
+        guesses.append(f"<think> {reasoning_trace(donor)} </think> <answer> {e.answer} </answer>")
+    assert grounded_match(guesses, tasks).tolist() == [0.0] * 40
+    assert exact_match(guesses, tasks).tolist() == [1.0] * 40
+    wrong = [f"<think> {reasoning_trace(e)} </think> <answer> {other[e.answer]} </answer>" for e in examples]
+    assert grounded_match(wrong, tasks).tolist() == [0.0] * 40
 
 
 # ----------------------------------------------------------------------------- zoom environment
