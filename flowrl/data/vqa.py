@@ -47,7 +47,7 @@ from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, RESOLUTION, SHAPES, S
 __all__ = ["QUESTION_KINDS", "VQAExample", "QuestionSpec", "all_questions", "split_questions", "make_example",
            "sample_vqa", "vqa_eval_set", "normalize_answer", "answer_vocabulary", "question_words",
            "EVAL_FRACTION", "DESCRIBE_QUESTION", "describe_objects", "held_out_combinations", "scene_questions",
-           "SCENE_QUESTION_KINDS"]
+           "SCENE_QUESTION_KINDS", "color_position_questions", "sample_color_position"]
 
 QUESTION_KINDS = ("count", "color", "shape", "position", "exists")
 VQA_RELATIONS = ("left of", "right of", "above", "below")
@@ -69,8 +69,11 @@ class QuestionSpec:
     shape: str | None = None
     relation: str | None = None
     other: str | None = None  # position: the second shape
+    other_color: str | None = None  # position by colour (train-only, sample_color_position): the second colour
 
     def text(self) -> str:
+        if self.kind == "position" and self.color is not None:
+            return f"is the {self.color} object {self.relation} the {self.other_color} object?"
         if self.kind == "count":
             return f"how many {self.color} {self.shape}s are there?"
         if self.kind == "color":
@@ -239,9 +242,13 @@ def _objects_for(spec: QuestionSpec, rng: random.Random) -> tuple[list[tuple[str
         return objects, shape, None
     if spec.kind == "position":
         yes = rng.random() < 0.5
-        third = _other(rng, SHAPES, spec.shape, spec.other)
-        objects = [(spec.shape, rng.choice(COLORS)), (spec.other, rng.choice(COLORS))]
-        objects += [(third, rng.choice(COLORS))] * rng.randint(0, 1)
+        if spec.color is not None:  # by colour: any shapes, the pair's colours once each
+            objects = [(rng.choice(SHAPES), spec.color), (rng.choice(SHAPES), spec.other_color)]
+            objects += [(rng.choice(SHAPES), _other(rng, COLORS, spec.color, spec.other_color))] * rng.randint(0, 1)
+        else:
+            third = _other(rng, SHAPES, spec.shape, spec.other)
+            objects = [(spec.shape, rng.choice(COLORS)), (spec.other, rng.choice(COLORS))]
+            objects += [(third, rng.choice(COLORS))] * rng.randint(0, 1)
         relation = spec.relation if yes else _OPPOSITE[spec.relation]
         margin = MAX_SIZE / 2  # centres half an object apart along the asked axis
 
@@ -302,6 +309,26 @@ def sample_vqa(split: str, n: int, seed: int = 0, start: int = 0, kinds: tuple[s
         kind = kinds[index % len(kinds)]
         spec = random.Random(example_seed).choice(questions[kind])
         out.append(make_example(spec, example_seed, resolution))
+    return out
+
+
+def color_position_questions() -> list[QuestionSpec]:
+    """"is the red object left of the blue object?" for every ordered pair of colours and every relation: 120
+    train-only position questions. No held-out question names colours in a position question, so every pair can
+    be asked in both directions, which the split cannot offer for shapes (a shape relation is held out with its
+    mirror): what a model needs to learn that the answer follows the asked word, not the pair."""
+    return [QuestionSpec("position", color=a, relation=r, other_color=b)
+            for r in VQA_RELATIONS for a in COLORS for b in COLORS if a != b]
+
+
+def sample_color_position(n: int, seed: int = 0, start: int = 0, resolution: int = RESOLUTION) -> list[VQAExample]:
+    """``n`` training examples of :func:`color_position_questions`; example ``i`` depends only on ``(seed,
+    start + i)`` (a stream of its own, apart from :func:`sample_vqa`'s)."""
+    questions = color_position_questions()
+    out = []
+    for index in range(start, start + n):
+        example_seed = _example_seed(seed, -1 - index)  # negative indices: never one of sample_vqa's seeds
+        out.append(make_example(random.Random(example_seed).choice(questions), example_seed, resolution))
     return out
 
 

@@ -96,8 +96,12 @@ def reasoning_trace(example) -> str:
     elif spec.kind == "color":
         steps.append(f"{spec.shape} : {_listing([o for o in objects if o.shape == spec.shape], scene)}")
     elif spec.kind == "position":
-        first = next(o for o in objects if o.shape == spec.shape)
-        second = next(o for o in objects if o.shape == spec.other)
+        if spec.color is not None:  # by colour (train-only questions): the pair's colours are drawn once each
+            first = next(o for o in objects if o.color == spec.color)
+            second = next(o for o in objects if o.color == spec.other_color)
+        else:
+            first = next(o for o in objects if o.shape == spec.shape)
+            second = next(o for o in objects if o.shape == spec.other)
         if spec.relation in ("left of", "right of"):
             holds = "left" if first.cx < second.cx else "right"
         else:  # rows grow downwards

@@ -57,6 +57,9 @@ class DataConfig:
     # scene that splits every binding into single-attribute steps (flowrl.data.vqa_reasoning); zoom
     # demonstrations end the same way. Evaluate with eval.max_new_tokens that fits a trace (~60 tokens).
     answer_format: Literal["direct", "reasoning"] = "direct"
+    # This share of each batch's Shapes-VQA questions asks position by colour instead ("is the red object left of
+    # the blue object?", flowrl.data.vqa.sample_color_position): train-only, every colour pair in both directions.
+    color_position_fraction: float = field(default=0.0, metadata=bounds(ge=0, le=1))
 
 
 @dataclass
@@ -118,14 +121,16 @@ class Config:
 
 def batch_conversations(cfg: Config, step: int) -> list:
     """The training conversations of ``step`` (a pure function of ``(run.seed, step)``)."""
-    from flowrl.data.vqa import DESCRIBE_QUESTION, sample_vqa, scene_questions
+    from flowrl.data.vqa import DESCRIBE_QUESTION, sample_color_position, sample_vqa, scene_questions
     from flowrl.data.vqa_reasoning import reasoning_answer
     from flowrl.envs.zoom import demonstration, zoom_tasks
     from flowrl.policies import Turn
 
     n = cfg.data.batch_size
     n_zoom = round(n * cfg.data.zoom_fraction)
-    examples = sample_vqa("train", n - n_zoom, seed=cfg.run.seed, start=step * n)
+    n_color_position = round((n - n_zoom) * cfg.data.color_position_fraction)
+    examples = sample_vqa("train", n - n_zoom - n_color_position, seed=cfg.run.seed, start=step * n)
+    examples += sample_color_position(n_color_position, seed=cfg.run.seed, start=step * n)
     kinds = tuple(cfg.data.scene_questions)
     questions_rng = random.Random(f"scene-questions:{cfg.run.seed}:{step}")
     reasoning = cfg.data.answer_format == "reasoning"

@@ -94,3 +94,26 @@ def test_zoom_demonstrations_reason_over_what_the_last_image_shows():
             assert trace.startswith(scene_trace(local)) and len(local.objects) >= 1
             assert turns[-2].role == "tool" and (turns[-2].images[0] == crop(task, task.data["quadrant"])).all()
         assert demonstration(task, use_tool=False)[-1].text == task.answer  # direct answers stay as they were
+
+
+def test_position_by_colour_asks_every_pair_both_ways_and_never_an_evaluated_question():
+    from flowrl.data.vqa import all_questions, color_position_questions, sample_color_position
+    from flowrl.policies.shapes_vlm import build_tokenizer
+
+    questions = color_position_questions()
+    assert len(questions) == 120 and len({q.text() for q in questions}) == 120
+    asked = {q.text() for specs in all_questions().values() for q in specs}
+    assert not asked & {q.text() for q in questions}  # no held-out (or any shape) question is one of them
+    tokenizer = build_tokenizer()
+    examples = sample_color_position(300, seed=3)
+    assert [e.question for e in examples] == [e.question for e in sample_color_position(300, seed=3)]
+    assert {e.answer for e in examples} == {"yes", "no"}
+    for e in examples:
+        first, second = e.scene.objects[0], e.scene.objects[1]
+        assert (first.color, second.color) == (e.spec.color, e.spec.other_color)
+        assert sum(o.color in (first.color, second.color) for o in e.scene.objects) == 2  # each colour once
+        dx, dy = second.cx - first.cx, second.cy - first.cy
+        holds = {"left of": dx > 0, "right of": dx < 0, "above": dy > 0, "below": dy < 0}[e.spec.relation]
+        assert e.answer == ("yes" if holds else "no")
+        assert answer_from_trace(e.spec, reasoning_trace(e)) == e.answer
+        assert tokenizer.unk_token_id not in tokenizer(e.question)["input_ids"]

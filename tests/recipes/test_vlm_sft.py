@@ -131,3 +131,19 @@ def test_the_model_family_is_a_checked_choice():
     model, processor = build_model(cfg.model)
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and type(processor).__name__ == "Qwen3VLProcessor"
     assert model.config.text_config.rope_parameters["rope_theta"] == cfg.model.rope_theta
+
+
+def test_a_share_of_the_batch_asks_position_by_colour():
+    import re
+
+    from flowrl.recipes.vlm_sft import batch_conversations
+
+    by_colour = re.compile(r"is the \w+ object (left of|right of|above|below) the \w+ object\?")
+    _, cfg = load_recipe_config(CONFIG, ["data.batch_size=40", "data.color_position_fraction=0.25"])
+    conversations = batch_conversations(cfg, step=3)
+    asked = [c[0].text for c in conversations if by_colour.fullmatch(c[0].text)]
+    assert len(conversations) == 40 and len(asked) == round((40 - 4) * 0.25)  # zoom_fraction 0.1: 4 of 40
+    assert all(c[1].text.startswith("<think>") for c in conversations if by_colour.fullmatch(c[0].text))
+    # Without it (the default), no batch asks them.
+    _, plain = load_recipe_config(CONFIG, ["data.batch_size=40"])
+    assert not any(by_colour.fullmatch(c[0].text) for c in batch_conversations(plain, step=3))
