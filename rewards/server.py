@@ -399,6 +399,9 @@ class RewardServer:
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.socket.bind((host.strip("[]"), int(port)))
+            # Listen at once: the URL is announced before uvicorn starts, and a client that connects in between
+            # (a trainer started with the server, under load) then waits in the backlog instead of being refused.
+            self.socket.listen(2048)
         except OSError:
             self.socket.close()
             raise

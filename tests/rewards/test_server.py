@@ -92,6 +92,21 @@ def test_health(server):
     assert health["limits"]["max_batch"] == 8
 
 
+def test_a_client_that_connects_before_the_server_runs_waits_instead_of_being_refused(clip_reward):
+    """The URL is known (and printed by flowrl serve-reward) once the socket is bound, before uvicorn starts: a
+    client that connects in between must wait in the backlog, then be answered (it was refused under load)."""
+    srv = make_server(clip_reward, max_request_bytes=2_000_000, max_batch=8, max_pixels=128 * 128)
+    try:
+        host, port = srv.server_address[:2]
+        with socket.create_connection((host, port), timeout=30) as early:  # refused before the fix
+            early.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            srv.start_background()
+            assert early.recv(12) == b"HTTP/1.1 200"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.mark.parametrize("case, status, needle", [
     ("garbled", 400, "Bad request"),
     ("not_json", 400, "not valid JSON"),
