@@ -82,13 +82,15 @@ def test_the_shipped_recipe_answers_with_a_reasoning_trace():
     import pytest
 
     from flowrl.config import ConfigError
-    from flowrl.data.vqa import sample_vqa
+    from flowrl.data.vqa import sample_color_position, sample_vqa
     from flowrl.recipes.vlm_sft import batch_conversations
 
     _, cfg = load_recipe_config(CONFIG, ["data.batch_size=20", "data.zoom_fraction=0.5"])
     assert cfg.data.answer_format == "reasoning" and cfg.model.family == "qwen3_vl" and cfg.eval.max_new_tokens >= 64
     conversations = batch_conversations(cfg, step=3)
-    examples = sample_vqa("train", 10, seed=cfg.run.seed, start=3 * 20)
+    assert cfg.data.color_position_fraction == 0.2  # 2 of the 10 questions ask position by colour
+    examples = (sample_vqa("train", 8, seed=cfg.run.seed, start=3 * 20)
+                + sample_color_position(2, seed=cfg.run.seed, start=3 * 20))
     for turns, example in zip(conversations[:10], examples):
         assert [t.role for t in turns] == ["user", "assistant"] and turns[0].text == example.question
         assert re.fullmatch(r"<think> .+ </think> <answer> (\S+) </answer>", turns[1].text).group(1) == example.answer
@@ -144,6 +146,6 @@ def test_a_share_of_the_batch_asks_position_by_colour():
     asked = [c[0].text for c in conversations if by_colour.fullmatch(c[0].text)]
     assert len(conversations) == 40 and len(asked) == round((40 - 4) * 0.25)  # zoom_fraction 0.1: 4 of 40
     assert all(c[1].text.startswith("<think>") for c in conversations if by_colour.fullmatch(c[0].text))
-    # Without it (the default), no batch asks them.
-    _, plain = load_recipe_config(CONFIG, ["data.batch_size=40"])
+    # Without it (the recipe's default; the shipped config asks 0.2), no batch asks them.
+    _, plain = load_recipe_config(CONFIG, ["data.batch_size=40", "data.color_position_fraction=0"])
     assert not any(by_colour.fullmatch(c[0].text) for c in batch_conversations(plain, step=3))
