@@ -40,7 +40,7 @@ from __future__ import annotations
 from flowrl.data.shapes import COLORS, RESOLUTION, SHAPES, Scene, SceneObject
 
 __all__ = ["CELL", "object_token", "reading_order", "scene_trace", "reasoning_trace", "reasoning_answer",
-           "reasoning_words", "answer_from_trace", "RELATION_WORD"]
+           "reasoning_words", "answer_from_trace", "scene_entries", "parse_listing", "scene_f1", "RELATION_WORD"]
 
 CELL = 4  # pixels per coordinate step on the 32 px canvas: digits 0-7 (position questions' pairs differ by >= 5 px)
 RELATION_WORD = {"left of": "left", "right of": "right", "above": "above", "below": "below"}
@@ -66,11 +66,17 @@ def reading_order(scene: Scene) -> list[SceneObject]:
     return [o for row in rows for o in sorted(row, key=lambda o: o.cx)]
 
 
-def _entry(obj: SceneObject, scene: Scene) -> str:
-    """``colour_shape column row``: the object's token and the 4-px cell of its centre on the 32 px canvas."""
+def _cell(obj: SceneObject, scene: Scene) -> tuple[int, int]:
+    """``(column, row)``: the 4-px cell of the object's centre on the 32 px canvas."""
     scale = RESOLUTION / scene.resolution
     last = RESOLUTION // CELL - 1
     column, row = (min(last, int(c * scale // CELL)) for c in (obj.cx, obj.cy))
+    return column, row
+
+
+def _entry(obj: SceneObject, scene: Scene) -> str:
+    """``colour_shape column row``: the object's token and its cell."""
+    column, row = _cell(obj, scene)
     return f"{object_token(obj.color, obj.shape)} {column} {row}"
 
 
@@ -155,3 +161,43 @@ def reasoning_words() -> list[str]:
     """Every word a trace uses beyond the questions' and answers' (for word-level tokenizers)."""
     return ([object_token(c, s) for c in COLORS for s in SHAPES] + [str(i) for i in range(RESOLUTION // CELL)]
             + ["none", ";", ":", ","] + list(RELATION_WORD.values()))
+
+
+def scene_entries(scene: Scene) -> list[tuple[str, int, int]]:
+    """The scene's objects as the trace's first step lists them: ``(token, column, row)`` in reading order."""
+    return [(object_token(o.color, o.shape), *_cell(o, scene)) for o in reading_order(scene)]
+
+
+def parse_listing(text: str) -> list[tuple[str, int | None, int | None]]:
+    """The entries of a listing (``"red_circle 2 4 , blue_square 6 5"``) as ``(token, column, row)``; a cell that is
+    missing or not a number is ``None``; ``none`` is the empty listing. A comma joined to the word before it (as a
+    generated trace may write it) is accepted."""
+    entries = []
+    for part in text.replace(",", " , ").split(","):
+        words = part.split()
+        if not words or words == ["none"]:
+            continue
+        cell = [int(w) if w.isdigit() else None for w in words[1:3]] + [None, None]
+        entries.append((words[0], cell[0], cell[1]))
+    return entries
+
+
+def scene_f1(trace: str, scene: Scene, tolerance: int = 1) -> float:
+    """How well the trace's first step (the perception step) lists ``scene``: the F1 of its entries against the
+    scene's objects, an entry matching an unmatched object of the same colour-shape token whose cell is within
+    ``tolerance`` cells on both axes (matched nearest first). 0 for an empty trace; 1 for an exact listing."""
+    truth = scene_entries(scene)
+    listed = parse_listing(trace.split(";", 1)[0])
+    if not truth and not listed:
+        return 1.0
+    candidates = sorted(
+        (max(abs(c - tc), abs(r - tr)), i, j)
+        for i, (token, c, r) in enumerate(listed) if c is not None and r is not None
+        for j, (true_token, tc, tr) in enumerate(truth)
+        if token == true_token and abs(c - tc) <= tolerance and abs(r - tr) <= tolerance)
+    used_listed, used_truth = set(), set()
+    for _, i, j in candidates:
+        if i not in used_listed and j not in used_truth:
+            used_listed.add(i)
+            used_truth.add(j)
+    return 2.0 * len(used_truth) / (len(listed) + len(truth))

@@ -10,6 +10,11 @@ by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
   (:func:`flowrl.data.vqa_reasoning.answer_from_trace` on the ``<think>`` block, for tasks with a Shapes-VQA
   question spec): a right answer after a trace that says otherwise (a lucky guess) earns 0. Tasks without a spec
   fall back to ``exact``.
+- ``scene``: a perception reward on the trace (for Shapes-VQA tasks): the F1 of the objects its first step lists
+  against the scene's (:func:`flowrl.data.vqa_reasoning.scene_f1`, a listed object matching a true one of the same
+  colour and shape within ``tolerance`` cells, default 1), whatever the question. A dense signal beside
+  ``exact``: every object counts, where the answer is one token, so a group whose answers all agree still has
+  traces that differ. Like Perception-R1's object-listing reward, it needs the ground truth of the scene.
 - ``numeric``: 1 when both parse as numbers within ``tolerance`` (absolute), else 0.
 - ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
   e.g. ``<think>.*</think>\\s*<answer>.*</answer>`` for R1-style outputs), else 0.
@@ -32,10 +37,10 @@ import torch
 from flowrl.data.vqa import normalize_answer
 from flowrl.registry import Registry
 
-from .tools import extract_answer
+from .tools import extract_answer, extract_trace
 
-__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "grounded_match", "numeric_match", "format_match",
-           "JudgeReward"]
+__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "grounded_match", "scene_match", "numeric_match",
+           "format_match", "JudgeReward"]
 
 ANSWER_REWARDS: Registry = Registry("answer reward")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -45,9 +50,6 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def exact_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
     return torch.tensor([float(normalize_answer(extract_answer(a)) == normalize_answer(t.answer))
                          for a, t in zip(answers, tasks)])
-
-
-_TRACE = re.compile(r"<think>(.*?)</think>", re.S)
 
 
 def _question_spec(task):
@@ -67,10 +69,27 @@ def grounded_match(answers: list[str], tasks: list, images=None) -> torch.Tensor
         if spec is None or not right:
             out.append(right)
             continue
-        trace = _TRACE.search(text)
-        derived = answer_from_trace(spec, trace.group(1).strip()) if trace else None
+        trace = extract_trace(text)
+        derived = answer_from_trace(spec, trace) if trace is not None else None
         out.append(float(derived is not None and normalize_answer(derived) == normalize_answer(extract_answer(text))))
     return torch.tensor(out)
+
+
+def scene_match(answers: list[str], tasks: list, images=None, *, tolerance: int = 1) -> torch.Tensor:
+    from flowrl.data.vqa_reasoning import scene_f1
+
+    out = []
+    for text, task in zip(answers, tasks):
+        scene = getattr(task.data, "scene", None)
+        if scene is None:
+            raise ValueError(f"the scene reward needs Shapes-VQA tasks (a VQA example with its scene); task "
+                             f"{task.question!r} has none: use it with the shapes_vqa environment, or drop it")
+        trace = extract_trace(text)
+        out.append(scene_f1(trace, scene, tolerance) if trace is not None else 0.0)
+    return torch.tensor(out)
+
+
+ANSWER_REWARDS.register("scene", scene_match)
 
 
 def _number(text: str) -> float | None:

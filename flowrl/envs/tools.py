@@ -26,12 +26,13 @@ from typing import Any
 
 from flowrl.untrusted import loads_json
 
-__all__ = ["ToolSpec", "ToolCall", "ToolCallError", "parse_tool_calls", "extract_answer", "has_tool_call"]
+__all__ = ["ToolSpec", "ToolCall", "ToolCallError", "parse_tool_calls", "extract_answer", "extract_trace",
+           "has_tool_call"]
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*\((.*)\)\s*$", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_THINK = re.compile(r"<think>.*?</think>", re.S)
+_THINK = re.compile(r"<think>(.*?)</think>", re.S)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
 MAX_CALL_DEPTH = 8  # {"name": ..., "arguments": {...}} is 2 deep
 
@@ -151,3 +152,9 @@ def extract_answer(text: str) -> str:
     if match:
         return match.group(1).strip()
     return _THINK.sub("", text).strip()
+
+
+def extract_trace(text: str) -> str | None:
+    """The reasoning trace in a policy's turn: the content of its first ``<think>...</think>``, or ``None``."""
+    match = _THINK.search(text)
+    return match.group(1).strip() if match else None

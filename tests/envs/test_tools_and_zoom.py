@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.data.shapes import render
-from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, grounded_match, numeric_match
+from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, grounded_match, numeric_match, scene_match
 from flowrl.envs.rollout import SamplingSettings, play_episodes
 from flowrl.envs.tools import ToolCallError, ToolSpec, extract_answer, parse_tool_calls
 from flowrl.envs.zoom import QUADRANTS, TOOL_PENALTY, ZoomEnv, crop, demonstration, overview, zoom_tasks
@@ -88,6 +88,41 @@ def test_grounded_reward_pays_a_right_answer_only_after_a_trace_that_gives_it():
     assert exact_match(guesses, tasks).tolist() == [1.0] * 40
     wrong = [f"<think> {reasoning_trace(e)} </think> <answer> {other[e.answer]} </answer>" for e in examples]
     assert grounded_match(wrong, tasks).tolist() == [0.0] * 40
+
+
+def test_scene_reward_is_the_f1_of_the_listed_objects():
+    from types import SimpleNamespace
+
+    from flowrl.data.shapes import Scene, SceneObject
+    from flowrl.data.vqa import sample_vqa
+    from flowrl.data.vqa_reasoning import reasoning_answer
+    from flowrl.envs.vqa import task_from_example
+
+    # Cells of 4 px on the 32 px canvas: red circle (2, 1) first in reading order, blue square (6, 5).
+    scene = Scene((SceneObject("square", "blue", 26, 22, 6), SceneObject("circle", "red", 10, 6, 6)), 32)
+    task = SimpleNamespace(question="how many red circles?", data=SimpleNamespace(scene=scene))
+
+    def score(trace, **kwargs):
+        return scene_match([f"<think> {trace} ; red : red_circle 2 1 </think> <answer> 1 </answer>"], [task],
+                           **kwargs).item()
+
+    assert score("red_circle 2 1 , blue_square 6 5") == 1.0
+    assert score("blue_square 6 5, red_circle 2 1") == 1.0  # order and a joined comma do not matter
+    assert score("red_circle 3 1 , blue_square 6 5") == 1.0  # one cell off: within the default tolerance
+    assert score("red_circle 3 1 , blue_square 6 5", tolerance=0) == 0.5
+    assert score("red_circle 4 1 , blue_square 6 5") == 0.5  # two cells off
+    assert score("red_square 2 1 , blue_square 6 5") == 0.5  # wrong shape: 2 * 1 / (2 + 2)
+    assert score("red_circle 2 1 , blue_square 6 5 , red_circle 2 1") == pytest.approx(0.8)  # extra: 2*2/(3+2)
+    assert score("red_circle 2 1 , red_circle 2 2") == 0.5  # one true object matches one listed entry only
+    assert score("red_circle , blue_square 6 5") == 0.5  # an entry without its cell matches nothing
+    assert score("none") == 0.0
+    assert scene_match(["<answer> 1 </answer>"], [task]).item() == 0.0  # no trace
+    # The shipped traces list their scenes exactly.
+    examples = sample_vqa("train", 40, seed=5)
+    assert scene_match([reasoning_answer(e) for e in examples], [task_from_example(e) for e in examples]).tolist() \
+        == [1.0] * 40
+    with pytest.raises(ValueError, match="Shapes-VQA tasks"):
+        scene_match(["<think> none </think>"], zoom_tasks("train", 1, seed=1))
 
 
 # ----------------------------------------------------------------------------- zoom environment
