@@ -19,6 +19,9 @@ Variants (``variant_overrides``; each adds overrides to the main job's config):
   to the base;
 - ``base_tail``: the base model takes the last ``--base-last-steps`` denoising steps of rollouts and evaluation.
 
+The base model is evaluated once per seed (``base_s<seed>``), the first point of every run's curves; runs do not
+evaluate at their start.
+
 Phases: ``--phase screen`` runs every variant at 10 CPU-minutes, seed 0; ``--phase final`` runs ``none`` and the
 best three (``--best A B C``, default the three the screen ranked first) at 30 CPU-minutes, seeds 0 and 1;
 ``--phase custom`` takes ``--variants``, ``--minutes`` and ``--seeds`` as given. Runs are launched
@@ -169,11 +172,27 @@ def budget(args: argparse.Namespace) -> dict:
             "eval.every_minutes": args.eval_every_minutes or args.minutes / 3}
 
 
-def jobs_for(args: argparse.Namespace) -> list[dict]:
-    common = {**budget(args), "eval.at_start": "true", "data.num_eval_prompts": args.num_eval_prompts,
+def common_overrides(args: argparse.Namespace) -> dict:
+    common = {**budget(args), "eval.at_start": "false", "data.num_eval_prompts": args.num_eval_prompts,
               "sampling.eval_num_steps": args.eval_steps}
     if args.model_path is not None:
         common["model.path"] = args.model_path
+    return common
+
+
+def base_jobs(args: argparse.Namespace) -> list[dict]:
+    """The base model's evaluation, once per seed (a run of 0 epochs evaluates at its start): every run's first
+    point and the criteria's reference. Every variant's model is the base before its first update, so evaluating
+    it again at each run's start would cost one evaluation per run for the same numbers."""
+    config = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
+    overrides = {**common_overrides(args), "run.max_epochs": 0, "eval.at_start": "true"}
+    return [{"config": config, "out": Path(args.out) / f"base_s{seed}", "overrides": {**overrides, "run.seed": seed},
+             "extra": list(args.overrides), "label": f"hacking {args.phase}: base seed {seed}", "reuse": True,
+             "variant": "base", "seed": seed} for seed in args.seeds]
+
+
+def jobs_for(args: argparse.Namespace) -> list[dict]:
+    common = common_overrides(args)
     config = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
     jobs = []
     for seed in args.seeds:  # seed-major: an interrupted benchmark still has every variant for early seeds
@@ -194,8 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.analyse_only:
         if any(v.startswith("artifact_") for v in args.variants):
             ensure_artifact_model(Path(args.artifact_model))
-        launch(jobs, args.parallel, keys=("variant", "seed"))
-    return report(jobs, args)
+        launch([*base_jobs(args), *jobs], args.parallel, keys=("variant", "seed"))
+    return report(jobs, args, base_jobs(args))
 
 
 if __name__ == "__main__":

@@ -33,12 +33,13 @@ PROXY = "train/reward_mean"
 DISCRIMINATOR = "adv/d_acc_fresh"
 
 
-def curve(directory: Path) -> dict | None:
+def curve(directory: Path, base: dict | None = None) -> dict | None:
     """A run's evaluations: minutes, epochs, every metric of the table and the proxy (the mean training reward of
-    the epochs since the previous evaluation; the first evaluation's is the first epoch's)."""
+    the epochs since the previous evaluation; the first evaluation's is the first epoch's). ``base`` (the base
+    model's evaluation row) is the first point of a run that did not evaluate at its start."""
     if not (directory / "metrics.jsonl").is_file():
         restore_record(directory)  # a run finished on an earlier machine
-    found = read_curve(directory, LENIENT)
+    found = read_curve(directory, LENIENT, initial=base)
     if found is None:
         return None
     evals, train = found["evals"], found["rows"]
@@ -248,11 +249,25 @@ def plot_curves(runs: dict, path: Path, title: str) -> None:
     save_figure(fig, path)
 
 
-def report(jobs: list[dict], args: argparse.Namespace) -> dict:
-    """Read every job's run, write the results of the phase (module docstring) and return them."""
+def base_evaluations(base_jobs: list[dict]) -> dict[int, dict]:
+    """Per seed, the base model's evaluation row (from its 0-epoch run), where it was made."""
+    out = {}
+    for job in base_jobs:
+        if not (job["out"] / "metrics.jsonl").is_file():
+            restore_record(job["out"])
+        found = read_curve(job["out"], LENIENT)
+        if found is not None:
+            out[job["seed"]] = found["evals"][0]
+    return out
+
+
+def report(jobs: list[dict], args: argparse.Namespace, base_jobs: list[dict] = ()) -> dict:
+    """Read every job's run, write the results of the phase (module docstring) and return them. ``base_jobs``: the
+    base model's evaluation per seed, every run's first point where it did not evaluate at its start."""
     runs, records = {}, []
+    bases = base_evaluations(list(base_jobs))
     for job in jobs:
-        found = curve(job["out"])
+        found = curve(job["out"], bases.get(job["seed"]))
         if found is None:
             print(f"hacking: no evaluations in {job['out']}; left out", flush=True)
             continue

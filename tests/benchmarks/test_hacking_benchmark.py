@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import hacking, hacking_report  # noqa: E402
+from flowrl.logging import read_metrics  # noqa: E402
 
 TINY = ["--set", "sampling.num_steps=4", "--set", "sampling.group_size=2", "--set", "sampling.groups_per_epoch=2",
         "--set", "sampling.batch_size=4", "--set", "train.micro_batch_size=4", "--set", "eval.grid_size=0",
@@ -71,6 +72,12 @@ def test_phases_pick_their_variants_budgets_and_seeds(tmp_path):
     assert named.variants == ["none", "elastic_reset", "kl_low"] and named.out.endswith("hacking_final")
     with pytest.raises(SystemExit):
         hacking.parse_args(["--variants", "no_such_variant"])
+    # The base is evaluated once per seed; the runs start training at once.
+    (base,) = hacking.base_jobs(screen)
+    assert base["out"].name == "base_s0" and base["overrides"]["run.max_epochs"] == 0
+    assert base["overrides"]["eval.at_start"] == "true" and base["overrides"]["run.seed"] == 0
+    assert {job["overrides"]["eval.at_start"] for job in hacking.jobs_for(screen)} == {"false"}
+    assert [job["out"].name for job in hacking.base_jobs(final)] == ["base_s0", "base_s1"]
 
 
 def test_each_variant_sets_its_regulariser():
@@ -113,6 +120,13 @@ def test_hacking_benchmark_trains_the_variants_and_writes_every_output(tiny_shap
     assert result["recommended"] is None or result["recommended"] in variants
     assert result["ranking"] and "none" not in result["ranking"]
     config = lambda v: (tmp_path / "runs" / f"{v}_s0" / "config.yaml").read_text()  # noqa: E731
+    # The base was evaluated once, in its own 0-epoch run, and is every run's first point.
+    base = [r for r in read_metrics(tmp_path / "runs" / "base_s0" / "metrics.jsonl") if hacking_report.LENIENT in r]
+    assert len(base) == 1 and base[0]["epoch"] == 0
+    for record in result["runs"]:
+        assert record["series"][hacking_report.STRICT][0] == base[0][hacking_report.STRICT]
+        assert record["series"][hacking_report.LENIENT][0] == base[0][hacking_report.LENIENT]
+    assert all("at_start: false" in config(v) for v in variants)
     assert "clip_margin: 0" in config("adversarial_clipped") and "kl_reward_adaptive: true" in config("crd_anchor")
     assert "every_epochs: 1" in config("elastic_reset") and "base_last_steps: 1" in config("base_tail")
     adversarial = next(r for r in result["runs"] if r["variant"] == "adversarial_clipped")
