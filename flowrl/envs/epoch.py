@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EpochBatch", "score_episodes", "collect_epoch", "turn_advantages", "epoch_metrics", "trained_conversation",
-           "rollout_logp_gap", "token_advantages", "micro_batches", "minibatch_plan", "shard"]
+__all__ = ["EpochBatch", "score_episodes", "collect_epoch", "epoch_tasks", "turn_advantages", "epoch_metrics",
+           "trained_conversation", "rollout_logp_gap", "token_advantages", "micro_batches", "minibatch_plan", "shard"]
 
 
 def _seed(*parts: int) -> int:
@@ -75,6 +75,13 @@ def score_episodes(episodes: list, answer_rewards, cfg, variant):
     return rewards, turn_rewards, turn_mask, details
 
 
+def epoch_tasks(env_spec, env_cfg, n: int, seed: int, kinds: tuple[str, ...]) -> list:
+    """One sampling round's ``n`` training tasks (shapes_vqa: ``env.color_position_fraction`` of them by colour)."""
+    share = getattr(env_cfg, "color_position_fraction", 0.0)
+    extra = {"color_position_fraction": share} if share else {}
+    return env_spec.train_tasks("train", n, seed=seed, kinds=kinds, **extra)
+
+
 def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, progress=None) -> EpochBatch:
     """Play the epoch's episodes (sharded over processes, gathered), score them, and (DAPO) refill groups whose
     rewards are all equal until ``groups_per_epoch`` informative groups are found."""
@@ -94,7 +101,7 @@ def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, pr
     all_played = []
     while rounds < rounds_allowed and len(kept) < s.groups_per_epoch:
         round_seed = _seed(cfg.run.seed, epoch, rounds)
-        tasks = env_spec.train_tasks("train", s.groups_per_epoch, seed=round_seed % (2**31), kinds=kinds)
+        tasks = epoch_tasks(env_spec, cfg.env, s.groups_per_epoch, round_seed % (2**31), kinds)
         flat = [t for t in tasks for _ in range(s.group_size)]
         n = len(flat)
         per = math.ceil(n / dist.world_size)

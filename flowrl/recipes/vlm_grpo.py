@@ -93,6 +93,9 @@ class EnvConfig:
     kinds: list[str] | None = None  # None: every kind of the environment
     max_turns: int | None = field(default=None, metadata=bounds(ge=1))  # None: the environment's default
     system_prompt: str | None = None  # a system turn before the first observation (e.g. an answer format)
+    # shapes_vqa: this fraction of each epoch's groups ask position by colour (train-only, every colour pair both
+    # ways, flowrl.data.vqa.sample_color_position), as the shipped model's SFT data did (0.2).
+    color_position_fraction: float = field(default=0.0, metadata=bounds(ge=0, le=1))
 
 
 @dataclass
@@ -219,6 +222,9 @@ class Config:
             bad = [k for k in self.env.kinds if k not in valid]
             if bad:
                 fail("env.kinds", f"{bad[0]!r} is not a task kind of {self.env.name}; valid: {', '.join(valid)}")
+        if self.env.color_position_fraction and self.env.name != "shapes_vqa":
+            fail("env.color_position_fraction", f"position questions by colour are shapes_vqa tasks, not "
+                 f"{self.env.name}'s; set it to 0")
         if self.train.minibatches > self.sampling.groups_per_epoch * self.sampling.group_size:
             fail("train.minibatches", "more minibatches than episodes per epoch")
 

@@ -110,6 +110,34 @@ def test_bad_config_is_one_line(tiny_vlm):
         load_recipe_config(str(ROOT / ZOOM), ["algorithm.variant=gspo"])
     with pytest.raises(ConfigError, match="unknown answer reward"):
         load_recipe_config(str(ROOT / GRPO), ["reward.answer={exactt: 1.0}"])
+    with pytest.raises(ConfigError, match="color_position_fraction"):
+        load_recipe_config(str(ROOT / ZOOM), ["env.color_position_fraction=0.2"])
+
+
+def test_a_share_of_the_training_groups_ask_position_by_colour():
+    from types import SimpleNamespace
+
+    from flowrl.envs.epoch import epoch_tasks
+    from flowrl.envs.registry import get_env
+    from flowrl.envs.vqa import vqa_tasks
+
+    _, config = load_recipe_config(str(ROOT / GRPO), ["env.color_position_fraction=0.25"])
+    rounds = epoch_tasks(get_env("shapes_vqa"), config.env, 32, 3, ("count", "position"))
+    assert sum(t.data.spec.other_color is not None for t in rounds) == 8
+    assert not any(t.data.spec.other_color for t in epoch_tasks(get_env("shapes_vqa"), SimpleNamespace(), 32, 3,
+                                                                  ("count", "position")))
+
+    plain = vqa_tasks("train", 32, seed=3)
+    mixed = vqa_tasks("train", 32, seed=3, color_position_fraction=0.25)
+    by_colour = [t for t in mixed if t.data.spec.other_color is not None]
+    assert len(by_colour) == 8 and all(t.kind == "position" for t in by_colour)
+    assert [t.question for t in mixed[:24]] == [t.question for t in plain[:24]]  # the rest: the same stream
+    assert len({t.group for t in mixed}) == 32
+    assert not any(t.data.spec.other_color for t in plain)
+    no_position = vqa_tasks("train", 32, seed=3, kinds=("count", "shape"), color_position_fraction=0.25)
+    assert {t.kind for t in no_position} == {"count", "shape"}
+    with pytest.raises(ValueError, match="train-only"):
+        vqa_tasks("eval", 8, seed=3, color_position_fraction=0.25)
 
 
 def _run(command, env_extra=None):
