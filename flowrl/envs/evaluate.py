@@ -50,13 +50,14 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
     Returns:
         ``{prefix + "accuracy": overall, prefix + kind: accuracy of that kind, ...}``,
         ``prefix + "top_answer_share/" + kind`` (the share of the most common answer: 1 means the kind is
-        answered by a constant), and, for multi-turn environments, ``prefix + "tool_calls/" + kind`` (mean tool
+        answered by a constant), for Shapes-VQA tasks ``prefix + "scene_f1"`` (the ``scene`` reward of the final
+        turns: how well their traces list the scene; 0 for a model that answers without one), and, for multi-turn environments, ``prefix + "tool_calls/" + kind`` (mean tool
         calls per episode), ``prefix + "correct_quadrant"`` (of the episodes that zoomed, the share whose first
         zoom was the quadrant holding the objects) and the fraction of episodes that ended in an error or the
         turn limit. ``prefix`` defaults to ``eval/<env short name>/`` (``eval/vqa/`` for ``shapes_vqa``).
     """
     from flowrl.envs.registry import get_env
-    from flowrl.envs.rewards import exact_match
+    from flowrl.envs.rewards import exact_match, scene_match
     from flowrl.envs.rollout import SamplingSettings, play_episodes
 
     spec = get_env(env_name)
@@ -93,6 +94,10 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
         metrics[f"{prefix}top_answer_share/{kind}"] = max(counts.values()) / sum(counts.values())
     if answers is not None:
         answers.update(distribution)
+    with_scene = [e for e in episodes if getattr(e.task.data, "scene", None) is not None]
+    if with_scene:  # Shapes-VQA: how well the traces' first step lists the scene (the perception step)
+        metrics[f"{prefix}scene_f1"] = float(scene_match([e.final_text for e in with_scene],
+                                                         [e.task for e in with_scene]).mean())
     zoomed = [(first_zoom_quadrant(e), e.task) for e in episodes]
     zoomed = [(q, t) for q, t in zoomed if q is not None and isinstance(t.data, dict) and "quadrant" in t.data]
     if zoomed:
