@@ -52,7 +52,8 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
         ``prefix + "top_answer_share/" + kind`` (the share of the most common answer: 1 means the kind is
         answered by a constant), for Shapes-VQA tasks ``prefix + "scene_f1"`` (the ``scene`` reward of the final
         turns: how well their traces list the scene; 0 for a model that answers without one), and, for multi-turn
-        environments, ``prefix + "tool_calls/" + kind`` (mean tool calls per episode), ``prefix + "correct_quadrant"`` (of the episodes that zoomed, the share whose first
+        environments, ``prefix + "tool_calls/" + kind`` (mean tool calls per episode),
+        ``prefix + "correct_quadrant"`` (of the episodes that zoomed, the share whose first
         zoom was the quadrant holding the objects) and the fraction of episodes that ended in an error or the
         turn limit. ``prefix`` defaults to ``eval/<env short name>/`` (``eval/vqa/`` for ``shapes_vqa``).
     """
