@@ -15,6 +15,11 @@ by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
   colour and shape within ``tolerance`` cells, default 1), whatever the question. A dense signal beside
   ``exact``: every object counts, where the answer is one token, so a group whose answers all agree still has
   traces that differ. Like Perception-R1's object-listing reward, it needs the ground truth of the scene.
+- ``consistent``: a process reward on the trace's reasoning (for tasks with a Shapes-VQA question spec): the share
+  of its checks that hold, each step judged against the trace's own step before it (every lookup keeps exactly the
+  listed objects with the looked-up attribute, a position pair and relation follow from what was written) and the
+  answer against the trace (:func:`flowrl.data.vqa_reasoning.trace_consistency`). Needs no scene: it rewards
+  reasoning right from whatever was seen, where ``scene`` rewards seeing right.
 - ``numeric``: 1 when both parse as numbers within ``tolerance`` (absolute), else 0.
 - ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
   e.g. ``<think>.*</think>\\s*<answer>.*</answer>`` for R1-style outputs), else 0.
@@ -39,8 +44,8 @@ from flowrl.registry import Registry
 
 from .tools import extract_answer, extract_trace
 
-__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "grounded_match", "scene_match", "numeric_match",
-           "format_match", "JudgeReward"]
+__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "grounded_match", "scene_match", "consistent_match",
+           "numeric_match", "format_match", "JudgeReward"]
 
 ANSWER_REWARDS: Registry = Registry("answer reward")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -90,6 +95,21 @@ def scene_match(answers: list[str], tasks: list, images=None, *, tolerance: int 
 
 
 ANSWER_REWARDS.register("scene", scene_match)
+
+
+@ANSWER_REWARDS.register("consistent")
+def consistent_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
+    from flowrl.data.vqa_reasoning import trace_consistency
+
+    out = []
+    for text, task in zip(answers, tasks):
+        spec = _question_spec(task)
+        if spec is None:
+            raise ValueError(f"the consistent reward needs Shapes-VQA questions (a task with its question spec); task "
+                             f"{task.question!r} has none: use it with shapes_vqa or shapes_zoom, or drop it")
+        trace = extract_trace(text)
+        out.append(trace_consistency(spec, trace, extract_answer(text)) if trace is not None else 0.0)
+    return torch.tensor(out)
 
 
 def _number(text: str) -> float | None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flowrl.data.shapes import render
-from flowrl.envs.rewards import AnswerRewards, exact_match, format_match, grounded_match, numeric_match, scene_match
+from flowrl.envs.rewards import (AnswerRewards, consistent_match, exact_match, format_match, grounded_match,
+                                 numeric_match, scene_match)
 from flowrl.envs.rollout import SamplingSettings, play_episodes
 from flowrl.envs.tools import ToolCallError, ToolSpec, extract_answer, parse_tool_calls
 from flowrl.envs.zoom import QUADRANTS, TOOL_PENALTY, ZoomEnv, crop, demonstration, overview, zoom_tasks
@@ -123,6 +124,59 @@ def test_scene_reward_is_the_f1_of_the_listed_objects():
         == [1.0] * 40
     with pytest.raises(ValueError, match="Shapes-VQA tasks"):
         scene_match(["<think> none </think>"], zoom_tasks("train", 1, seed=1))
+
+
+def test_consistent_reward_judges_each_step_against_the_trace_before_it():
+    from types import SimpleNamespace
+
+    from flowrl.data.vqa import QuestionSpec, sample_vqa
+    from flowrl.data.vqa_reasoning import reasoning_answer
+    from flowrl.envs.vqa import task_from_example
+
+    def score(spec, trace, answer):
+        task = SimpleNamespace(question=spec.text(), data=SimpleNamespace(spec=spec))
+        return consistent_match([f"<think> {trace} </think> <answer> {answer} </answer>"], [task]).item()
+
+    exists = QuestionSpec("exists", color="red", shape="circle")
+    listing = "red_circle 2 2, red_triangle 2 6, purple_triangle 5 4"
+    # The shipped model's trace (2026-12-05): the circle lookup drops the red circle; the answer follows from it.
+    assert score(exists, f"{listing} ; red : red_circle 2 2, red_triangle 2 6 ; circle : none", "no") \
+        == pytest.approx(2 / 3)
+    assert score(exists, f"{listing} ; red : red_circle 2 2, red_triangle 2 6 ; circle : red_circle 2 2", "yes") == 1
+    # Judged against the trace's own listing, not the scene: a consistent trace over a wrong listing scores 1.
+    assert score(exists, "red_square 2 2 ; red : red_square 2 2 ; circle : none", "no") == 1
+    assert score(exists, f"{listing} ; red : red_circle 2 2 ; circle : red_circle 2 2", "yes") == pytest.approx(2 / 3)
+    assert score(exists, f"{listing} ; red : red_circle 2 2, red_triangle 2 6", "yes") == pytest.approx(1 / 3)  # a step missing
+    count = QuestionSpec("count", color="green", shape="circle")
+    assert score(count, "green_circle 1 3, green_circle 4 4 ; green : green_circle 1 3, green_circle 4 4 ; "
+                        "circle : green_circle 1 3, green_circle 4 4", "2") == 1
+    assert score(count, "green_circle 1 3, green_circle 4 4 ; green : green_circle 1 3, green_circle 4 4 ; "
+                        "circle : green_circle 1 3, green_circle 4 4", "1") == pytest.approx(2 / 3)
+    shape = QuestionSpec("shape", color="blue")
+    assert score(shape, "blue_square 1 1, red_circle 5 5 ; blue : blue_square 1 1", "square") == 1
+    assert score(shape, "blue_square 1 1, red_circle 5 5 ; blue : red_circle 5 5", "circle") == pytest.approx(0.5)
+    assert score(shape, "blue_square 1 1, red_circle 5 5 ; red : red_circle 5 5", "circle") == 0  # another lookup
+    # Position: the pair is the first object of each asked shape in the listing; the relation follows the pair's
+    # written cells (the shipped model's trace: the pair's cells swapped, the relation and answer follow from them).
+    above = QuestionSpec("position", shape="square", relation="above", other="triangle")
+    listing = "yellow_circle 5 1, blue_square 2 3, yellow_triangle 5 5"
+    assert score(above, f"{listing} ; blue_square 2 3 , yellow_triangle 5 5 ; above above", "yes") == 1
+    assert score(above, f"{listing} ; yellow_square 5 5, blue_triangle 2 3 ; below above", "no") \
+        == pytest.approx(2 / 3)
+    assert score(above, f"{listing} ; blue_square 2 3 , yellow_triangle 5 5 ; below above", "no") \
+        == pytest.approx(2 / 3)
+    assert score(above, f"{listing} ; blue_square 2 3 , yellow_triangle 5 5 ; above below", "no") \
+        == pytest.approx(1 / 3)  # the asked word is not the question's: the answer cannot be read either
+    left = QuestionSpec("position", relation="left of", color="red", other_color="blue")
+    assert score(left, "blue_square 6 2, red_circle 1 4 ; red_circle 1 4 , blue_square 6 2 ; left left", "yes") == 1
+    assert score(left, "red_circle 3 4, blue_square 3 2 ; red_circle 3 4 , blue_square 3 2 ; right left", "no") == 1
+    # Every shipped trace is consistent; a task without a question spec is refused.
+    examples = sample_vqa("train", 60, seed=5)
+    assert consistent_match([reasoning_answer(e) for e in examples], [task_from_example(e) for e in examples]).tolist() \
+        == [1.0] * 60
+    assert consistent_match(["<answer> 1 </answer>"], [task_from_example(examples[0])]).item() == 0.0  # no trace
+    with pytest.raises(ValueError, match="question spec"):
+        consistent_match(["<think> none </think>"], [SimpleNamespace(question="q?", data=None)])
 
 
 # ----------------------------------------------------------------------------- zoom environment
