@@ -288,8 +288,8 @@ def _memory(cfg) -> list[str]:
     from flowrl.models.footprint import footprint, format_gib, memory_estimate
 
     model = getattr(cfg, "model", None)
-    if model is None or not hasattr(model, "lora"):
-        return []
+    if model is None or not hasattr(model, "lora") or not hasattr(model, "name"):
+        return []  # no model, or a token policy (VLM recipes): the estimate sizes image generators
     try:
         fp = footprint(model)
     except Exception as err:  # noqa: BLE001 - an unreadable local config: say so, do not fail the dry run

@@ -46,6 +46,7 @@ def test_every_shipped_config_passes_the_dry_run(path, tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rows and rows[-1]["epoch"] == 1, report  # one real epoch of the recipe ran and was logged
     assert "The real run needs:" in report
+    assert "cannot read the architecture" not in report  # every shipped config's architecture is read (or skipped)
     from flowrl.models.footprint import KNOWN_MODELS
     from flowrl.train import load_recipe_config
 
