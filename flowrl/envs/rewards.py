@@ -18,7 +18,7 @@ by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
 - ``consistent``: a process reward on the trace's reasoning (for tasks with a Shapes-VQA question spec): the share
   of its checks that hold, each step judged against the trace's own step before it (every lookup keeps exactly the
   listed objects with the looked-up attribute, a position pair and relation follow from what was written) and the
-  answer against the trace (:func:`flowrl.data.vqa_reasoning.trace_consistency`). Needs no scene: it rewards
+  answer against the trace (:func:`flowrl.data.vqa_reasoning.step_checks` and ``answer_from_trace``). Needs no scene: it rewards
   reasoning right from whatever was seen, where ``scene`` rewards seeing right.
 - ``numeric``: 1 when both parse as numbers within ``tolerance`` (absolute), else 0.
 - ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
@@ -99,7 +99,7 @@ ANSWER_REWARDS.register("scene", scene_match)
 
 @ANSWER_REWARDS.register("consistent")
 def consistent_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
-    from flowrl.data.vqa_reasoning import trace_consistency
+    from flowrl.data.vqa_reasoning import answer_from_trace, step_checks
 
     out = []
     for text, task in zip(answers, tasks):
@@ -108,7 +108,13 @@ def consistent_match(answers: list[str], tasks: list, images=None) -> torch.Tens
             raise ValueError(f"the consistent reward needs Shapes-VQA questions (a task with its question spec); task "
                              f"{task.question!r} has none: use it with shapes_vqa or shapes_zoom, or drop it")
         trace = extract_trace(text)
-        out.append(trace_consistency(spec, trace, extract_answer(text)) if trace is not None else 0.0)
+        if trace is None:
+            out.append(0.0)
+            continue
+        derived = answer_from_trace(spec, trace)
+        checks = step_checks(spec, trace) + [
+            derived is not None and normalize_answer(derived) == normalize_answer(extract_answer(text))]
+        out.append(sum(checks) / len(checks))
     return torch.tensor(out)
 
 
