@@ -28,22 +28,11 @@ from flowrl.envs.evaluate import ANSWER_MAX_NEW_TOKENS  # noqa: E402
 def trace_errors(policy, n: int, batch_size: int = 100) -> dict:
     """``{"accuracy", "consistency", "fully_consistent", "listed_exactly", "kinds": {kind: {"listed_exactly": [count,
     accuracy], "otherwise": [count, accuracy]}}}`` over the first ``n`` held-out Shapes-VQA questions, greedy."""
-    import torch
-
-    from flowrl.envs.registry import get_env
+    from flowrl.envs.evaluate import greedy_episodes
     from flowrl.envs.rewards import consistent_match, exact_match, scene_match
-    from flowrl.envs.rollout import SamplingSettings, play_episodes
 
-    spec = get_env("shapes_vqa")
-    tasks = spec.eval_tasks(n)
-    policy.eval()
-    episodes = []
-    with torch.no_grad():
-        for start in range(0, n, batch_size):
-            chunk = tasks[start:start + batch_size]
-            episodes += play_episodes(policy, spec.make, chunk, list(range(start, start + len(chunk))), seed=0,
-                                      sampling=SamplingSettings(greedy=True, max_new_tokens=ANSWER_MAX_NEW_TOKENS,
-                                                                batch_size=batch_size), max_turns=1)
+    _, episodes = greedy_episodes(policy, "shapes_vqa", n, batch_size=batch_size, max_turns=1,
+                                  max_new_tokens=ANSWER_MAX_NEW_TOKENS)
     texts, tasks = [e.final_text for e in episodes], [e.task for e in episodes]
     correct = exact_match([e.answer for e in episodes], tasks).tolist()
     exact_listing = (scene_match(texts, tasks) > 0.999).tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-__all__ = ["evaluate_policy", "evaluate_with_baselines", "format_kind_table", "answer_distribution",
+__all__ = ["greedy_episodes", "evaluate_policy", "evaluate_with_baselines", "format_kind_table", "answer_distribution",
            "first_zoom_quadrant", "ZOOM_BASELINES", "ANSWER_MAX_NEW_TOKENS"]
 
 # Tokens per turn where a user evaluates or tries a model (flowrl eval, the demo's Agent tab): the shipped
@@ -39,6 +39,33 @@ def first_zoom_quadrant(episode) -> str | None:
     return None
 
 
+def greedy_episodes(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
+                    max_new_tokens: int = 16, progress=None, system_prompt: str | None = None):
+    """``(env spec, episodes)``: greedy episodes of ``policy`` on the first ``n`` held-out tasks of ``env_name``,
+    played ``batch_size`` tasks at a time (episode ``i`` plays task ``i``; ``progress(k)`` after each chunk).
+    The policy is put in eval mode for the episodes and restored after."""
+    from flowrl.envs.registry import get_env
+    from flowrl.envs.rollout import SamplingSettings, play_episodes
+
+    spec = get_env(env_name)
+    tasks = spec.eval_tasks(n)
+    sampling = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    was_training = policy.model.training
+    policy.eval()
+    episodes = []
+    try:
+        for start in range(0, len(tasks), batch_size):
+            chunk = tasks[start:start + batch_size]
+            episodes += play_episodes(policy, spec.make, chunk, list(range(start, start + len(chunk))), seed=0,
+                                      sampling=sampling, max_turns=max_turns or spec.max_turns,
+                                      system_prompt=system_prompt)
+            if progress is not None:
+                progress(len(chunk))
+    finally:
+        policy.train(was_training)
+    return spec, episodes
+
+
 def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
                     max_new_tokens: int = 16, prefix: str | None = None, progress=None,
                     system_prompt: str | None = None, answers: dict | None = None) -> dict[str, float]:
@@ -57,28 +84,12 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
         zoom was the quadrant holding the objects) and the fraction of episodes that ended in an error or the
         turn limit. ``prefix`` defaults to ``eval/<env short name>/`` (``eval/vqa/`` for ``shapes_vqa``).
     """
-    from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import exact_match, scene_match
-    from flowrl.envs.rollout import SamplingSettings, play_episodes
 
-    spec = get_env(env_name)
     prefix = prefix if prefix is not None else f"eval/{env_name.removeprefix('shapes_')}/"
-    tasks = spec.eval_tasks(n)
+    spec, episodes = greedy_episodes(policy, env_name, n, batch_size=batch_size, max_turns=max_turns,
+                                     max_new_tokens=max_new_tokens, progress=progress, system_prompt=system_prompt)
     turns = max_turns or spec.max_turns
-    was_training = policy.model.training
-    policy.eval()
-    episodes = []
-    try:
-        for start in range(0, len(tasks), batch_size):
-            chunk = tasks[start:start + batch_size]
-            episodes += play_episodes(policy, spec.make, chunk, list(range(start, start + len(chunk))), seed=0,
-                                      sampling=SamplingSettings(greedy=True, max_new_tokens=max_new_tokens,
-                                                                batch_size=batch_size), max_turns=turns,
-                                      system_prompt=system_prompt)
-            if progress is not None:
-                progress(len(chunk))
-    finally:
-        policy.train(was_training)
     correct = exact_match([e.answer for e in episodes], [e.task for e in episodes])
     correct = correct * (1 - (~torch_bool([e.answered for e in episodes])).float())
     by_kind: dict[str, list[float]] = defaultdict(list)

@@ -63,10 +63,16 @@ def _question_spec(task):
     return data.get("spec") if isinstance(data, dict) else getattr(data, "spec", None)
 
 
-@ANSWER_REWARDS.register("grounded")
-def grounded_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
+def _answer_follows_trace(spec, trace: str | None, text: str) -> bool:
+    """Whether the answer of ``text`` is the one its reasoning ``trace`` derives for the question ``spec``."""
     from flowrl.data.vqa_reasoning import answer_from_trace
 
+    derived = answer_from_trace(spec, trace) if trace is not None else None
+    return derived is not None and normalize_answer(derived) == normalize_answer(extract_answer(text))
+
+
+@ANSWER_REWARDS.register("grounded")
+def grounded_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
     exact = exact_match(answers, tasks)
     out = []
     for text, task, right in zip(answers, tasks, exact.tolist()):
@@ -74,9 +80,7 @@ def grounded_match(answers: list[str], tasks: list, images=None) -> torch.Tensor
         if spec is None or not right:
             out.append(right)
             continue
-        trace = extract_trace(text)
-        derived = answer_from_trace(spec, trace) if trace is not None else None
-        out.append(float(derived is not None and normalize_answer(derived) == normalize_answer(extract_answer(text))))
+        out.append(float(_answer_follows_trace(spec, extract_trace(text), text)))
     return torch.tensor(out)
 
 
@@ -99,7 +103,7 @@ ANSWER_REWARDS.register("scene", scene_match)
 
 @ANSWER_REWARDS.register("consistent")
 def consistent_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
-    from flowrl.data.vqa_reasoning import answer_from_trace, step_checks
+    from flowrl.data.vqa_reasoning import step_checks
 
     out = []
     for text, task in zip(answers, tasks):
@@ -111,9 +115,7 @@ def consistent_match(answers: list[str], tasks: list, images=None) -> torch.Tens
         if trace is None:
             out.append(0.0)
             continue
-        derived = answer_from_trace(spec, trace)
-        checks = step_checks(spec, trace) + [
-            derived is not None and normalize_answer(derived) == normalize_answer(extract_answer(text))]
+        checks = step_checks(spec, trace) + [_answer_follows_trace(spec, trace, text)]
         out.append(sum(checks) / len(checks))
     return torch.tensor(out)
 
