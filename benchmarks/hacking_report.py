@@ -11,8 +11,8 @@ run's evaluation before training) and the unregularised run (``none``):
 
 The recommended configuration is the variant that meets all four with the highest lenient accuracy; when none
 does, the result names none and gives the Pareto front (lenient accuracy, strict accuracy, minus the
-extra-object rate) of the variants measured. The screen's ``ranking`` (most criteria met, then lenient accuracy)
-picks the final phase's best three.
+extra-object rate) of the variants measured. The screen's ``ranking`` (nearest to meeting the rule,
+:func:`shortfall`, then lenient accuracy) picks the final phase's best three.
 """
 
 from __future__ import annotations
@@ -113,11 +113,32 @@ def pareto_front(summary: dict) -> list[str]:
     return [v for v in point if not dominated(v)]
 
 
-def ranking(summary: dict, checks: dict) -> list[str]:
-    """Regularised variants, most criteria met first, then by lenient accuracy."""
-    score = lambda v: (sum(checks[v][k] is True for k in ("strict", "extra", "lenient", "kinds")),  # noqa: E731
-                       summary[v][LENIENT]["end"][0])
-    return sorted((v for v in summary if v != "none"), key=score, reverse=True)
+def shortfall(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> dict[str, float]:
+    """Per variant, how far it stands from meeting the rule, in accuracy units: the sum of what strict accuracy lacks
+    of the base's, what the extra-object rate exceeds of base + 0.05, what lenient accuracy lacks of ``none``'s
+    minus 0.02, and the largest drop of a task kind below its base (0 for a variant that passes)."""
+    reference = summary.get("none")
+    out = {}
+    for variant, row in summary.items():
+        end = {k: v["end"][0] for k, v in row.items() if isinstance(v, dict) and "end" in v}
+        gaps = [base[STRICT] - end[STRICT], end[EXTRA] - (base[EXTRA] + 0.05),
+                (reference[LENIENT]["end"][0] - 0.02 - end[LENIENT]) if reference is not None else 0.0,
+                max((base[f"eval/shapes/{k}"] - kind_tolerance - end[f"eval/shapes/{k}"] for k in KINDS
+                     if math.isfinite(end.get(f"eval/shapes/{k}", math.nan))
+                     and math.isfinite(base.get(f"eval/shapes/{k}", math.nan))), default=0.0)]
+        out[variant] = sum(max(0.0, g) for g in gaps if math.isfinite(g))
+    return out
+
+
+def ranking(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> list[str]:
+    """Regularised variants, nearest to meeting the rule first (:func:`shortfall`), then by lenient accuracy.
+
+    Distance, not the number of criteria met, picks the final phase's variants: a longer budget raises every
+    variant's lenient accuracy but also the hacking of a variant that does not stop it (the main job's extra-object
+    rate went 0.16 -> 0.47 in 24 epochs and 0.81 in 87), so a variant 5 points short on strict accuracy at the
+    screen falls further behind, where one 3 points short on lenient accuracy can close the gap."""
+    gap = shortfall(summary, base, kind_tolerance)
+    return sorted((v for v in summary if v != "none"), key=lambda v: (gap[v], -summary[v][LENIENT]["end"][0]))
 
 
 def recommend(summary: dict, checks: dict) -> str | None:
@@ -294,7 +315,9 @@ def report(jobs: list[dict], args: argparse.Namespace, base_jobs: list[dict] = (
                + ", ".join(f"`{v}`" for v in pareto_front(summary)) + ".")
     settings = {k: v for k, v in vars(args).items() if k not in ("analyse_only", "reuse")}
     result = {"phase": args.phase, "settings": settings, "base": base, "summary": summary, "criteria": checks,
-              "recommended": best, "pareto_front": pareto_front(summary), "ranking": ranking(summary, checks),
+              "recommended": best, "pareto_front": pareto_front(summary),
+              "ranking": ranking(summary, base, args.kind_tolerance),
+              "shortfall": shortfall(summary, base, args.kind_tolerance),
               "runs": records, "table_md": table}
     (results / f"{stem}.json").write_text(json.dumps(clean(result), indent=2, default=str) + "\n")
     (results / f"{stem}.md").write_text(f"# {stem}\n\n{title}\n\n{table}\n\n{verdict}\n")

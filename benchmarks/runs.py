@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def cpu_budget() -> tuple[str, ...]:
 
     return (*budget_clock(), *CPU_BUDGET)
 
-__all__ = ["ROOT", "RECORDS", "record_dir", "save_record", "restore_record", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
+__all__ = ["ROOT", "RECORDS", "record_dir", "save_record", "restore_record", "run_command", "settings_mismatch",
+           "check_reusable", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
            "save_figure"]
 
 
@@ -85,6 +87,57 @@ def restore_record(out: Path) -> bool:
     return True
 
 
+_CHECKOUT = re.compile(r"(^|=)/\S*?/(?=(?:configs|benchmarks)/)")
+
+
+def run_command(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, resume: bool = False) -> list[str]:
+    """The ``python -m flowrl train ...`` command of one benchmark run."""
+    return [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}", *cpu_budget(),
+            *[f"{k}={v}" for k, v in overrides.items()], *extra, *(["run.resume=true"] if resume else [])]
+
+
+def _settings(command: list[str]) -> list[str]:
+    """A run command's arguments after ``train``, without the output folder and the resume flag, with the checkout
+    part of paths dropped (``/work/main/configs/shapes/x.yaml`` -> ``configs/shapes/x.yaml``): what stays the same
+    for the same run on another machine or in another sitting."""
+    args = command[command.index("train") + 1:] if "train" in command else list(command)
+    return [_CHECKOUT.sub(r"\1", a) for a in args if not a.startswith("run.output_dir=") and a != "run.resume=true"]
+
+
+def settings_mismatch(out: Path, command: list[str]) -> str | None:
+    """Why the finished run in ``out`` (or its record) cannot stand for ``command``: the arguments that differ
+    (``None`` when it can, or when there is no finished run to compare)."""
+    done = out / DONE if (out / DONE).is_file() else record_dir(out) / DONE
+    if not done.is_file():
+        return None
+    recorded = _settings(json.loads(done.read_text()).get("command", []))
+    wanted = _settings(command)
+    if recorded == wanted:
+        return None
+    only_recorded = [a for a in recorded if a not in wanted]
+    only_wanted = [a for a in wanted if a not in recorded]
+    if not only_recorded and not only_wanted:
+        return "the same arguments in another order"
+    return f"it was made with {' '.join(only_recorded) or '(nothing more)'}, this run asks for " \
+           f"{' '.join(only_wanted) or '(nothing more)'}"
+
+
+def check_reusable(jobs: list[dict]) -> None:
+    """Stop, before anything trains, when ``--reuse`` would take a finished run made with other settings (another
+    precision, budget or evaluation) for one of ``jobs``: results of different settings never mix in a table."""
+    problems = []
+    for job in jobs:
+        if not job.get("reuse"):
+            continue
+        why = settings_mismatch(job["out"], run_command(job["config"], job["out"], job["overrides"], job["extra"]))
+        if why:
+            problems.append(f"  {job['out']} (record {record_dir(job['out'])}): {why}")
+    if problems:
+        raise SystemExit("benchmark: --reuse would mix runs made with other settings:\n" + "\n".join(problems)
+                         + "\nMove those folders and records aside (or delete them), or give this benchmark "
+                           "another --tag / --out so both sets of runs are kept.")
+
+
 def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, reuse: bool = False,
               label: str = "run") -> dict:
     """One training run as a subprocess; its log goes to ``<out>/train.log``.
@@ -106,8 +159,7 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
         if out.exists():
             shutil.rmtree(out)  # a fresh run
         out.mkdir(parents=True)
-    command = [sys.executable, "-m", "flowrl", "train", str(config), f"run.output_dir={out}", *cpu_budget(),
-               *[f"{k}={v}" for k, v in overrides.items()], *extra, *(["run.resume=true"] if resume else [])]
+    command = run_command(config, out, overrides, extra, resume=resume)
     print(f"{label}: {'resuming: ' if resume else ''}{' '.join(command[1:])}", flush=True)
     start = time.time()
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -142,6 +194,7 @@ def launch(jobs: list[dict], parallel: int, keys: tuple[str, ...] = ("trainer", 
                            label=job["label"])
         return {**{k: job[k] for k in keys}, **result}
 
+    check_reusable(jobs)
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         return list(pool.map(one, jobs))
 

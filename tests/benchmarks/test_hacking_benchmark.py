@@ -48,7 +48,16 @@ def test_the_rule_recommends_the_best_passing_variant_and_names_the_failures():
     assert checks["crd_anchor"]["extra"] and not hacking_report.criteria(
         {**summary, "crd_anchor": row(0.715, 0.55, 0.2101)}, base)["crd_anchor"]["extra"]  # 0.05 above base
     assert hacking_report.recommend(summary, checks) == "crd_anchor"
-    assert hacking_report.ranking(summary, checks)[:2] == ["crd_anchor", "kl_high"]
+    assert hacking_report.ranking(summary, base)[:2] == ["crd_anchor", "kl_high"]
+    # Nearest to the rule first: artifact_0.5 is 0.03 short on lenient (0.67 against 0.72 - 0.02) and 0.05 on
+    # position, 0.08 in all; kl_low meets as many criteria (lenient, kinds) with a higher lenient accuracy but is
+    # 0.20 short on strict and 0.24 over on extra objects.
+    with_kl_low = {**summary, "kl_low": row(0.73, 0.30, 0.45)}
+    gap = hacking_report.shortfall(with_kl_low, base)
+    assert gap["kl_high"] == 0 and gap["adversarial"] == pytest.approx(0.01)
+    assert gap["artifact_0.5"] == pytest.approx(0.08) and gap["kl_low"] == pytest.approx(0.44)
+    assert hacking_report.ranking(with_kl_low, base) == ["crd_anchor", "kl_high", "adversarial", "artifact_0.5",
+                                                         "kl_low"]
     # Pareto front on (lenient, strict, -extra): kl_high is beaten by crd_anchor on lenient and strict but
     # not on extra, so both stay; kl_high beats artifact_0.5 on all three, adversarial beats none.
     assert hacking_report.pareto_front(summary) == ["kl_high", "crd_anchor", "adversarial"]

@@ -4,6 +4,8 @@ run back on a machine that lost the run folder; an unfinished run leaves no reco
 import gzip
 import json
 
+import pytest
+
 from benchmarks import runs
 
 
@@ -39,3 +41,40 @@ def test_no_record_means_nothing_is_restored(tmp_path, records_in_tmp):
     (records_in_tmp / "trainers" / "crd_s0").mkdir(parents=True)
     (records_in_tmp / "trainers" / "crd_s0" / "config.yaml").write_text("x: 1\n")
     assert runs.restore_record(out) is False
+
+
+def _record_made_with(out, command):
+    _finished_run(out, [{"epoch": 1, "eval/shapes/accuracy": 0.7}])
+    (out / runs.DONE).write_text(json.dumps({"command": command, "returncode": 0}) + "\n")
+    runs.save_record(out)
+
+
+def test_a_record_stands_only_for_a_run_of_the_same_settings(tmp_path, records_in_tmp):
+    out = tmp_path / "trainers" / "dgpo_s0"
+    config = tmp_path / "checkout" / "configs" / "shapes" / "dgpo.yaml"
+    wanted = runs.run_command(config, out, {"run.max_minutes": 10.0}, ["sampling.precision=float32"])
+    # The same run made in another checkout, interrupted once (resume flag): it stands for this one.
+    elsewhere = [a.replace(str(tmp_path / "checkout"), "/other/machine/flowrl") for a in wanted[1:]]
+    _record_made_with(out, [*elsewhere, "run.output_dir=/other/machine/out", "run.resume=true"])
+    assert runs.settings_mismatch(out, wanted) is None
+    # Made in bfloat16: it does not, and the reason names both settings.
+    other = tmp_path / "trainers" / "nft_s0"
+    _record_made_with(other, [a.replace("float32", "bfloat16") for a in wanted[1:]])
+    why = runs.settings_mismatch(other, wanted)
+    assert "sampling.precision=bfloat16" in why and "sampling.precision=float32" in why
+    # No finished run: nothing to compare.
+    assert runs.settings_mismatch(tmp_path / "trainers" / "none_s0", wanted) is None
+
+
+def test_reuse_refuses_to_mix_settings_before_anything_trains(tmp_path, records_in_tmp):
+    out = tmp_path / "trainers" / "awm_s0"
+    config = tmp_path / "configs" / "shapes" / "awm.yaml"
+    recorded = runs.run_command(config, out, {"run.max_minutes": 5.0}, [])
+    _record_made_with(out, recorded[1:])
+    job = {"config": config, "out": out, "overrides": {"run.max_minutes": 10.0}, "extra": [], "label": "awm",
+           "reuse": True, "trainer": "awm", "seed": 0, "variant": ""}
+    with pytest.raises(SystemExit, match=r"run.max_minutes=5.0.*run.max_minutes=10.0"):
+        runs.launch([job], 1)
+    # The same settings are reused, without training.
+    job["overrides"] = {"run.max_minutes": 5.0}
+    assert runs.launch([job], 1)[0]["status"] == "reused"
