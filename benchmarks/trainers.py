@@ -18,7 +18,8 @@ the budget. Outputs (``--results``, default ``benchmarks/results``):
   interpolated between evaluations), accuracy at equal images, per-task accuracy at the end, seconds per epoch,
   images per training minute, epochs and images in the budget;
 - ``--sweep``: each trainer's shipped config and a short sweep of its learning rate and its main coefficient
-  (``SWEEP``, one at a time), one seed each, reported in ``trainers_sweep.{json,md}``.
+  (``SWEEP``, one at a time), one seed each, reported in ``trainers_sweep.{json,md}`` (per-kind accuracy and the
+  hacking panel beside each); ``--from-sweep`` then runs the ``--best`` trainers, each with its best setting.
 
 Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 128
 training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
@@ -28,6 +29,7 @@ training prompts, 10-step ODE), scores them with the strict shapes reward and ke
     python benchmarks/trainers.py --sweep --minutes 10 --parallel 2 --set sampling.precision=bfloat16
     python benchmarks/trainers.py --minutes 10 --seeds 0 1 --parallel 2 --set sampling.precision=bfloat16
     python benchmarks/trainers.py --minutes 30 --seeds 0 1 --trainers nft awm flow_grpo --tag 30min ...
+    python benchmarks/trainers.py --from-sweep --best 4 --minutes 30 --seeds 0 1 --tag 30min ...  # the sweep's best
     python benchmarks/trainers.py --analyse-only
 """
 
@@ -92,6 +94,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where trainers*.* go")
     p.add_argument("--reuse", action="store_true", help="skip runs whose directory already has metrics")
     p.add_argument("--sweep", action="store_true", help="the learning-rate / coefficient sweep (first seed only)")
+    p.add_argument("--from-sweep", nargs="?", const="trainers_sweep.json", default=None, metavar="SWEEP_JSON",
+                   help="run the sweep's best trainers, each with its best setting (default file: "
+                        "<results>/trainers_sweep.json); --best sets how many")
+    p.add_argument("--best", type=int, default=4, help="--from-sweep: how many trainers (default 4)")
     p.add_argument("--make-pairs", action="store_true", help="write Diffusion-DPO's pairs (--pairs) and stop")
     p.add_argument("--pair-prompts", type=int, default=128, help="--make-pairs: training prompts sampled")
     p.add_argument("--analyse-only", action="store_true", help="train nothing; analyse the runs in --out")
@@ -183,7 +189,7 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
                      "overrides": {**common_overrides(args, trainer), "run.seed": seed},
                      "extra": [*TRAINER_OVERRIDES.get(trainer, []), *args.overrides, *extra],
                      "label": f"trainers: {trainer} {variant} seed {seed}".replace("  ", " "), "reuse": args.reuse,
-                     "trainer": trainer, "seed": seed, "variant": variant})
+                     "trainer": trainer, "seed": seed, "variant": variant, "setting": list(extra)})
 
     if args.sweep:
         # Every shipped config first, then each trainer's first swept setting, and so on: a sweep cut short by
@@ -196,11 +202,28 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
                 if k < len(variants[trainer]):
                     key, value = variants[trainer][k]
                     add(trainer, args.seeds[0], f"{key.split('.')[-1]}={value:g}", [f"{key}={value}"])
+    elif getattr(args, "winners", None):
+        for seed in args.seeds:
+            for winner in args.winners:
+                add(winner["trainer"], seed, winner["variant"], winner["overrides"])
     else:
         for seed in args.seeds:  # seed-major: an interrupted benchmark still has every trainer for early seeds
             for trainer in args.trainers:
                 add(trainer, seed)
     return jobs
+
+
+def sweep_winners(sweep: dict, count: int) -> list[dict]:
+    """Each trainer's best setting in a sweep result (``trainers_sweep.json``: the accuracy at its last
+    evaluation), the ``count`` best trainers, best first: ``[{"trainer", "variant", "overrides", "accuracy"}]``
+    (``variant`` "" for the shipped config)."""
+    best: dict[str, dict] = {}
+    for run in sweep["runs"].values():
+        entry = {"trainer": run["trainer"], "variant": run["variant"], "overrides": run["overrides"],
+                 "accuracy": run["accuracy"][-1]}
+        if run["trainer"] not in best or entry["accuracy"] > best[run["trainer"]]["accuracy"]:
+            best[run["trainer"]] = entry
+    return sorted(best.values(), key=lambda e: -e["accuracy"])[:count]
 
 
 # ============================================================================ analysis
@@ -214,7 +237,7 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
         mine = [r for (t, _), r in sorted(runs.items()) if t == trainer]
         if not mine:
             continue
-        entry: dict = {"seeds": len(mine)}
+        entry: dict = {"seeds": len(mine), "setting": mine[0].get("variant", "")}
         for minutes in (10, 30):
             entry[f"acc_at_{minutes}min"], entry[f"acc_at_{minutes}min_std"] = mean_std(
                 [interp(minutes, r["minutes"], r["accuracy"]) for r in mine])
@@ -245,7 +268,8 @@ def markdown(summary: dict, base: dict | None) -> str:
             return f"{fmt(e[key])} ± {fmt(e[key + '_std'])}" if math.isfinite(e[key]) else "n/a"
 
         images = fmt(e["final_images"], 0) + (f" (+{e['offline_images']:.0f} offline)" if "offline_images" in e else "")
-        lines.append(f"| {trainer} | {e['seeds']} | {pm('acc_at_10min')} | {pm('acc_at_30min')} | "
+        name = f"{trainer} ({e['setting']})" if e.get("setting") else trainer
+        lines.append(f"| {name} | {e['seeds']} | {pm('acc_at_10min')} | {pm('acc_at_30min')} | "
                      f"{pm('acc_at_equal_images')} | {pm('acc_final')} | "
                      + " | ".join(fmt(e[k], 2) for k in KINDS)
                      + f" | {fmt(e['epoch_s'], 1)} | {fmt(e['images_per_min'], 0)} | {fmt(e['epochs'], 1)} "
@@ -258,13 +282,27 @@ def markdown(summary: dict, base: dict | None) -> str:
     return "\n".join(lines)
 
 
-def sweep_markdown(runs: dict[tuple[str, str], dict]) -> str:
-    lines = ["| trainer | setting | accuracy at the end | training minutes | epochs | images |",
-             "|---|---|---|---|---|---|"]
+def sweep_markdown(runs: dict[tuple[str, str], dict], base: dict | None = None) -> str:
+    """The sweep's table: a row per run with its accuracy, per-kind accuracy (``*`` below the base) and the
+    hacking panel at its last evaluation."""
+    kinds = " | ".join(KINDS)
+    lines = [f"| trainer | setting | accuracy at the end | {kinds} | extra objects | strict acc. | training minutes "
+             "| epochs | images |", "|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|---|"]
     for (trainer, variant), r in sorted(runs.items()):
-        lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} "
-                     f"| {fmt(r['final_minutes'], 1)} "
+        end = r["evals"][-1]
+
+        def kind(k: str) -> str:
+            value, start = end.get(f"eval/shapes/{k}", math.nan), (base or {}).get(f"eval/shapes/{k}", math.nan)
+            return fmt(value, 2) + ("*" if value < start - 1e-9 else "")
+
+        lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} | "
+                     + " | ".join(kind(k) for k in KINDS)
+                     + f" | {fmt(end.get('hack/extra_object_rate', math.nan))} "
+                     f"| {fmt(end.get('hack/accuracy_strict', math.nan))} | {fmt(r['final_minutes'], 1)} "
                      f"| {r['epochs']} | {r['final_images']:.0f} |")
+    lines.append("")
+    lines.append("Held-out `eval/shapes/accuracy` and per-kind accuracy at each run's last evaluation (* below the "
+                 "base model); extra objects and strict accuracy from the hacking panel.")
     return "\n".join(lines)
 
 
@@ -309,6 +347,15 @@ def main(argv: list[str] | None = None) -> dict:
                           bf16=any(o == "sampling.precision=bfloat16" for o in args.overrides))
         print(json.dumps(info), flush=True)
         return info
+    args.winners = []
+    if args.from_sweep and not args.sweep:
+        path = Path(args.from_sweep) if Path(args.from_sweep).is_absolute() else results / args.from_sweep
+        if not path.is_file():
+            raise SystemExit(f"trainers: --from-sweep needs the sweep's results ({path}); run --sweep first")
+        args.winners = sweep_winners(json.loads(path.read_text()), args.best)
+        args.trainers = [w["trainer"] for w in args.winners]
+        print("trainers: the sweep's best: " + ", ".join(f"{w['trainer']} {w['variant'] or '(shipped)'} "
+                                                       f"{w['accuracy']:.3f}" for w in args.winners), flush=True)
     base = base_evaluation(args)
     jobs = jobs_for(args)
     launched = [] if args.analyse_only else launch(jobs, args.parallel)
@@ -321,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"trainers: no evaluated metrics in {job['out']}; left out", flush=True)
             continue
         curve.pop("rows")
+        curve.update(trainer=job["trainer"], variant=job["variant"], overrides=job["setting"])
         runs[(job["trainer"], job["variant"] if args.sweep else job["seed"])] = curve
     if not runs:
         raise SystemExit(f"trainers: no runs with metrics under {out}")
@@ -328,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = "trainers_sweep" if args.sweep else "trainers" + (f"_{args.tag}" if args.tag else "")
     settings = {k: v for k, v in vars(args).items() if k not in ("analyse_only", "reuse")}
     if args.sweep:
-        table = sweep_markdown(runs)
+        table = sweep_markdown(runs, base)
         result = {"settings": settings, "launched": launched, "runs": {f"{t} {v}": r for (t, v), r in runs.items()},
                   "table_md": table}
     else:

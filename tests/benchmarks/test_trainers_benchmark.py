@@ -47,3 +47,26 @@ def test_trainers_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path)
     assert sorted(sweep["runs"]) == sorted(["nft "] + [f"nft {k.split('.')[-1]}={v:g}"
                                                        for k, vs in trainers.SWEEP["nft"].items() for v in vs])
     assert "beta: 0.1" in (tmp_path / "runs" / "nft_beta=0.1_s0" / "config.yaml").read_text()
+    assert "| nft | beta=0.1 |" in (tmp_path / "results" / "trainers_sweep.md").read_text()
+    # The sweep's best setting runs again under its own name, with its override.
+    best = trainers.main([*common, "--from-sweep", "--best", "1", "--tag", "again"])
+    (winner,) = best["summary"]["trainers"]
+    setting = best["summary"]["trainers"][winner]["setting"]
+    assert winner == "nft" and [r["status"] for r in best["launched"]] == ["ok"]
+    assert (tmp_path / "runs" / trainers.run_dir(Path("."), "nft", 0, setting, "again")).is_dir()
+
+
+def test_the_sweep_picks_each_trainers_best_setting_then_the_best_trainers():
+    def run(trainer, variant, accuracy, override):
+        return {"trainer": trainer, "variant": variant, "overrides": [override] if override else [],
+                "accuracy": [0.64, accuracy]}
+
+    sweep = {"runs": {"dgpo ": run("dgpo", "", 0.715, None), "dgpo beta=10": run("dgpo", "beta=10", 0.752,
+                                                                                 "train.beta=10.0"),
+                      "nft ": run("nft", "", 0.645, None), "nft lr=3e-05": run("nft", "lr=3e-05", 0.70,
+                                                                                 "optim.lr=3e-05"),
+                      "awm ": run("awm", "", 0.703, None), "d3po ": run("d3po", "", 0.475, None)}}
+    winners = trainers.sweep_winners(sweep, 3)
+    assert [(w["trainer"], w["variant"], w["overrides"]) for w in winners] == [
+        ("dgpo", "beta=10", ["train.beta=10.0"]), ("awm", "", []), ("nft", "lr=3e-05", ["optim.lr=3e-05"])]
+    assert winners[0]["accuracy"] == 0.752
