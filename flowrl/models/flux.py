@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, GuidanceEmbedded, LoraSettings, unwrap
-from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_,
-                      vae_decode, vae_encode)
+from .base import Cond, GuidanceEmbedded, LoraSettings
+from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
+from .pipeline_model import PipelineModel, resolution_shift
 
 __all__ = ["FluxModel", "FLUX_LORA_TARGETS", "FLUX_DEFAULT_MODEL"]
 
@@ -58,7 +58,7 @@ FLUX_LORA_TARGETS = [
 _COMPONENTS = ["transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"]
 
 
-class FluxModel(GuidanceEmbedded, FlowModel):
+class FluxModel(GuidanceEmbedded, PipelineModel):
     """FLUX.1 (dev or schnell) behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond keys: ``"prompt_embeds"`` ``[B, max_sequence_length, 4096]`` (T5) and
@@ -86,16 +86,9 @@ class FluxModel(GuidanceEmbedded, FlowModel):
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 3.5):
-        frozen = {name: getattr(pipeline, name, None) for name in ("vae", "text_encoder", "text_encoder_2")}
-        freeze_(*frozen.values())
+        super().__init__(pipeline, ("vae", "text_encoder", "text_encoder_2"), lora=lora,
+                         gradient_checkpointing=gradient_checkpointing, max_sequence_length=max_sequence_length)
         transformer = pipeline.transformer
-        compute_dtype = next(transformer.parameters()).dtype  # before float32 LoRA weights exist
-        super().__init__(transformer, lora=as_lora_settings(lora), gradient_checkpointing=gradient_checkpointing)
-        self._compute_dtype = compute_dtype
-        self.pipeline = pipeline  # not an nn.Module: tokenizers, scheduler, encode_prompt, packing helpers
-        self.pipeline.set_progress_bar_config(disable=True)
-        self.frozen = nn.ModuleDict({k: m for k, m in frozen.items() if m is not None})
-        self.max_sequence_length = int(max_sequence_length)
         self.default_guidance = float(guidance_scale)
         self.guidance_embeds = bool(transformer.config.guidance_embeds)
         self.vae_scale_factor = pipeline.vae_scale_factor
@@ -178,38 +171,13 @@ class FluxModel(GuidanceEmbedded, FlowModel):
             max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents)
-
-    @torch.no_grad()
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in [0, 1] at the model's resolution -> latents ``[B, *latent_shape]``
-        (the VAE posterior's mean; Diffusion-DPO's offline pairs)."""
-        return vae_encode(self.pipeline.vae, images)
-
     def default_lora_targets(self) -> list[str]:
         return list(FLUX_LORA_TARGETS)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The sigmas ``[num_steps + 1]`` ``FluxPipeline`` samples with at this resolution."""
-        from samplers import calculate_shift
-
         config = self.pipeline.scheduler.config
         _, height, width = self.latent_shape
-        image_seq_len = (height // 2) * (width // 2)  # packed tokens
-        mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = resolution_shift(config, (height // 2) * (width // 2))  # 2x2-packed tokens
         base = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
         return scheduler_sigmas(config, num_steps, mu=mu, sigmas=base)
-
-    # ------------------------------------------------------------------ training state
-
-    def _add_lora(self, lora: LoraSettings) -> None:
-        super()._add_lora(lora)
-        upcast_trainable_(unwrap(self.denoiser))
-
-    def train(self, mode: bool = True) -> "FluxModel":
-        super().train(mode)
-        self.frozen.eval()
-        return self

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, GuidanceEmbedded, LoraSettings, unwrap
-from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_)
+from .base import Cond, GuidanceEmbedded, LoraSettings
+from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
+from .pipeline_model import PipelineModel
 
 __all__ = ["Flux2KleinModel", "Flux2DevModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL", "FLUX2_DEV_DEFAULT_MODEL"]
 
@@ -53,7 +54,7 @@ FLUX2_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "a
 _COMPONENTS = ["transformer", "vae", "scheduler", "text_encoder", "tokenizer"]
 
 
-class Flux2KleinModel(FlowModel):
+class Flux2KleinModel(PipelineModel):
     """FLUX.2 [klein] behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond key: ``"prompt_embeds"`` ``[B, max_sequence_length, 3 * hidden]``.
@@ -71,16 +72,9 @@ class Flux2KleinModel(FlowModel):
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 4.0):
-        frozen = {"vae": pipeline.vae, "text_encoder": pipeline.text_encoder}
-        freeze_(*frozen.values())
+        super().__init__(pipeline, ("vae", "text_encoder"), lora=lora, gradient_checkpointing=gradient_checkpointing,
+                         max_sequence_length=max_sequence_length)
         transformer = pipeline.transformer
-        compute_dtype = next(transformer.parameters()).dtype
-        super().__init__(transformer, lora=as_lora_settings(lora), gradient_checkpointing=gradient_checkpointing)
-        self._compute_dtype = compute_dtype
-        self.pipeline = pipeline
-        self.pipeline.set_progress_bar_config(disable=True)
-        self.frozen = nn.ModuleDict(frozen)
-        self.max_sequence_length = int(max_sequence_length)
         self.uses_cfg = not bool(pipeline.config.get("is_distilled", False))  # Flux2Pipeline ([dev]) has none
         self.default_guidance = float(guidance_scale) if self.uses_cfg else 1.0
         self.vae_scale_factor = pipeline.vae_scale_factor
@@ -180,17 +174,6 @@ class Flux2KleinModel(FlowModel):
         mu = compute_empirical_mu(image_seq_len=height * width, num_steps=num_steps)
         base = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
         return scheduler_sigmas(config, num_steps, mu=mu, sigmas=base)
-
-    # ------------------------------------------------------------------ training state
-
-    def _add_lora(self, lora: LoraSettings) -> None:
-        super()._add_lora(lora)
-        upcast_trainable_(unwrap(self.denoiser))
-
-    def train(self, mode: bool = True) -> "Flux2KleinModel":
-        super().train(mode)
-        self.frozen.eval()
-        return self
 
 
 class Flux2DevModel(GuidanceEmbedded, Flux2KleinModel):

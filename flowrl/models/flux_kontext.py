@@ -26,7 +26,7 @@ from torch import nn
 
 from .base import Cond, LoraSettings
 from .flux import FLUX_LORA_TARGETS, FluxModel
-from .loading import load_adapter_pipeline, vae_decode
+from .loading import load_adapter_pipeline
 
 __all__ = ["FluxKontextModel", "FLUX_KONTEXT_DEFAULT_MODEL", "FLUX_KONTEXT_LORA_TARGETS"]
 
@@ -140,9 +140,6 @@ class FluxKontextModel(FluxModel):
         )[0][:, :tokens]  # the noisy latent's tokens; the source's are context only
         vsf = self.vae_scale_factor
         return Pipeline._unpack_latents(out, height * vsf, width * vsf, vsf)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents)
 
     def default_lora_targets(self) -> list[str]:
         return list(FLUX_KONTEXT_LORA_TARGETS)

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, VelocityFn, unwrap
-from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_)
+from .base import Cond, LoraSettings, VelocityFn
+from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
+from .pipeline_model import PipelineModel, resolution_shift
 
 __all__ = ["QwenImageModel", "QWEN_IMAGE_LORA_TARGETS", "QWEN_IMAGE_DEFAULT_MODEL", "qwen_true_cfg"]
 
@@ -66,7 +67,7 @@ def _padded(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> Con
     return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
 
-class QwenImageModel(FlowModel):
+class QwenImageModel(PipelineModel):
     """Qwen-Image behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond keys: ``"prompt_embeds"`` ``[B, max_sequence_length, hidden]`` (Qwen2.5-VL's last hidden state,
@@ -90,16 +91,9 @@ class QwenImageModel(FlowModel):
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 4.0, negative_prompt: str = " "):
-        frozen = {"vae": pipeline.vae, "text_encoder": pipeline.text_encoder}
-        freeze_(*frozen.values())
+        super().__init__(pipeline, ("vae", "text_encoder"), lora=lora, gradient_checkpointing=gradient_checkpointing,
+                         max_sequence_length=max_sequence_length)
         transformer = pipeline.transformer
-        compute_dtype = next(transformer.parameters()).dtype  # before float32 LoRA weights exist
-        super().__init__(transformer, lora=as_lora_settings(lora), gradient_checkpointing=gradient_checkpointing)
-        self._compute_dtype = compute_dtype
-        self.pipeline = pipeline
-        self.pipeline.set_progress_bar_config(disable=True)
-        self.frozen = nn.ModuleDict(frozen)
-        self.max_sequence_length = int(max_sequence_length)
         self.default_guidance = float(guidance_scale)
         self.negative_prompt = negative_prompt
         self.guidance_embeds = bool(transformer.config.guidance_embeds)
@@ -242,26 +236,10 @@ class QwenImageModel(FlowModel):
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The sigmas ``[num_steps + 1]`` ``QwenImagePipeline`` samples with at this resolution."""
-        from samplers import calculate_shift
-
         config = self.pipeline.scheduler.config
         if num_steps < 2 and config.get("shift_terminal"):
             raise ValueError(f"Qwen-Image samples with at least 2 steps: its schedule is stretched to end at "
                              f"shift_terminal {config.get('shift_terminal')}, which one step cannot (got {num_steps})")
         _, height, width = self.latent_shape
-        image_seq_len = (height // 2) * (width // 2)  # packed tokens
-        mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = resolution_shift(config, (height // 2) * (width // 2))  # 2x2-packed tokens
         return scheduler_sigmas(config, num_steps, mu=mu, sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
-
-    # ------------------------------------------------------------------ training state
-
-    def _add_lora(self, lora: LoraSettings) -> None:
-        super()._add_lora(lora)
-        upcast_trainable_(unwrap(self.denoiser))
-
-    def train(self, mode: bool = True) -> "QwenImageModel":
-        super().train(mode)
-        self.frozen.eval()
-        return self

@@ -26,9 +26,9 @@ import os
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, unwrap
-from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_,
-                      vae_decode, vae_encode)
+from .base import Cond, LoraSettings
+from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
+from .pipeline_model import PipelineModel, resolution_shift
 
 __all__ = ["SD3Model", "SD3_LORA_TARGETS", "SD3_DEFAULT_MODEL"]
 
@@ -57,7 +57,7 @@ _COMPONENTS = ["transformer", "vae", "scheduler", "text_encoder", "text_encoder_
                "tokenizer_2", "tokenizer_3"]
 
 
-class SD3Model(FlowModel):
+class SD3Model(PipelineModel):
     """Stable Diffusion 3 / 3.5 behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond keys: ``"prompt_embeds"`` ``[B, 77 + max_sequence_length, 4096]`` (CLIP tokens, then T5 tokens)
@@ -83,19 +83,9 @@ class SD3Model(FlowModel):
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 256,
                  guidance_scale: float = 4.5):
-        frozen = {name: getattr(pipeline, name, None) for name in ("vae", "text_encoder", "text_encoder_2",
-                                                                    "text_encoder_3")}
-        freeze_(*frozen.values())
+        super().__init__(pipeline, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"), lora=lora,
+                         gradient_checkpointing=gradient_checkpointing, max_sequence_length=max_sequence_length)
         transformer = pipeline.transformer
-        # The dtype the transformer computes in, taken before float32 LoRA weights are added.
-        compute_dtype = next(transformer.parameters()).dtype
-        super().__init__(transformer, lora=as_lora_settings(lora), gradient_checkpointing=gradient_checkpointing)
-        self._compute_dtype = compute_dtype
-        self.pipeline = pipeline  # not an nn.Module: holds tokenizers, scheduler and encode_prompt
-        self.pipeline.set_progress_bar_config(disable=True)
-        # Registered so that .to(device) moves them; train() keeps them in eval mode.
-        self.frozen = nn.ModuleDict({k: m for k, m in frozen.items() if m is not None})
-        self.max_sequence_length = int(max_sequence_length)
         self.default_guidance = float(guidance_scale)
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.patch_size = transformer.config.patch_size
@@ -157,38 +147,15 @@ class SD3Model(FlowModel):
             return_dict=False,
         )[0]
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents)
-
-    @torch.no_grad()
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in [0, 1] at the model's resolution -> latents ``[B, *latent_shape]``
-        (the VAE posterior's mean; Diffusion-DPO's offline pairs)."""
-        return vae_encode(self.pipeline.vae, images)
-
     def default_lora_targets(self) -> list[str]:
         return list(SD3_LORA_TARGETS)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The pipeline scheduler's sigmas ``[num_steps + 1]`` (from 1 to 0) at this resolution."""
-        from samplers import calculate_shift
-
         config = self.pipeline.scheduler.config
         mu = None
         if config.get("use_dynamic_shifting"):  # as StableDiffusion3Pipeline.__call__ computes it
             _, height, width = self.latent_shape
             seq_len = (height // self.patch_size) * (width // self.patch_size)
-            mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                                 config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+            mu = resolution_shift(config, seq_len, max_shift=1.16)
         return scheduler_sigmas(config, num_steps, mu=mu)
-
-    # ------------------------------------------------------------------ training state
-
-    def _add_lora(self, lora: LoraSettings) -> None:
-        super()._add_lora(lora)
-        upcast_trainable_(unwrap(self.denoiser))
-
-    def train(self, mode: bool = True) -> "SD3Model":
-        super().train(mode)
-        self.frozen.eval()  # text encoders and VAE never use dropout
-        return self

@@ -33,8 +33,9 @@ import os
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, unwrap
-from .loading import as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_
+from .base import Cond, LoraSettings
+from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
+from .pipeline_model import PipelineModel
 
 __all__ = ["WanModel", "WanExperts", "WAN_LORA_TARGETS", "WAN_DEFAULT_MODEL", "WAN_DEFAULT_RESOLUTION",
            "WAN_NEGATIVE_PROMPT"]
@@ -113,7 +114,7 @@ class WanExperts(nn.Module):
         self.low.unload_lora()
 
 
-class WanModel(FlowModel):
+class WanModel(PipelineModel):
     """Wan 2.1 / 2.2 text-to-video behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond key: ``"prompt_embeds"`` ``[B, max_sequence_length, hidden]`` (UMT5's last hidden state, zero-padded as
@@ -148,24 +149,18 @@ class WanModel(FlowModel):
         if num_frames < 1 or (num_frames - 1) % temporal:
             raise ValueError(f"num_frames {num_frames}: Wan's VAE needs num_frames - 1 divisible by {temporal} "
                              f"(e.g. 1, 5, 33, 81)")
-        frozen = {"vae": pipeline.vae, "text_encoder": pipeline.text_encoder}
-        freeze_(*frozen.values())
         transformer = pipeline.transformer
-        # The input projection's dtype: diffusers keeps some Wan modules (time embedder, norms, scale-shift tables)
-        # in float32 whatever the load dtype, so the first parameter need not be in the compute dtype.
-        compute_dtype = transformer.patch_embedding.weight.dtype
         self.boundary_ratio = getattr(pipeline.config, "boundary_ratio", None)
         if getattr(pipeline, "transformer_2", None) is not None and self.boundary_ratio is not None:
             boundary = self.boundary_ratio * pipeline.scheduler.config.num_train_timesteps
             denoiser: nn.Module = WanExperts(transformer, pipeline.transformer_2, boundary)
         else:
             denoiser = transformer
-        super().__init__(denoiser, lora=as_lora_settings(lora), gradient_checkpointing=gradient_checkpointing)
-        self._compute_dtype = compute_dtype
-        self.pipeline = pipeline
-        self.pipeline.set_progress_bar_config(disable=True)
-        self.frozen = nn.ModuleDict(frozen)
-        self.max_sequence_length = int(max_sequence_length)
+        # The input projection's dtype: diffusers keeps some Wan modules (time embedder, norms, scale-shift tables)
+        # in float32 whatever the load dtype, so the first parameter need not be in the compute dtype.
+        super().__init__(pipeline, ("vae", "text_encoder"), denoiser=denoiser,
+                         compute_dtype=transformer.patch_embedding.weight.dtype, lora=lora,
+                         gradient_checkpointing=gradient_checkpointing, max_sequence_length=max_sequence_length)
         self.default_guidance = float(guidance_scale)
         self.negative_prompt = negative_prompt
         self.vae_scale_factor = pipeline.vae_scale_factor_spatial
@@ -268,14 +263,3 @@ class WanModel(FlowModel):
             s = linear_sigmas(num_steps)
             return shift * s / (1 + (shift - 1) * s)
         return scheduler_sigmas(config, num_steps)
-
-    # ------------------------------------------------------------------ training state
-
-    def _add_lora(self, lora: LoraSettings) -> None:
-        super()._add_lora(lora)
-        upcast_trainable_(unwrap(self.denoiser))
-
-    def train(self, mode: bool = True) -> "WanModel":
-        super().train(mode)
-        self.frozen.eval()
-        return self

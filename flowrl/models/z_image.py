@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, FlowModel, LoraSettings, unwrap
-from .loading import (as_lora_settings, freeze_, latent_hw, load_adapter_pipeline, scheduler_sigmas, upcast_trainable_,
-                      vae_decode, vae_encode)
+from .base import Cond, LoraSettings
+from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
+from .pipeline_model import PipelineModel, resolution_shift
 
 __all__ = ["ZImageModel", "Z_IMAGE_LORA_TARGETS", "Z_IMAGE_DEFAULT_MODEL"]
 
@@ -41,7 +41,7 @@ Z_IMAGE_LORA_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "a
 _COMPONENTS = ["transformer", "vae", "scheduler", "text_encoder", "tokenizer"]
 
 
-class ZImageModel(FlowModel):
+class ZImageModel(PipelineModel):
     """Z-Image behind :class:`~flowrl.models.base.FlowModel`.
 
     Cond keys: ``"prompt_embeds"`` ``[B, max_sequence_length, hidden]`` (zero-padded) and
@@ -62,16 +62,9 @@ class ZImageModel(FlowModel):
     def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 1.0):
-        frozen = {"vae": pipeline.vae, "text_encoder": pipeline.text_encoder}
-        freeze_(*frozen.values())
+        super().__init__(pipeline, ("vae", "text_encoder"), lora=lora, gradient_checkpointing=gradient_checkpointing,
+                         max_sequence_length=max_sequence_length)
         transformer = pipeline.transformer
-        compute_dtype = next(transformer.parameters()).dtype
-        super().__init__(transformer, lora=as_lora_settings(lora), gradient_checkpointing=gradient_checkpointing)
-        self._compute_dtype = compute_dtype
-        self.pipeline = pipeline
-        self.pipeline.set_progress_bar_config(disable=True)
-        self.frozen = nn.ModuleDict(frozen)
-        self.max_sequence_length = int(max_sequence_length)
         self.default_guidance = float(guidance_scale)
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.resolution = resolution or 1024
@@ -127,36 +120,12 @@ class ZImageModel(FlowModel):
             mask[i, : row.shape[0]] = 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents)
-
-    @torch.no_grad()
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in [0, 1] -> latents ``[B, *latent_shape]`` (the posterior's mean)."""
-        return vae_encode(self.pipeline.vae, images)
-
     def default_lora_targets(self) -> list[str]:
         return list(Z_IMAGE_LORA_TARGETS)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The sigmas ``[num_steps + 1]`` ``ZImagePipeline`` samples with at this resolution."""
-        from samplers import calculate_shift
-
         config = self.pipeline.scheduler.config
         _, height, width = self.latent_shape
-        mu = calculate_shift((height // 2) * (width // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        mu = mu if config.get("use_dynamic_shifting") else None
+        mu = resolution_shift(config, (height // 2) * (width // 2)) if config.get("use_dynamic_shifting") else None
         return scheduler_sigmas(config, num_steps, mu=mu, sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
-
-    # ------------------------------------------------------------------ training state
-
-    def _add_lora(self, lora: LoraSettings) -> None:
-        super()._add_lora(lora)
-        upcast_trainable_(unwrap(self.denoiser))
-
-    def train(self, mode: bool = True) -> "ZImageModel":
-        super().train(mode)
-        self.frozen.eval()
-        return self
