@@ -36,7 +36,7 @@ import os
 import sys
 from pathlib import Path
 
-from flowrl.cli_args import OneLineParser, UsageError, device_arg
+from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
 from flowrl.demo.limits import Limits
 
 __all__ = ["parse_args", "make_state", "launch", "main"]
@@ -54,16 +54,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Gradio demo: compare generations of base and fine-tuned "
                                                   "models, with their rewards and trajectories.")
@@ -75,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --model FAMILY (e.g. wan, flux_kontext): a pipeline directory or hub id")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="weights dtype of pipelines (default: bfloat16 on a GPU, float32 on the CPU)")
-    parser.add_argument("--resolution", type=_positive, default=None,
+    parser.add_argument("--resolution", type=positive_int, default=None,
                         help="image size in px of pipelines (default: the adapter's)")
-    parser.add_argument("--num-frames", type=_positive, default=None,
+    parser.add_argument("--num-frames", type=positive_int, default=None,
                         help="pixel frames per clip of a video model (wan: 4 k + 1; default 81)")
     parser.add_argument("--checkpoint", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="fine-tuned model(s): a run directory, a checkpoints/epoch_<N> directory or a saved "
