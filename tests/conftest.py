@@ -19,6 +19,20 @@ def tiny_shapes_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests, restored after them: the tiny models' ops are far too small to gain
+    from intra-op threads, and on a shared 2-core machine spinning worker threads make them 10-20x slower. A module
+    takes it with ``pytestmark = pytest.mark.usefixtures("one_thread")``, a folder with an autouse fixture in its
+    conftest.py that requests it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
     """``FLOWRL_TEST_DISABLE_ONEDNN=1`` runs the suite with torch's oneDNN (mkldnn) kernels off: a stand-in for a
     CPU that takes other kernels, used to check that numeric tests hold across machines."""

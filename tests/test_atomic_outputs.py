@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
 from flowrl.cli import main
@@ -34,12 +33,7 @@ def one_error_line(capsys, prog: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------------------------- flowrl export

@@ -20,12 +20,7 @@ GUIDANCE = {"sd3": 4.5, "flux": 3.5}
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def train_lora_run(kind: str, out: Path, prompt_file: Path, **extra) -> Path:

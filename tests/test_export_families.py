@@ -41,12 +41,7 @@ def model_name(family: str) -> str:
     return "wan" if family.startswith("wan") else family
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def train_lora_run(family: str, out: Path, prompt_file: Path) -> Path:

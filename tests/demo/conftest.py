@@ -13,13 +13,8 @@ CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only thrash.
-    (Module scope: the setting is restored before other directories' tests run.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here runs on one torch thread (tests/conftest.py's ``one_thread``)."""
 
 
 def run_flow_grpo(model_dir: Path, out: Path, **extra) -> Path:

@@ -42,10 +42,5 @@ def _seed():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny models' ops are far too small to gain from intra-op threads, and on a shared 2-core
-    machine spinning worker threads make them 10-20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here runs on one torch thread (tests/conftest.py's ``one_thread``)."""

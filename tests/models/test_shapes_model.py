@@ -14,13 +14,7 @@ from flowrl.generate import generate
 TINY = dict(block_out_channels=[32, 32], head_dim=16, text_hidden_size=32, text_layers=1, text_heads=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny UNet is faster on one thread, and far faster when other processes share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from flowrl.checkpoint import latest_checkpoint, load_state
 from flowrl.logging import read_metrics
@@ -27,12 +26,7 @@ TRAINERS = ["flow_grpo", "crd", "nft", "awm", "dgpo", "dpo", "d3po"]
 GUIDANCE = {"qwen_image": 4.0, "z_image": 3.0, "flux2_klein": 4.0, "flux2": 4.0, "wan": 5.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
