@@ -80,24 +80,41 @@ def base_values(summary: dict) -> dict[str, float]:
     return {k: mean_std([row[k]["start"][0] for row in summary.values()])[0] for k in sorted(keys)}
 
 
-def criteria(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> dict[str, dict]:
-    """Per variant, each criterion of the rule: ``{"strict", "extra", "lenient", "kinds", "all"}`` (bools; None
-    where a value is missing), with ``low_kinds`` naming the kinds below base."""
+def gaps(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> dict[str, dict]:
+    """Per variant, what each criterion of the rule lacks, in accuracy units (a gap <= 0 is a criterion met; None
+    where a value is missing): ``{"strict", "extra", "lenient", "kinds"}`` and ``low_kinds``, the kinds below base.
+
+    strict: base strict accuracy minus the variant's; extra: its extra-object rate minus (base + 0.05); lenient:
+    ``none``'s lenient accuracy minus 0.02 minus the variant's; kinds: the largest drop of a task kind below its base
+    (minus ``kind_tolerance``), 0.0 when no kind has both values."""
     reference = summary.get("none")
+    ok = lambda x: x is not None and math.isfinite(x)  # noqa: E731
     out = {}
     for variant, row in summary.items():
         end = {k: v["end"][0] for k, v in row.items() if isinstance(v, dict) and "end" in v}
-        ok = lambda x: x is not None and math.isfinite(x)  # noqa: E731
-        low = [k for k in KINDS if ok(end.get(f"eval/shapes/{k}")) and ok(base.get(f"eval/shapes/{k}"))
-               and end[f"eval/shapes/{k}"] < base[f"eval/shapes/{k}"] - kind_tolerance]
-        checks = {
-            "strict": end[STRICT] >= base[STRICT] if ok(end.get(STRICT)) else None,
-            "extra": end[EXTRA] <= base[EXTRA] + 0.05 if ok(end.get(EXTRA)) else None,
-            "lenient": (end[LENIENT] >= reference[LENIENT]["end"][0] - 0.02) if reference is not None else None,
-            "kinds": not low,
+        drops = {k: base[f"eval/shapes/{k}"] - kind_tolerance - end[f"eval/shapes/{k}"] for k in KINDS
+                 if ok(end.get(f"eval/shapes/{k}")) and ok(base.get(f"eval/shapes/{k}"))}
+        lenient = end.get(LENIENT) if reference is not None else None
+        out[variant] = {
+            "strict": base[STRICT] - end[STRICT] if ok(end.get(STRICT)) and ok(base.get(STRICT)) else None,
+            "extra": end[EXTRA] - (base[EXTRA] + 0.05) if ok(end.get(EXTRA)) and ok(base.get(EXTRA)) else None,
+            "lenient": reference[LENIENT]["end"][0] - 0.02 - lenient if ok(lenient) else None,
+            "kinds": max(drops.values(), default=0.0),
+            "low_kinds": [k for k, drop in drops.items() if drop > 0],
         }
+    return out
+
+
+def criteria(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> dict[str, dict]:
+    """Per variant, each criterion of the rule met or not: ``{"strict", "extra", "lenient", "kinds", "all"}`` (bools;
+    None where a value is missing), with ``low_kinds`` naming the kinds below base. A criterion is met where its
+    :func:`gaps` entry is <= 0."""
+    out = {}
+    for variant, gap in gaps(summary, base, kind_tolerance).items():
+        checks = {name: None if gap[name] is None else gap[name] <= 0
+                  for name in ("strict", "extra", "lenient", "kinds")}
         checks["all"] = all(v is True for v in checks.values())
-        out[variant] = {**checks, "low_kinds": low}
+        out[variant] = {**checks, "low_kinds": gap["low_kinds"]}
     return out
 
 
@@ -114,20 +131,11 @@ def pareto_front(summary: dict) -> list[str]:
 
 
 def shortfall(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> dict[str, float]:
-    """Per variant, how far it stands from meeting the rule, in accuracy units: the sum of what strict accuracy lacks
-    of the base's, what the extra-object rate exceeds of base + 0.05, what lenient accuracy lacks of ``none``'s
-    minus 0.02, and the largest drop of a task kind below its base (0 for a variant that passes)."""
-    reference = summary.get("none")
-    out = {}
-    for variant, row in summary.items():
-        end = {k: v["end"][0] for k, v in row.items() if isinstance(v, dict) and "end" in v}
-        gaps = [base[STRICT] - end[STRICT], end[EXTRA] - (base[EXTRA] + 0.05),
-                (reference[LENIENT]["end"][0] - 0.02 - end[LENIENT]) if reference is not None else 0.0,
-                max((base[f"eval/shapes/{k}"] - kind_tolerance - end[f"eval/shapes/{k}"] for k in KINDS
-                     if math.isfinite(end.get(f"eval/shapes/{k}", math.nan))
-                     and math.isfinite(base.get(f"eval/shapes/{k}", math.nan))), default=0.0)]
-        out[variant] = sum(max(0.0, g) for g in gaps if math.isfinite(g))
-    return out
+    """Per variant, how far it stands from meeting the rule, in accuracy units: the sum of its :func:`gaps` that are
+    positive (what strict accuracy lacks, what the extra-object rate exceeds, what lenient accuracy lacks, the largest
+    drop of a task kind); 0 for a variant that passes, missing values counted as met."""
+    return {variant: sum(max(0.0, g) for name, g in gap.items() if name != "low_kinds" and g is not None)
+            for variant, gap in gaps(summary, base, kind_tolerance).items()}
 
 
 def ranking(summary: dict, base: dict[str, float], kind_tolerance: float = 0.0) -> list[str]:

@@ -180,7 +180,9 @@ def base_evaluation(args: argparse.Namespace) -> dict | None:
     return curve["evals"][0] if curve else None
 
 
-def jobs_for(args: argparse.Namespace) -> list[dict]:
+def jobs_for(args: argparse.Namespace, winners: list[dict] = ()) -> list[dict]:
+    """The runs to train: the sweep's (``--sweep``), each of ``winners`` (:func:`sweep_winners`) per seed, or every
+    trainer's shipped config per seed."""
     out, jobs = Path(args.out), []
 
     def add(trainer: str, seed: int, variant: str = "", extra: list[str] = ()) -> None:
@@ -202,9 +204,9 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
                 if k < len(variants[trainer]):
                     key, value = variants[trainer][k]
                     add(trainer, args.seeds[0], f"{key.split('.')[-1]}={value:g}", [f"{key}={value}"])
-    elif getattr(args, "winners", None):
+    elif winners:
         for seed in args.seeds:
-            for winner in args.winners:
+            for winner in winners:
                 add(winner["trainer"], seed, winner["variant"], winner["overrides"])
     else:
         for seed in args.seeds:  # seed-major: an interrupted benchmark still has every trainer for early seeds
@@ -347,17 +349,17 @@ def main(argv: list[str] | None = None) -> dict:
                           bf16=any(o == "sampling.precision=bfloat16" for o in args.overrides))
         print(json.dumps(info), flush=True)
         return info
-    args.winners = []
+    winners = []
     if args.from_sweep and not args.sweep:
         path = Path(args.from_sweep) if Path(args.from_sweep).is_absolute() else results / args.from_sweep
         if not path.is_file():
             raise SystemExit(f"trainers: --from-sweep needs the sweep's results ({path}); run --sweep first")
-        args.winners = sweep_winners(json.loads(path.read_text()), args.best)
-        args.trainers = [w["trainer"] for w in args.winners]
+        winners = sweep_winners(json.loads(path.read_text()), args.best)
+        args.trainers = [w["trainer"] for w in winners]
         print("trainers: the sweep's best: " + ", ".join(f"{w['trainer']} {w['variant'] or '(shipped)'} "
-                                                       f"{w['accuracy']:.3f}" for w in args.winners), flush=True)
+                                                       f"{w['accuracy']:.3f}" for w in winners), flush=True)
     base = base_evaluation(args)
-    jobs = jobs_for(args)
+    jobs = jobs_for(args, winners)
     launched = [] if args.analyse_only else launch(jobs, args.parallel)
     runs = {}
     for job in jobs:
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"trainers: no runs with metrics under {out}")
     results.mkdir(parents=True, exist_ok=True)
     name = "trainers_sweep" if args.sweep else "trainers" + (f"_{args.tag}" if args.tag else "")
-    settings = {k: v for k, v in vars(args).items() if k not in ("analyse_only", "reuse")}
+    settings = {**{k: v for k, v in vars(args).items() if k not in ("analyse_only", "reuse")}, "winners": winners}
     if args.sweep:
         table = sweep_markdown(runs, base)
         result = {"settings": settings, "launched": launched, "runs": {f"{t} {v}": r for (t, v), r in runs.items()},
