@@ -17,7 +17,9 @@ Variants (``variant_overrides``; each adds overrides to the main job's config):
 - ``crd_anchor``: CRD's reward-adaptive anchor on that KL (beta ``--kl-high``, floor ``1e-3 beta``);
 - ``elastic_reset``: every ``--elastic-every`` epochs the policy to its EMA (decay ``--elastic-decay``), the EMA
   to the base;
-- ``base_tail``: the base model takes the last ``--base-last-steps`` denoising steps of rollouts and evaluation.
+- ``base_tail``: the base model takes the last ``--base-last-steps`` denoising steps of rollouts and evaluation;
+- ``A+B``: two (or more) of the above together, e.g. ``artifact_1+kl_high`` (each part sets different keys: the
+  artifact and adversarial rewards both set the training reward and do not combine).
 
 The base model is evaluated once per seed (``base_s<seed>``), the first point of every run's curves; runs do not
 evaluate at their start.
@@ -103,9 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.out = args.out or str(ROOT / "benchmarks" / "out" / f"hacking_{args.phase}")
     known = all_variants(args)
     args.variants = select_variants(args, known)
-    unknown = [v for v in args.variants if v not in known]
+    unknown = [part for v in args.variants for part in v.split("+") if part not in known]
     if unknown:
-        parser.error(f"unknown variant(s) {unknown}; choose from {known}")
+        parser.error(f"unknown variant(s) {unknown}; choose from {known}, or join them with '+'")
+    for variant in args.variants:
+        clash = clashing_keys(args, variant)
+        if clash:
+            parser.error(f"{variant}: its parts set the same key(s) {clash}; combine variants that set different ones")
     return args
 
 
@@ -133,7 +139,10 @@ def screen_best(results: Path) -> list[str]:
 
 
 def variant_overrides(args: argparse.Namespace, variant: str) -> list[str]:
-    """The overrides of ``variant`` on top of the main job's config and the common ones."""
+    """The overrides of ``variant`` on top of the main job's config and the common ones (a combined ``A+B``: A's,
+    then B's)."""
+    if "+" in variant:
+        return [o for part in variant.split("+") for o in variant_overrides(args, part)]
     if variant.startswith("artifact_"):
         weight = float(variant.removeprefix("artifact_"))
         return [f"reward.train={{shapes: 1.0, artifact: {{weight: {weight:g}, kwargs: {{path: {args.artifact_model}}}}}}}"]
@@ -154,6 +163,16 @@ def variant_overrides(args: argparse.Namespace, variant: str) -> list[str]:
     if variant == "base_tail":
         return [f"sampling.base_last_steps={args.base_last_steps}"]
     return []
+
+
+def clashing_keys(args: argparse.Namespace, variant: str) -> list[str]:
+    """The config keys that more than one part of a combined variant sets (none for a single variant)."""
+    keys = [o.split("=", 1)[0] for part in dict.fromkeys(variant.split("+")) for o in variant_overrides(args, part)]
+    return sorted({k for k in keys if keys.count(k) > 1})
+
+
+def uses_artifact(variant: str) -> bool:
+    return any(part.startswith("artifact_") for part in variant.split("+"))
 
 
 def ensure_artifact_model(path: Path) -> None:
@@ -211,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     jobs = jobs_for(args)
     if not args.analyse_only:
-        if any(v.startswith("artifact_") for v in args.variants):
+        if any(uses_artifact(v) for v in args.variants):
             ensure_artifact_model(Path(args.artifact_model))
         launch([*base_jobs(args), *jobs], args.parallel, keys=("variant", "seed"))
     return report(jobs, args, base_jobs(args))

@@ -109,6 +109,26 @@ def test_each_variant_sets_its_regulariser():
                                hacking.variant_overrides(args, variant))
 
 
+def test_combined_variants_join_their_parts_and_refuse_a_shared_key(capsys):
+    args = hacking.parse_args(["--variants", "none", "artifact_1+kl_high", "base_tail+elastic_reset"])
+    assert hacking.variant_overrides(args, "artifact_1+kl_high") == [
+        *hacking.variant_overrides(args, "artifact_1"), *hacking.variant_overrides(args, "kl_high")]
+    assert hacking.variant_overrides(args, "base_tail+elastic_reset") == [
+        "sampling.base_last_steps=4", "train.elastic_reset={every_epochs: 10, ema_decay: 0.9}"]
+    assert [job["out"].name for job in hacking.jobs_for(args)][1] == "artifact_1+kl_high_s0"
+    assert hacking.uses_artifact("kl_high+artifact_0.5") and not hacking.uses_artifact("kl_high+base_tail")
+    from flowrl.train import load_recipe_config
+
+    _, config = load_recipe_config(str(ROOT / "configs" / "shapes" / "flow_grpo.yaml"),
+                                   hacking.variant_overrides(args, "base_tail+elastic_reset"))
+    assert config.sampling.base_last_steps == 4 and config.train.elastic_reset.every_epochs == 10
+    for variants, message in ((["artifact_1+adversarial"], "the same key(s) ['reward.train']"),
+                              (["kl_high+crd_anchor"], "'train.kl_coef'"), (["kl_high+kl_middle"], "kl_middle")):
+        with pytest.raises(SystemExit):
+            hacking.parse_args(["--variants", *variants])
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_hacking_benchmark_trains_the_variants_and_writes_every_output(tiny_shapes_dir, tmp_path):
     variants = ["none", "adversarial_clipped", "kl_low", "crd_anchor", "elastic_reset", "base_tail"]
