@@ -166,8 +166,9 @@ def variant_overrides(args: argparse.Namespace, variant: str) -> list[str]:
 
 
 def clashing_keys(args: argparse.Namespace, variant: str) -> list[str]:
-    """The config keys that more than one part of a combined variant sets (none for a single variant)."""
-    keys = [o.split("=", 1)[0] for part in dict.fromkeys(variant.split("+")) for o in variant_overrides(args, part)]
+    """The config keys that more than one part of a combined variant sets (none for a single variant; a part named
+    twice clashes with itself, since ``variant_overrides`` would repeat its overrides)."""
+    keys = [o.split("=", 1)[0] for part in variant.split("+") for o in variant_overrides(args, part)]
     return sorted({k for k in keys if keys.count(k) > 1})
 
 

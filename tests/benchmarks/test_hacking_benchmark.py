@@ -123,7 +123,8 @@ def test_combined_variants_join_their_parts_and_refuse_a_shared_key(capsys):
                                    hacking.variant_overrides(args, "base_tail+elastic_reset"))
     assert config.sampling.base_last_steps == 4 and config.train.elastic_reset.every_epochs == 10
     for variants, message in ((["artifact_1+adversarial"], "the same key(s) ['reward.train']"),
-                              (["kl_high+crd_anchor"], "'train.kl_coef'"), (["kl_high+kl_middle"], "kl_middle")):
+                              (["kl_high+crd_anchor"], "'train.kl_coef'"), (["kl_high+kl_middle"], "kl_middle"),
+                              (["kl_high+kl_high"], "['train.kl_coef', 'train.kl_coef_units']")):
         with pytest.raises(SystemExit):
             hacking.parse_args(["--variants", *variants])
         assert message in capsys.readouterr().err
