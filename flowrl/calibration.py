@@ -35,9 +35,13 @@ PROBE_REFERENCE_SECONDS_FLOAT32 = 0.17
 PROBE_BATCH = 2
 
 
-def probe_precision() -> str:
-    """The probe's precision here: ``bfloat16`` (the records' sampling precision) on a CPU with bf16 hardware,
-    else ``float32`` (what runs here use; a bf16 probe would time the emulation)."""
+def probe_precision(run_precision: str | None = None) -> str:
+    """The probe's precision: the run's compute precision (``sampling.precision``) when it names one, so a float32
+    run on a CPU with bf16 hardware is valued by a float32 probe (a bf16 probe there is faster than the run's
+    float32 work and would count each float32 epoch short); else ``bfloat16`` (the records' sampling precision) on a
+    CPU with bf16 hardware and ``float32`` (what runs there use; a bf16 probe would time the emulation)."""
+    if run_precision in ("float32", "bfloat16"):
+        return run_precision
     from flowrl.hardware import native_bfloat16
 
     return "bfloat16" if native_bfloat16() else "float32"
@@ -89,13 +93,13 @@ class Probe:
             torch.set_num_threads(threads)
 
 
-_probe: Probe | None = None
+_probes: dict[str, Probe] = {}
 
 
-def probe_seconds() -> float:
-    """CPU seconds of one probe workload now, in :func:`probe_precision` (the model is built on the first call,
-    once per process)."""
-    global _probe
-    if _probe is None:
-        _probe = Probe(precision=probe_precision())
-    return _probe()
+def probe_seconds(precision: str | None = None) -> float:
+    """CPU seconds of one probe workload now, in ``precision`` (default: :func:`probe_precision`; the model is built
+    on the first call, once per process and precision)."""
+    precision = precision or probe_precision()
+    if precision not in _probes:
+        _probes[precision] = Probe(precision=precision)
+    return _probes[precision]()

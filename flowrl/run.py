@@ -283,8 +283,11 @@ class Run:
 
         if self.cfg.run.resume:
             self._resume()
+        # The reference clock probes in the precision the run computes in (rollouts and training).
+        precision = getattr(getattr(self.cfg, "sampling", None), "precision", None)
         self._deadline = make_deadline(self.cfg.run.clock, self.cfg.run.max_minutes,
-                                       already_spent=self._train_minutes_before, scale=self.cfg.run.clock_scale)
+                                       already_spent=self._train_minutes_before, scale=self.cfg.run.clock_scale,
+                                       precision=precision)
         self._next_eval_minutes = _next_multiple(self._train_minutes_before, self._eval_setting("every_minutes", None))
         self._next_checkpoint_minutes = _next_multiple(self._train_minutes_before, self._checkpoint_cfg.every_minutes)
         self._stop = GracefulStop().__enter__()

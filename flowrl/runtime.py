@@ -4,6 +4,7 @@ Ctrl-C / SIGTERM (the loop finishes its step, checkpoints, then exits)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -130,11 +131,12 @@ class ReferenceDeadline(CpuDeadline):
 
     def __init__(self, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0,
                  probe: Callable[[], float] | None = None, reference_seconds: float | None = None,
-                 probe_every: float = 5.0, timer: bool = True):
+                 probe_every: float = 5.0, timer: bool = True, precision: str | None = None):
         from flowrl import calibration
 
-        self.probe = probe or calibration.probe_seconds
-        self.reference_seconds = reference_seconds or calibration.reference_seconds()
+        precision = calibration.probe_precision(precision)  # the run's compute precision, else the CPU's default
+        self.probe = probe or functools.partial(calibration.probe_seconds, precision)
+        self.reference_seconds = reference_seconds or calibration.reference_seconds(precision)
         self.probe_every = probe_every
         self.probes: list[float] = []  # every probe's CPU seconds, for the run's record
         self._busy = False  # inside a probe or an excluded stretch: the timer waits
@@ -207,11 +209,14 @@ class ReferenceDeadline(CpuDeadline):
                 + self.rate() * (self._training_cpu() - self._last_cpu) / 60.0)
 
 
-def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0) -> Deadline:
+def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0,
+                  precision: str | None = None) -> Deadline:
     """The budget ``run.clock`` names: wall-clock (:class:`Deadline`), CPU time (:class:`CpuDeadline`) or
-    reference CPU time (:class:`ReferenceDeadline`), the measured time multiplied by ``scale``
-    (``run.clock_scale``)."""
-    kind = {"cpu": CpuDeadline, "reference": ReferenceDeadline}.get(clock, Deadline)
+    reference CPU time (:class:`ReferenceDeadline`, probing in ``precision``, the run's ``sampling.precision``),
+    the measured time multiplied by ``scale`` (``run.clock_scale``)."""
+    if clock == "reference":
+        return ReferenceDeadline(minutes, already_spent, scale, precision=precision)
+    kind = CpuDeadline if clock == "cpu" else Deadline
     return kind(minutes, already_spent, scale)
 
 

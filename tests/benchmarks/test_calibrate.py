@@ -54,3 +54,23 @@ def test_the_probe_times_float32_where_the_cpu_has_no_bfloat16_hardware(monkeypa
         assert calibration.probe_precision() == precision and calibration.reference_seconds() == seconds
     probe = calibration.Probe(precision="float32")
     assert probe.precision == "float32" and probe() > 0
+
+
+def test_the_reference_clock_probes_in_the_precision_the_run_computes_in(monkeypatch):
+    """A float32 run on a CPU with bf16 hardware is valued by the float32 probe and its constant (a bf16 probe runs
+    faster than the run's float32 work there and would count each epoch short), a bf16 run by the bf16 ones; a run
+    that names no precision gets the CPU's default."""
+    from flowrl import calibration, hardware
+    from flowrl.runtime import make_deadline
+
+    monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS", 0.3)
+    monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS_FLOAT32", 0.45)
+    monkeypatch.setattr(hardware, "native_bfloat16", lambda: True)
+    timed = []
+    monkeypatch.setattr(calibration, "probe_seconds", lambda precision=None: timed.append(precision) or 0.15)
+    for precision, seconds in (("float32", 0.45), ("bfloat16", 0.3), (None, 0.3)):
+        clock = make_deadline("reference", 10.0, precision=precision)
+        assert clock.reference_seconds == seconds and clock.rate() == pytest.approx(seconds / 0.15)
+        assert timed[-1] == calibration.probe_precision(precision)
+        clock.close()
+    assert timed == ["float32", "bfloat16", "bfloat16"]
