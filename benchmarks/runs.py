@@ -249,7 +249,8 @@ def read_curve(directory: Path, metric: str, *, initial: dict | None = None) -> 
         directory: the run directory.
         metric: the held-out metric (e.g. ``eval/shapes/accuracy``); rows where it is finite are evaluations.
         initial: an evaluation row to put first (epoch 0, 0 images, 0 minutes) when the run did not evaluate
-            at its start, e.g. the base model's, measured once for every run of a benchmark.
+            at its start, e.g. the base model's, measured once for every run of a benchmark. A run with no
+            evaluation of its own (still before its first) gives None, not a curve of this one point.
 
     Returns:
         ``images``, ``minutes``, ``accuracy`` (one entry per evaluation), ``evals`` (the evaluation rows),
@@ -263,10 +264,10 @@ def read_curve(directory: Path, metric: str, *, initial: dict | None = None) -> 
         return None
     rows = read_metrics(path)
     evals = [r for r in rows if metric in r and math.isfinite(r[metric])]
+    if not evals:  # no evaluation of its own (a run in progress): not a curve of the base's one point
+        return None
     if initial is not None and not any(r.get("epoch") == 0 for r in evals):
         evals = [{"epoch": 0, "images_sampled": 0, "time/train_min": 0.0, **initial}] + evals
-    if not evals:
-        return None
     train_rows = [r for r in rows if "train/loss" in r or "train/reward_mean" in r]
     steady = train_rows[1:] or train_rows  # skip the first epoch (warm-up) when there are others
     return {

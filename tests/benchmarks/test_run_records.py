@@ -78,3 +78,16 @@ def test_reuse_refuses_to_mix_settings_before_anything_trains(tmp_path, records_
     # The same settings are reused, without training.
     job["overrides"] = {"run.max_minutes": 5.0}
     assert runs.launch([job], 1)[0]["status"] == "reused"
+
+
+def test_a_run_before_its_first_evaluation_has_no_curve_even_with_the_base_point(tmp_path):
+    """A run in progress that has not evaluated yet is left out of a table, not shown with the base's accuracy."""
+    out = tmp_path / "trainers" / "crd_lr=3e-05_s0"
+    out.mkdir(parents=True)
+    base = {"eval/shapes/accuracy": 0.642}
+    (out / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 0.5}) + "\n")
+    assert runs.read_curve(out, "eval/shapes/accuracy", initial=base) is None
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 2, "time/train_min": 5.0, "eval/shapes/accuracy": 0.7}) + "\n")
+    curve = runs.read_curve(out, "eval/shapes/accuracy", initial=base)
+    assert curve["accuracy"] == [0.642, 0.7] and curve["minutes"] == [0.0, 5.0]
