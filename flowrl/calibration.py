@@ -37,8 +37,9 @@ PROBE_BATCH = 2
 
 def probe_precision(run_precision: str | None = None) -> str:
     """The probe's precision: the run's compute precision (``sampling.precision``) when it names one, so a float32
-    run on a CPU with bf16 hardware is valued by a float32 probe (a bf16 probe there is faster than the run's
-    float32 work and would count each float32 epoch short); else ``bfloat16`` (the records' sampling precision) on a
+    run on a CPU with bf16 hardware is valued by a float32 probe (a CPU's bf16 and float32 speeds differ against the
+    reference machine's: on a Sapphire Rapids core 1.73x and 1.06x, so a bf16 probe would count each float32 epoch
+    1.6x long and cut the budget's epochs by ~40%); else ``bfloat16`` (the records' sampling precision) on a
     CPU with bf16 hardware and ``float32`` (what runs there use; a bf16 probe would time the emulation)."""
     if run_precision in ("float32", "bfloat16"):
         return run_precision

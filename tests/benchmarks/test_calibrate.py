@@ -57,9 +57,9 @@ def test_the_probe_times_float32_where_the_cpu_has_no_bfloat16_hardware(monkeypa
 
 
 def test_the_reference_clock_probes_in_the_precision_the_run_computes_in(monkeypatch):
-    """A float32 run on a CPU with bf16 hardware is valued by the float32 probe and its constant (a bf16 probe runs
-    faster than the run's float32 work there and would count each epoch short), a bf16 run by the bf16 ones; a run
-    that names no precision gets the CPU's default."""
+    """A float32 run on a CPU with bf16 hardware is valued by the float32 probe and its constant (the CPU's bf16
+    speed against the reference machine's is not its float32 speed), a bf16 run by the bf16 ones; a run that names
+    no precision gets the CPU's default."""
     from flowrl import calibration, hardware
     from flowrl.runtime import make_deadline
 
