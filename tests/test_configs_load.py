@@ -56,6 +56,21 @@ def test_variants_keep_only_what_differs_and_resolve_to_their_base():
     assert ocr.model.lora.rank == 32 and ocr.train.cfg_grad == "cond_only"  # inherited
 
 
+def test_the_guarded_main_job_differs_from_the_main_job_only_by_its_guard():
+    """flow_grpo_artifact.yaml is the hacking benchmark's ``artifact_0.5+base_tail``: the main job plus the
+    artifact reward at 0.5 and the base model's last 4 steps, nothing else."""
+    from flowrl.config import to_dict
+
+    _, main = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"), [])
+    _, guarded = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo_artifact.yaml"), [])
+    a, b = to_dict(main), to_dict(guarded)
+    assert {k for k in a if a[k] != b[k]} == {"run", "sampling", "reward"}
+    assert {k for k in a["run"] if a["run"][k] != b["run"][k]} == {"output_dir"}
+    assert {k for k in a["sampling"] if a["sampling"][k] != b["sampling"][k]} == {"base_last_steps"}
+    assert (main.sampling.base_last_steps, guarded.sampling.base_last_steps) == (0, 4)
+    assert {k for k in a["reward"] if a["reward"][k] != b["reward"][k]} == {"train"}
+    assert guarded.reward.train == {"shapes": 1.0, "artifact": {"weight": 0.5, "kwargs": {"path": "runs/artifact_model"}}}
+
 def test_base_errors_are_one_line(tmp_path):
     from flowrl.config import ConfigError
 
