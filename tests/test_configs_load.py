@@ -71,6 +71,7 @@ def test_the_guarded_main_job_differs_from_the_main_job_only_by_its_guard():
     assert {k for k in a["reward"] if a["reward"][k] != b["reward"][k]} == {"train"}
     assert guarded.reward.train == {"shapes": 1.0, "artifact": {"weight": 0.5, "kwargs": {"path": "runs/artifact_model"}}}
 
+
 def test_base_errors_are_one_line(tmp_path):
     from flowrl.config import ConfigError
 
