@@ -52,6 +52,7 @@ from benchmarks.runs import (clean, curve_mean, fmt, interp, launch, mean_std, r
 TRAINERS = ("flow_grpo", "grpo_guard", "flow_dppo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
 METRIC = "eval/shapes/accuracy"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+HACK_PANEL = {"extra_objects": "hack/extra_object_rate", "strict_accuracy": "hack/accuracy_strict"}
 STRICT = "reward.train={shapes: {weight: 1.0, kwargs: {count_mode: strict}}}"
 # What every trainer's run gets on top of its config (the main job's config trains on the partial-count reward).
 TRAINER_OVERRIDES = {"flow_grpo": [STRICT], "grpo_guard": [STRICT], "flow_dppo": [STRICT]}
@@ -248,6 +249,8 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
         entry["acc_final"], entry["acc_final_std"] = mean_std([r["accuracy"][-1] for r in mine])
         for kind in KINDS:
             entry[kind] = mean_std([float(r["evals"][-1].get(f"eval/shapes/{kind}", math.nan)) for r in mine])[0]
+        for key, metric in HACK_PANEL.items():  # the hacking panel at the last evaluation: what the accuracy cost
+            entry[key], entry[key + "_std"] = mean_std([float(r["evals"][-1].get(metric, math.nan)) for r in mine])
         for key in ("final_images", "final_minutes", "epochs", "epoch_s", "sampling_s", "training_s"):
             entry[key] = mean_std([float(r[key]) for r in mine])[0]
         entry["images_per_min"] = entry["final_images"] / entry["final_minutes"] if entry["final_minutes"] else math.nan
@@ -260,25 +263,32 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
 def markdown(summary: dict, base: dict | None) -> str:
     kinds = " | ".join(KINDS)
     lines = [f"| trainer | seeds | accuracy @ 10 min | accuracy @ 30 min "
-             f"| accuracy @ {summary['equal_images']:.0f} images | final | {kinds} | s / epoch | images / min | epochs | images |",
-             "|---|---|---|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|"]
+             f"| accuracy @ {summary['equal_images']:.0f} images | final | {kinds} | extra objects | strict acc. "
+             "| s / epoch | images / min | epochs | images |",
+             "|---|---|---|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|---|---|"]
+    start = {k: (base or {}).get(f"eval/shapes/{k}", math.nan) for k in KINDS}
     if base is not None:
-        per_kind = " | ".join(fmt(base.get(f"eval/shapes/{k}", math.nan), 2) for k in KINDS)
-        lines.append(f"| base model | | {fmt(base[METRIC])} | | | | {per_kind} | | | 0 | 0 |")
+        per_kind = " | ".join(fmt(start[k], 2) for k in KINDS)
+        panel = " | ".join(fmt(base.get(metric, math.nan)) for metric in HACK_PANEL.values())
+        lines.append(f"| base model | | {fmt(base[METRIC])} | | | | {per_kind} | {panel} | | | 0 | 0 |")
     for trainer, e in summary["trainers"].items():
         def pm(key: str) -> str:
             return f"{fmt(e[key])} ± {fmt(e[key + '_std'])}" if math.isfinite(e[key]) else "n/a"
+
+        def kind(k: str) -> str:  # * marks a kind below the base: a gain that hides a regression
+            return fmt(e[k], 2) + ("*" if e[k] < start[k] - 1e-9 else "")
 
         images = fmt(e["final_images"], 0) + (f" (+{e['offline_images']:.0f} offline)" if "offline_images" in e else "")
         name = f"{trainer} ({e['setting']})" if e.get("setting") else trainer
         lines.append(f"| {name} | {e['seeds']} | {pm('acc_at_10min')} | {pm('acc_at_30min')} | "
                      f"{pm('acc_at_equal_images')} | {pm('acc_final')} | "
-                     + " | ".join(fmt(e[k], 2) for k in KINDS)
+                     + " | ".join(kind(k) for k in KINDS) + f" | {pm('extra_objects')} | {pm('strict_accuracy')}"
                      + f" | {fmt(e['epoch_s'], 1)} | {fmt(e['images_per_min'], 0)} | {fmt(e['epochs'], 1)} "
                      f"| {images} |")
     lines.append("")
     lines.append("Held-out `eval/shapes/accuracy`, mean ± std over seeds, linearly interpolated between evaluations; "
-                 "per-task accuracies at each run's last evaluation (mean over seeds); seconds per epoch are medians "
+                 "per-task accuracies (* below the base model), extra-object rate and strict accuracy (the hacking "
+                 "panel) at each run's last evaluation (mean over seeds); seconds per epoch are medians "
                  "over epochs after the first; images per minute are images sampled per training minute "
                  "(evaluation excluded).")
     return "\n".join(lines)
