@@ -59,12 +59,16 @@ TRAINER_OVERRIDES = {"flow_grpo": [STRICT], "grpo_guard": [STRICT], "flow_dppo":
 COLORS = {"flow_grpo": "tab:blue", "grpo_guard": "tab:cyan", "flow_dppo": "tab:olive", "crd": "tab:orange",
           "nft": "tab:green", "awm": "tab:red", "dgpo": "tab:purple", "dpo": "tab:brown", "d3po": "tab:pink"}
 # The sweep: each trainer's learning rate, then its main coefficient, one at a time around the shipped config.
+# The shapes configs take one optimizer step per epoch, on the samples just drawn, so the Flow-GRPO family's ratio is
+# 1 up to rounding at the update and a trust region acts only on that rounding: Flow-GRPO's clip at 1e-4 clipped
+# nothing in 24 epochs (its run equals the shipped one bit for bit), so a wider clip is not run; four optimizer steps
+# per epoch (train.minibatches) is where the clip, RatioNorm's clip and Flow-DPPO's mask bite.
 SWEEP = {
-    "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4, 1e-2]},
-    # RatioNorm's clip acts on the normalised ratio: 2e-5 is the authors' 1/50 of Flow-GRPO's range, 4e-3 ten times
-    # the shipped 4e-4.
-    "grpo_guard": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [2e-5, 4e-3]},
-    "flow_dppo": {"optim.lr": [2.5e-5, 1e-4], "train.dppo_threshold": [1e-6, 1e-4]},
+    "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4], "train.minibatches": [4]},
+    # RatioNorm's clip acts on the normalised ratio: 2e-5 is the authors' 1/50 of Flow-GRPO's range (the shipped
+    # 4e-4 clipped nothing either).
+    "grpo_guard": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [2e-5], "train.minibatches": [4]},
+    "flow_dppo": {"optim.lr": [2.5e-5, 1e-4], "train.dppo_threshold": [1e-6, 1e-4], "train.minibatches": [4]},
     "crd": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.3, 3.0]},
     "nft": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.1, 0.3]},
     "awm": {"optim.lr": [1e-5, 1e-4], "train.ema_kl_coef": [0.1, 3.0]},
