@@ -61,7 +61,7 @@ COLORS = {"flow_grpo": "tab:blue", "grpo_guard": "tab:cyan", "flow_dppo": "tab:o
 # The sweep: each trainer's learning rate, then its main coefficient, one at a time around the shipped config.
 # The shapes configs take one optimizer step per epoch, on the samples just drawn, so the Flow-GRPO family's ratio is
 # 1 up to rounding at the update and a trust region acts only on that rounding: Flow-GRPO's clip at 1e-4 clipped
-# nothing in 24 epochs (its run equals the shipped one bit for bit), so a wider clip is not run; four optimizer steps
+# nothing in 24 epochs (its training reward at every epoch and its evaluation equal the shipped run's), so a wider clip is not run; four optimizer steps
 # per epoch (train.minibatches) is where the clip, RatioNorm's clip and Flow-DPPO's mask bite.
 SWEEP = {
     "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4], "train.minibatches": [4]},
