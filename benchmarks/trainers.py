@@ -59,14 +59,14 @@ TRAINER_OVERRIDES = {"flow_grpo": [STRICT], "grpo_guard": [STRICT], "flow_dppo":
 COLORS = {"flow_grpo": "tab:blue", "grpo_guard": "tab:cyan", "flow_dppo": "tab:olive", "crd": "tab:orange",
           "nft": "tab:green", "awm": "tab:red", "dgpo": "tab:purple", "dpo": "tab:brown", "d3po": "tab:pink"}
 # The sweep: each trainer's learning rate, then its main coefficient, one at a time around the shipped config.
-# The shapes configs take one optimizer step per epoch, on the samples just drawn, so the Flow-GRPO family's ratio is
-# 1 up to rounding at the update and a trust region acts only on that rounding: Flow-GRPO's clip at 1e-4 clipped
-# nothing in 24 epochs (its training reward at every epoch and its evaluation equal the shipped run's), so a wider clip is not run; four optimizer steps
-# per epoch (train.minibatches) is where the clip, RatioNorm's clip and Flow-DPPO's mask bite.
+# Flow-GRPO's shapes config takes one optimizer step per epoch on the samples just drawn, so its ratio is 1 at the
+# update and its clip never acts: at 1e-4 it clipped nothing in 24 epochs (the training reward at every epoch and
+# the evaluation equal the shipped run's), so a wider clip is not run. GRPO-Guard and Flow-DPPO take two steps; in
+# its shipped run GRPO-Guard's clip (4e-4 on the normalised ratio) clipped nothing either, so a wider one is not run.
+# Four optimizer steps per epoch (train.minibatches) is where the family's trust regions have the most to do.
 SWEEP = {
     "flow_grpo": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [1e-4], "train.minibatches": [4]},
-    # RatioNorm's clip acts on the normalised ratio: 2e-5 is the authors' 1/50 of Flow-GRPO's range (the shipped
-    # 4e-4 clipped nothing either).
+    # RatioNorm's clip acts on the normalised ratio: 2e-5 is the authors' 1/50 of Flow-GRPO's range.
     "grpo_guard": {"optim.lr": [2.5e-5, 1e-4], "train.clip_range": [2e-5], "train.minibatches": [4]},
     "flow_dppo": {"optim.lr": [2.5e-5, 1e-4], "train.dppo_threshold": [1e-6, 1e-4], "train.minibatches": [4]},
     "crd": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.3, 3.0]},
