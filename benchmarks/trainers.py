@@ -264,6 +264,11 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
     return out
 
 
+def per_kind_cell(value: float, base_value: float) -> str:
+    """A kind's accuracy for a table, ``*`` when below the base model's: a gain that hides a regression."""
+    return fmt(value, 2) + ("*" if value < base_value - 1e-9 else "")
+
+
 def markdown(summary: dict, base: dict | None) -> str:
     kinds = " | ".join(KINDS)
     lines = [f"| trainer | seeds | accuracy @ 10 min | accuracy @ 30 min "
@@ -279,8 +284,8 @@ def markdown(summary: dict, base: dict | None) -> str:
         def pm(key: str) -> str:
             return f"{fmt(e[key])} ± {fmt(e[key + '_std'])}" if math.isfinite(e[key]) else "n/a"
 
-        def kind(k: str) -> str:  # * marks a kind below the base: a gain that hides a regression
-            return fmt(e[k], 2) + ("*" if e[k] < start[k] - 1e-9 else "")
+        def kind(k: str) -> str:
+            return per_kind_cell(e[k], start[k])
 
         images = fmt(e["final_images"], 0) + (f" (+{e['offline_images']:.0f} offline)" if "offline_images" in e else "")
         name = f"{trainer} ({e['setting']})" if e.get("setting") else trainer
@@ -309,7 +314,7 @@ def sweep_markdown(runs: dict[tuple[str, str], dict], base: dict | None = None) 
 
         def kind(k: str) -> str:
             value, start = end.get(f"eval/shapes/{k}", math.nan), (base or {}).get(f"eval/shapes/{k}", math.nan)
-            return fmt(value, 2) + ("*" if value < start - 1e-9 else "")
+            return per_kind_cell(value, start)
 
         lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} | "
                      + " | ".join(kind(k) for k in KINDS)
