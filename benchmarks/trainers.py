@@ -19,7 +19,8 @@ the budget. Outputs (``--results``, default ``benchmarks/results``):
   images per training minute, epochs and images in the budget;
 - ``--sweep``: each trainer's shipped config and a short sweep of its learning rate and its main coefficient
   (``SWEEP``, one at a time), one seed each, reported in ``trainers_sweep.{json,md}`` (per-kind accuracy and the
-  hacking panel beside each); ``--from-sweep`` then runs the ``--best`` trainers, each with its best setting.
+  hacking panel beside each); ``--from-sweep`` then runs the ``--best`` trainers, each with its best setting (every task kind at or
+  above the base first, then accuracy: :func:`sweep_winners`).
 
 Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 128
 training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
@@ -100,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reuse", action="store_true", help="skip runs whose directory already has metrics")
     p.add_argument("--sweep", action="store_true", help="the learning-rate / coefficient sweep (first seed only)")
     p.add_argument("--from-sweep", nargs="?", const="trainers_sweep.json", default=None, metavar="SWEEP_JSON",
-                   help="run the sweep's best trainers, each with its best setting (default file: "
+                   help="run the sweep's best trainers, each with its best setting (no task kind below the base "
+                        "first, then accuracy; default file: "
                         "<results>/trainers_sweep.json); --best sets how many")
     p.add_argument("--best", type=int, default=4, help="--from-sweep: how many trainers (default 4)")
     p.add_argument("--make-pairs", action="store_true", help="write Diffusion-DPO's pairs (--pairs) and stop")
@@ -220,17 +222,32 @@ def jobs_for(args: argparse.Namespace, winners: list[dict] = ()) -> list[dict]:
     return jobs
 
 
+def kinds_below_base(run: dict) -> list[str]:
+    """The task kinds whose accuracy at a run's last evaluation is below its first (the base model's, which
+    :func:`read_curve` puts first): the regressions an average hides."""
+    start, end = run["evals"][0], run["evals"][-1]
+    return [k for k in KINDS if float(end.get(f"eval/shapes/{k}", math.nan))
+            < float(start.get(f"eval/shapes/{k}", math.nan)) - 1e-9]
+
+
 def sweep_winners(sweep: dict, count: int) -> list[dict]:
-    """Each trainer's best setting in a sweep result (``trainers_sweep.json``: the accuracy at its last
-    evaluation), the ``count`` best trainers, best first: ``[{"trainer", "variant", "overrides", "accuracy"}]``
-    (``variant`` "" for the shipped config)."""
+    """Each trainer's best setting in a sweep result (``trainers_sweep.json``), the ``count`` best trainers, best
+    first: ``[{"trainer", "variant", "overrides", "accuracy", "kinds_below_base"}]`` (``variant`` "" for the
+    shipped config).
+
+    Best means: keeps every task kind at or above the base model (a gain that hides a regression is not a gain,
+    and ``make demo`` must keep every kind), then the higher accuracy at the last evaluation. A trainer with no
+    such setting enters with its most accurate one, after every trainer that has one."""
+    def rank(entry: dict) -> tuple[bool, float]:
+        return not entry["kinds_below_base"], entry["accuracy"]
+
     best: dict[str, dict] = {}
     for run in sweep["runs"].values():
         entry = {"trainer": run["trainer"], "variant": run["variant"], "overrides": run["overrides"],
-                 "accuracy": run["accuracy"][-1]}
-        if run["trainer"] not in best or entry["accuracy"] > best[run["trainer"]]["accuracy"]:
+                 "accuracy": run["accuracy"][-1], "kinds_below_base": kinds_below_base(run)}
+        if run["trainer"] not in best or rank(entry) > rank(best[run["trainer"]]):
             best[run["trainer"]] = entry
-    return sorted(best.values(), key=lambda e: -e["accuracy"])[:count]
+    return sorted(best.values(), key=rank, reverse=True)[:count]
 
 
 # ============================================================================ analysis
@@ -375,8 +392,10 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"trainers: --from-sweep needs the sweep's results ({path}); run --sweep first")
         winners = sweep_winners(json.loads(path.read_text()), args.best)
         args.trainers = [w["trainer"] for w in winners]
-        print("trainers: the sweep's best: " + ", ".join(f"{w['trainer']} {w['variant'] or '(shipped)'} "
-                                                       f"{w['accuracy']:.3f}" for w in winners), flush=True)
+        print("trainers: the sweep's best: " + ", ".join(
+            f"{w['trainer']} {w['variant'] or '(shipped)'} {w['accuracy']:.3f}"
+            + (f" (below the base: {' '.join(w['kinds_below_base'])})" if w["kinds_below_base"] else "")
+            for w in winners), flush=True)
     base = base_evaluation(args)
     jobs = jobs_for(args, winners)
     launched = [] if args.analyse_only else launch(jobs, args.parallel)

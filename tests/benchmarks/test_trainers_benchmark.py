@@ -57,9 +57,12 @@ def test_trainers_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path)
 
 
 def test_the_sweep_picks_each_trainers_best_setting_then_the_best_trainers():
-    def run(trainer, variant, accuracy, override):
+    base = {f"eval/shapes/{k}": 0.5 for k in trainers.KINDS}
+
+    def run(trainer, variant, accuracy, override, below=()):
+        end = {**base, **{f"eval/shapes/{k}": 0.4 for k in below}}
         return {"trainer": trainer, "variant": variant, "overrides": [override] if override else [],
-                "accuracy": [0.64, accuracy]}
+                "accuracy": [0.64, accuracy], "evals": [base, end]}
 
     sweep = {"runs": {"dgpo ": run("dgpo", "", 0.715, None), "dgpo beta=10": run("dgpo", "beta=10", 0.752,
                                                                                  "train.beta=10.0"),
@@ -69,7 +72,16 @@ def test_the_sweep_picks_each_trainers_best_setting_then_the_best_trainers():
     winners = trainers.sweep_winners(sweep, 3)
     assert [(w["trainer"], w["variant"], w["overrides"]) for w in winners] == [
         ("dgpo", "beta=10", ["train.beta=10.0"]), ("awm", "", []), ("nft", "lr=3e-05", ["optim.lr=3e-05"])]
-    assert winners[0]["accuracy"] == 0.752
+    assert winners[0]["accuracy"] == 0.752 and winners[0]["kinds_below_base"] == []
+
+    # A setting that loses a kind to the base gives way to its trainer's best clean one, and a trainer with no
+    # clean setting ranks after every trainer that has one, whatever its accuracy.
+    sweep["runs"]["dgpo beta=10"] = run("dgpo", "beta=10", 0.752, "train.beta=10.0", below=["counting"])
+    sweep["runs"]["awm "] = run("awm", "", 0.80, None, below=["position", "colors"])
+    winners = trainers.sweep_winners(sweep, 4)
+    assert [(w["trainer"], w["variant"]) for w in winners] == [
+        ("dgpo", ""), ("nft", "lr=3e-05"), ("d3po", ""), ("awm", "")]
+    assert winners[-1]["kinds_below_base"] == ["colors", "position"]
 
 
 def test_the_comparison_table_reports_the_hacking_panel_and_marks_kinds_below_the_base():
