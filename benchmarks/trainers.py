@@ -321,23 +321,35 @@ def markdown(summary: dict, base: dict | None) -> str:
 
 
 def sweep_markdown(runs: dict[tuple[str, str], dict], base: dict | None = None) -> str:
-    """The sweep's table: a row per run with its accuracy, per-kind accuracy (``*`` below the base) and the
-    hacking panel at its last evaluation."""
+    """The sweep's tables: each trainer's best setting (:func:`sweep_winners`, best first), then a row per run;
+    each row with its accuracy, per-kind accuracy (``*`` below the base) and the hacking panel at its last
+    evaluation."""
     kinds = " | ".join(KINDS)
-    lines = [f"| trainer | setting | accuracy at the end | {kinds} | extra objects | strict acc. | training minutes "
-             "| epochs | images |", "|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|---|"]
-    for (trainer, variant), r in sorted(runs.items()):
+    columns = (f"| accuracy at the end | {kinds} | extra objects | strict acc. | training minutes | epochs | images |",
+               "---|" * (len(KINDS) + 6))
+
+    def cells(r: dict) -> str:
         end = r["evals"][-1]
 
         def kind(k: str) -> str:
             value, start = end.get(f"eval/shapes/{k}", math.nan), (base or {}).get(f"eval/shapes/{k}", math.nan)
             return per_kind_cell(value, start)
 
-        lines.append(f"| {trainer} | {variant or 'shipped config'} | {fmt(r['accuracy'][-1])} | "
-                     + " | ".join(kind(k) for k in KINDS)
-                     + f" | {fmt(end.get('hack/extra_object_rate', math.nan))} "
-                     f"| {fmt(end.get('hack/accuracy_strict', math.nan))} | {fmt(r['final_minutes'], 1)} "
-                     f"| {r['epochs']} | {r['final_images']:.0f} |")
+        return (f"{fmt(r['accuracy'][-1])} | " + " | ".join(kind(k) for k in KINDS)
+                + f" | {fmt(end.get('hack/extra_object_rate', math.nan))} "
+                f"| {fmt(end.get('hack/accuracy_strict', math.nan))} | {fmt(r['final_minutes'], 1)} "
+                f"| {r['epochs']} | {r['final_images']:.0f} |")
+
+    winners = sweep_winners({"runs": {f"{t} {v}": r for (t, v), r in runs.items()}}, len(runs))
+    lines = [f"| rank | trainer | best setting {columns[0]}", "|---|---|---|" + columns[1]]
+    for rank, w in enumerate(winners, 1):
+        lines.append(f"| {rank} | {w['trainer']} | {w['variant'] or 'shipped config'} | "
+                     + cells(runs[(w["trainer"], w["variant"])]))
+    lines += ["", "Each trainer's best setting: every task kind at or above the base model first, then the accuracy "
+              "at the end (`--from-sweep` runs the first `--best` of them at the comparison's budget).", "",
+              f"| trainer | setting {columns[0]}", "|---|---|" + columns[1]]
+    for (trainer, variant), r in sorted(runs.items()):
+        lines.append(f"| {trainer} | {variant or 'shipped config'} | " + cells(r))
     lines.append("")
     lines.append("Held-out `eval/shapes/accuracy` and per-kind accuracy at each run's last evaluation (* below the "
                  "base model); extra objects and strict accuracy from the hacking panel.")

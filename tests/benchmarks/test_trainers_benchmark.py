@@ -83,6 +83,15 @@ def test_the_sweep_picks_each_trainers_best_setting_then_the_best_trainers():
         ("dgpo", ""), ("nft", "lr=3e-05"), ("d3po", ""), ("awm", "")]
     assert winners[-1]["kinds_below_base"] == ["colors", "position"]
 
+    # The sweep's report leads with the same ranking, then every run.
+    runs = {(r["trainer"], r["variant"]): {**r, "final_minutes": 10.0, "epochs": 20, "final_images": 2560}
+            for r in sweep["runs"].values()}
+    ranked, every = trainers.sweep_markdown(runs, base).split("| trainer | setting |")
+    first = [line.split(" | ")[1:3] for line in ranked.splitlines() if line.startswith("| 1 |")]
+    assert first == [["dgpo", "shipped config"]]
+    assert "| 4 | awm | shipped config | 0.800 | 0.50 | 0.50 | 0.50 | 0.40* | 0.40* | 0.50 |" in ranked
+    assert every.count("\n| ") == 6  # a row per run
+
 
 def test_the_comparison_table_reports_the_hacking_panel_and_marks_kinds_below_the_base():
     base = {"eval/shapes/accuracy": 0.64, "hack/extra_object_rate": 0.18, "hack/accuracy_strict": 0.51,
