@@ -363,7 +363,7 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path, title: st
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for ax, key, label in ((axes[0], "minutes", "training minutes (evaluation excluded)"),
+    for ax, key, label in ((axes[0], "minutes", "reference CPU-minutes of training (evaluation excluded)"),
                            (axes[1], "images", "images sampled")):
         for trainer in summary["trainers"]:
             mine = [r for (t, _), r in sorted(runs.items()) if t == trainer]
@@ -374,7 +374,9 @@ def plot(runs: dict[tuple[str, int], dict], summary: dict, path: Path, title: st
                 ax.plot(r[key], r["accuracy"], color=color, alpha=0.35, linewidth=0.8, marker=".", markersize=3)
             grid, means = curve_mean(mine, key)
             seeds = f"{len(mine)} seed{'s' * (len(mine) > 1)}"
-            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{trainer} ({seeds})")
+            setting = summary["trainers"][trainer].get("setting")
+            name = f"{trainer} {setting}" if setting else trainer
+            ax.plot(grid, means, color=color, linewidth=2.2, label=f"{name} ({seeds})")
         ax.set_xlabel(label)
         ax.set_ylabel("held-out accuracy")
         ax.grid(alpha=0.3)
@@ -437,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary = summarise(runs, args.trainers, pair_images)
         table = markdown(summary, base)
         plot(runs, summary, results / f"{name}.png",
-             f"Trainers on the shapes model: {args.minutes:g} training minutes, {len(args.seeds)} seed(s)")
+             f"Trainers on the shapes model: {args.minutes:g} reference CPU-minutes of training, one thread, "
+             f"{len(args.seeds)} seed(s)")
         result = {"settings": settings, "launched": launched, "base": base, "summary": summary,
                   "runs": {f"{t}_s{s}": r for (t, s), r in runs.items()}, "table_md": table,
                   "figure": str(results / f"{name}.png")}
