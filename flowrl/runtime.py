@@ -230,6 +230,7 @@ def prepare_run(run: RunConfig) -> Path:
         torch.backends.cudnn.benchmark = False
     if getattr(run, "threads", None):
         torch.set_num_threads(run.threads)
+    torch.set_flush_denormal(run.flush_denormal)  # returns False (and does nothing) where the CPU cannot
     torch.manual_seed(run.seed)
     return output_dir
 

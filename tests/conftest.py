@@ -33,6 +33,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _denormals_kept_after_each_test():
+    """A run flushes float32 denormals for its process (``run.flush_denormal``, flowrl.runtime.prepare_run); put
+    torch's default back after each test, so no test's numbers depend on which tests ran before it."""
+    yield
+    import torch
+
+    torch.set_flush_denormal(False)
+
+
 def pytest_configure(config):
     """``FLOWRL_TEST_DISABLE_ONEDNN=1`` runs the suite with torch's oneDNN (mkldnn) kernels off: a stand-in for a
     CPU that takes other kernels, used to check that numeric tests hold across machines."""
