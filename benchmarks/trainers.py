@@ -19,8 +19,8 @@ the budget. Outputs (``--results``, default ``benchmarks/results``):
   images per training minute, epochs and images in the budget;
 - ``--sweep``: each trainer's shipped config and a short sweep of its learning rate and its main coefficient
   (``SWEEP``, one at a time), one seed each, reported in ``trainers_sweep.{json,md}`` (per-kind accuracy and the
-  hacking panel beside each); ``--from-sweep`` then runs the ``--best`` trainers, each with its best setting (every task kind at or
-  above the base first, then accuracy: :func:`sweep_winners`).
+  hacking panel beside each); ``--from-sweep`` then runs the ``--best`` trainers, each with its best setting
+  (every task kind at or above the base first, then accuracy: :func:`sweep_winners`).
 
 Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (16 images of each of 128
 training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
