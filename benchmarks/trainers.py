@@ -222,12 +222,17 @@ def jobs_for(args: argparse.Namespace, winners: list[dict] = ()) -> list[dict]:
     return jobs
 
 
+def below_base(value: float, base_value: float) -> bool:
+    """A kind's accuracy below the base model's (beyond float rounding): a gain that hides a regression."""
+    return value < base_value - 1e-9
+
+
 def kinds_below_base(run: dict) -> list[str]:
     """The task kinds whose accuracy at a run's last evaluation is below its first (the base model's, which
     :func:`read_curve` puts first): the regressions an average hides."""
     start, end = run["evals"][0], run["evals"][-1]
-    return [k for k in KINDS if float(end.get(f"eval/shapes/{k}", math.nan))
-            < float(start.get(f"eval/shapes/{k}", math.nan)) - 1e-9]
+    return [k for k in KINDS if below_base(float(end.get(f"eval/shapes/{k}", math.nan)),
+                                           float(start.get(f"eval/shapes/{k}", math.nan)))]
 
 
 def sweep_winners(sweep: dict, count: int) -> list[dict]:
@@ -283,7 +288,7 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
 
 def per_kind_cell(value: float, base_value: float) -> str:
     """A kind's accuracy for a table, ``*`` when below the base model's: a gain that hides a regression."""
-    return fmt(value, 2) + ("*" if value < base_value - 1e-9 else "")
+    return fmt(value, 2) + ("*" if below_base(value, base_value) else "")
 
 
 def markdown(summary: dict, base: dict | None) -> str:
