@@ -258,7 +258,11 @@ def sweep_winners(sweep: dict, count: int) -> list[dict]:
 # ============================================================================ analysis
 
 
-def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_images: float | None) -> dict:
+def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_images: float | None,
+              budget_minutes: float | None = None) -> dict:
+    """Per trainer, mean and std over its seeds; ``unfinished`` counts the runs that have not reached
+    ``budget_minutes`` yet (when given; an interim table: their last evaluation is an earlier one), ``*_n`` the
+    seeds whose curve reaches each point."""
     equal_images = min(r["images"][-1] for (t, _), r in runs.items() if t != "dpo") if any(
         t != "dpo" for t, _ in runs) else math.nan
     out: dict = {"equal_images": equal_images, "trainers": {}}
@@ -266,10 +270,13 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
         mine = [r for (t, _), r in sorted(runs.items()) if t == trainer]
         if not mine:
             continue
-        entry: dict = {"seeds": len(mine), "setting": mine[0].get("variant", "")}
+        entry: dict = {"seeds": len(mine), "setting": mine[0].get("variant", ""),
+                       "unfinished": sum(budget_minutes is not None and r["final_minutes"] < budget_minutes - 0.01
+                                         for r in mine)}
         for minutes in (10, 30):
-            entry[f"acc_at_{minutes}min"], entry[f"acc_at_{minutes}min_std"] = mean_std(
-                [interp(minutes, r["minutes"], r["accuracy"]) for r in mine])
+            at = [interp(minutes, r["minutes"], r["accuracy"]) for r in mine]
+            entry[f"acc_at_{minutes}min"], entry[f"acc_at_{minutes}min_std"] = mean_std(at)
+            entry[f"acc_at_{minutes}min_n"] = sum(math.isfinite(x) for x in at)
         entry["acc_at_equal_images"], entry["acc_at_equal_images_std"] = mean_std(
             [interp(equal_images, r["images"], r["accuracy"]) for r in mine])
         entry["acc_final"], entry["acc_final_std"] = mean_std([r["accuracy"][-1] for r in mine])
@@ -304,13 +311,19 @@ def markdown(summary: dict, base: dict | None) -> str:
         lines.append(f"| base model | | {fmt(base[METRIC])} | | | | {per_kind} | {panel} | | | 0 | 0 |")
     for trainer, e in summary["trainers"].items():
         def pm(key: str) -> str:
-            return f"{fmt(e[key])} ± {fmt(e[key + '_std'])}" if math.isfinite(e[key]) else "n/a"
+            if not math.isfinite(e[key]):
+                return "n/a"
+            seeds = e.get(key + "_n", e["seeds"])  # a point not every seed's curve reaches yet says so
+            partial = f" ({seeds} of {e['seeds']})" if seeds < e["seeds"] else ""
+            return f"{fmt(e[key])} ± {fmt(e[key + '_std'])}{partial}"
 
         def kind(k: str) -> str:
             return per_kind_cell(e[k], start[k])
 
         images = fmt(e["final_images"], 0) + (f" (+{e['offline_images']:.0f} offline)" if "offline_images" in e else "")
         name = f"{trainer} ({e['setting']})" if e.get("setting") else trainer
+        if e.get("unfinished"):
+            name += f", {e['unfinished']} of {e['seeds']} runs unfinished"
         lines.append(f"| {name} | {e['seeds']} | {pm('acc_at_10min')} | {pm('acc_at_30min')} | "
                      f"{pm('acc_at_equal_images')} | {pm('acc_final')} | "
                      + " | ".join(kind(k) for k in KINDS) + f" | {pm('extra_objects')} | {pm('strict_accuracy')}"
@@ -441,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         pair_info = Path(args.pairs) / "info.json"
         pair_images = json.loads(pair_info.read_text())["images_sampled"] if pair_info.is_file() else None
-        summary = summarise(runs, args.trainers, pair_images)
+        summary = summarise(runs, args.trainers, pair_images, budget_minutes=args.minutes)
         table = markdown(summary, base)
         plot(runs, summary, results / f"{name}.png",
              f"Trainers on the shapes model: {args.minutes:g} reference CPU-minutes of training, one thread, "

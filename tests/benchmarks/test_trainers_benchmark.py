@@ -119,3 +119,11 @@ def test_the_comparison_table_reports_the_hacking_panel_and_marks_kinds_below_th
     assert cells[header.index("strict acc.")] == "0.250 ± 0.050"
     base_row = next(line for line in table.splitlines() if line.startswith("| base model |"))
     assert [c.strip() for c in base_row.strip("|").split("|")][header.index("extra objects")] == "0.180"
+
+    # An interim table: seed 1 has reached 10 minutes only; its 30-minute cell says one seed gave it.
+    runs[("nft", 1)].update(minutes=[0.0, 10.0], images=[0, 1000], accuracy=[0.64, 0.72], final_minutes=10.0)
+    interim = trainers.summarise(runs, ["nft"], None, budget_minutes=30.0)["trainers"]["nft"]
+    assert interim["unfinished"] == 1 and interim["acc_at_30min_n"] == 1 and interim["acc_at_10min_n"] == 2
+    row = next(line for line in trainers.markdown({**summary, "trainers": {"nft": interim}}, base).splitlines()
+               if line.startswith("| nft"))
+    assert row.startswith("| nft, 1 of 2 runs unfinished |") and "| 0.800 ± 0.000 (1 of 2) |" in row
