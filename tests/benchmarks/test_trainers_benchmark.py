@@ -102,7 +102,7 @@ def test_the_comparison_table_reports_the_hacking_panel_and_marks_kinds_below_th
                "hack/accuracy_strict": strict, "eval/shapes/counting": counting}
         return {"minutes": [0.0, 10.0, 30.0], "images": [0, 1000, 3000], "accuracy": [0.64, 0.70, accuracy],
                 "evals": [base, end, end], "final_images": 3000, "final_minutes": 30.0, "epochs": 60,
-                "epoch_s": 30.0, "sampling_s": 20.0, "training_s": 10.0}
+                "epoch_s": 45.0, "sampling_s": 20.0, "training_s": 10.0}
 
     runs = {("nft", 0): run(0.80, 0.70, 0.20, 0.40), ("nft", 1): run(0.76, 0.50, 0.30, 0.40)}
     summary = trainers.summarise(runs, ["nft"], None)
@@ -117,6 +117,7 @@ def test_the_comparison_table_reports_the_hacking_panel_and_marks_kinds_below_th
     assert cells[header.index("counting")] == "0.40*" and cells[header.index("colors")] == "0.50"
     assert cells[header.index("extra objects")] == "0.600 ± 0.100"
     assert cells[header.index("strict acc.")] == "0.250 ± 0.050"
+    assert cells[header.index("s / epoch")] == "30.0" and cells[header.index("images / min")] == "100"
     base_row = next(line for line in table.splitlines() if line.startswith("| base model |"))
     assert [c.strip() for c in base_row.strip("|").split("|")][header.index("extra objects")] == "0.180"
 
