@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import (clean, curve_mean, fmt, interp, launch, mean_std, read_curve,  # noqa: E402
+from benchmarks.runs import (DONE, clean, curve_mean, fmt, interp, launch, mean_std, read_curve,  # noqa: E402
                              restore_record, save_figure)
 
 TRAINERS = ("flow_grpo", "grpo_guard", "flow_dppo", "crd", "nft", "awm", "dgpo", "dpo", "d3po")
@@ -258,11 +258,10 @@ def sweep_winners(sweep: dict, count: int) -> list[dict]:
 # ============================================================================ analysis
 
 
-def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_images: float | None,
-              budget_minutes: float | None = None) -> dict:
-    """Per trainer, mean and std over its seeds; ``unfinished`` counts the runs that have not reached
-    ``budget_minutes`` yet (when given; an interim table: their last evaluation is an earlier one), ``*_n`` the
-    seeds whose curve reaches each point."""
+def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_images: float | None) -> dict:
+    """Per trainer, mean and std over its seeds; ``unfinished`` counts the runs whose process has not finished
+    (``finished`` false: an interim table, their last evaluation is an earlier one), ``*_n`` the seeds whose
+    curve reaches each point."""
     equal_images = min(r["images"][-1] for (t, _), r in runs.items() if t != "dpo") if any(
         t != "dpo" for t, _ in runs) else math.nan
     out: dict = {"equal_images": equal_images, "trainers": {}}
@@ -271,8 +270,7 @@ def summarise(runs: dict[tuple[str, int], dict], trainers: list[str], pair_image
         if not mine:
             continue
         entry: dict = {"seeds": len(mine), "setting": mine[0].get("variant", ""),
-                       "unfinished": sum(budget_minutes is not None and r["final_minutes"] < budget_minutes - 0.01
-                                         for r in mine)}
+                       "unfinished": sum(not r.get("finished", True) for r in mine)}
         for minutes in (10, 30):
             at = [interp(minutes, r["minutes"], r["accuracy"]) for r in mine]
             entry[f"acc_at_{minutes}min"], entry[f"acc_at_{minutes}min_std"] = mean_std(at)
@@ -443,7 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"trainers: no evaluated metrics in {job['out']}; left out", flush=True)
             continue
         curve.pop("rows")
-        curve.update(trainer=job["trainer"], variant=job["variant"], overrides=job["setting"])
+        curve.update(trainer=job["trainer"], variant=job["variant"], overrides=job["setting"],
+                     finished=(job["out"] / DONE).is_file())
         runs[(job["trainer"], job["variant"] if args.sweep else job["seed"])] = curve
     if not runs:
         raise SystemExit(f"trainers: no runs with metrics under {out}")
@@ -457,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         pair_info = Path(args.pairs) / "info.json"
         pair_images = json.loads(pair_info.read_text())["images_sampled"] if pair_info.is_file() else None
-        summary = summarise(runs, args.trainers, pair_images, budget_minutes=args.minutes)
+        summary = summarise(runs, args.trainers, pair_images)
         table = markdown(summary, base)
         plot(runs, summary, results / f"{name}.png",
              f"Trainers on the shapes model: {args.minutes:g} reference CPU-minutes of training, one thread, "

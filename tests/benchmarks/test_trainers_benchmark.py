@@ -35,6 +35,7 @@ def test_trainers_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path)
     assert set(summary) == {"flow_grpo", "nft"}
     for entry in summary.values():
         assert entry["epochs"] == 2 and entry["final_images"] == 2 * 2 * 2  # 2 epochs of 2 groups of 2
+        assert entry["unfinished"] == 0  # stopped by --max-epochs before the minutes: finished all the same
     # Every curve starts at the one base evaluation.
     assert all(run["images"][0] == 0 and run["accuracy"][0] == result["base"]["eval/shapes/accuracy"]
                for run in result["runs"].values())
@@ -122,8 +123,9 @@ def test_the_comparison_table_reports_the_hacking_panel_and_marks_kinds_below_th
     assert [c.strip() for c in base_row.strip("|").split("|")][header.index("extra objects")] == "0.180"
 
     # An interim table: seed 1 has reached 10 minutes only; its 30-minute cell says one seed gave it.
-    runs[("nft", 1)].update(minutes=[0.0, 10.0], images=[0, 1000], accuracy=[0.64, 0.72], final_minutes=10.0)
-    interim = trainers.summarise(runs, ["nft"], None, budget_minutes=30.0)["trainers"]["nft"]
+    runs[("nft", 1)].update(minutes=[0.0, 10.0], images=[0, 1000], accuracy=[0.64, 0.72], final_minutes=10.0,
+                            finished=False)
+    interim = trainers.summarise(runs, ["nft"], None)["trainers"]["nft"]
     assert interim["unfinished"] == 1 and interim["acc_at_30min_n"] == 1 and interim["acc_at_10min_n"] == 2
     row = next(line for line in trainers.markdown({**summary, "trainers": {"nft": interim}}, base).splitlines()
                if line.startswith("| nft"))
