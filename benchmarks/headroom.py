@@ -54,15 +54,12 @@ def pass_at(n: int, c: int, j: int) -> float:
 def score(images: torch.Tensor, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Per image: lenient correctness (every constraint of the prompt met, as ``eval/shapes/accuracy``) and strict
     (counts exact, no other object, as ``hack/accuracy_strict``). ``images``: ``[B, 3, H, W]`` in [0, 1]."""
-    from flowrl.data.shapes import parse_prompt
-    from flowrl.hacking import strict_correct
-    from rewards.shapes import constraints_met, detect_objects
+    from flowrl.hacking import judge_shapes_image
 
-    lenient, strict = [], []
-    for prompt, image in zip(prompts, images.permute(0, 2, 3, 1).numpy()):
-        spec, detections = parse_prompt(prompt), detect_objects(image)
-        lenient.append(all(constraints_met(spec, detections)))
-        strict.append(strict_correct(spec, detections))
+    judgements = [judge_shapes_image(prompt, image)
+                  for prompt, image in zip(prompts, images.permute(0, 2, 3, 1).numpy())]
+    lenient = [j.correct for j in judgements]
+    strict = [j.strict for j in judgements]
     return np.array(lenient, dtype=bool), np.array(strict, dtype=bool)
 
 

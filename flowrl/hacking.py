@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -149,11 +149,31 @@ def strict_correct(spec, detections) -> bool:
     return True
 
 
-def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
-    """The shapes-world part of the panel (extra objects, background, accuracies); prompts must parse."""
+class ShapesJudgement(NamedTuple):
+    """How one shapes-world image answers its prompt: the prompt's task ``kind``, the number of ``extra``
+    objects it was not asked for, ``correct`` (every constraint met, as ``eval/shapes/accuracy``) and ``strict``
+    (counts exact and nothing else drawn, as ``hack/accuracy_strict``)."""
+
+    kind: str
+    extra: int
+    correct: bool
+    strict: bool
+
+
+def judge_shapes_image(prompt: str, image: np.ndarray) -> ShapesJudgement:
+    """Judge one image (``[H, W, 3]`` float array in [0, 1]) against its shapes-world ``prompt`` (must parse)."""
     from flowrl.data.shapes import parse_prompt
     from rewards.shapes import constraints_met, detect_objects
 
+    spec = parse_prompt(prompt)
+    detections = detect_objects(image)
+    return ShapesJudgement(kind=spec.kind, extra=extra_objects(spec, detections),
+                           correct=all(constraints_met(spec, detections)),
+                           strict=strict_correct(spec, detections))
+
+
+def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
+    """The shapes-world part of the panel (extra objects, background, accuracies); prompts must parse."""
     images = _check_images(images, "images")
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
@@ -161,12 +181,11 @@ def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, fl
     extras, correct, strict = [], [], []
     by_kind: dict[str, list[float]] = defaultdict(list)
     for prompt, image in zip(prompts, array):
-        spec = parse_prompt(prompt)
-        detections = detect_objects(image)
-        extras.append(extra_objects(spec, detections))
-        correct.append(float(all(constraints_met(spec, detections))))
-        strict.append(float(strict_correct(spec, detections)))
-        by_kind[spec.kind].append(strict[-1])
+        judgement = judge_shapes_image(prompt, image)
+        extras.append(judgement.extra)
+        correct.append(float(judgement.correct))
+        strict.append(float(judgement.strict))
+        by_kind[judgement.kind].append(strict[-1])
     shift, colour = background_stats(images)
     valid = torch.isfinite(shift)
     out = {

@@ -7,7 +7,7 @@ import torch
 
 from flowrl.data.shapes import Scene, SceneObject, render
 from flowrl.hacking import (background_stats, feature_drift, group_diversity, hacking_panel, pixel_drift,
-                            shapes_metrics)
+                            judge_shapes_image, shapes_metrics)
 
 
 def image(rgb, size=4) -> torch.Tensor:
@@ -78,6 +78,15 @@ def test_extra_objects_and_strict_counting():
     assert out["hack/accuracy_strict/counting"] == 0.0
     assert out["hack/bg_shift"] == pytest.approx(0.0, abs=1e-6)
     assert (out["hack/bg_r"], out["hack/bg_g"], out["hack/bg_b"]) == pytest.approx((255, 255, 255))
+
+
+def test_one_image_judgement_names_kind_extras_and_both_accuracies():
+    two = scene_image(("circle", "red", 9.0, 9.0, 10.0), ("circle", "red", 23.0, 23.0, 10.0))
+    wrong = scene_image(("square", "blue", 16.0, 16.0, 10.0))
+    hwc = lambda img: img.permute(1, 2, 0).numpy()  # noqa: E731
+    assert tuple(judge_shapes_image("a red circle", hwc(two))) == ("colors", 1, True, False)
+    assert tuple(judge_shapes_image("a red circle", hwc(wrong))) == ("colors", 0, False, False)
+    assert tuple(judge_shapes_image("two red circles", hwc(two))) == ("counting", 0, True, True)
 
 
 def test_strict_counting_accepts_exact_scenes_and_names_colourless_objects_by_shape():
