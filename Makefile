@@ -1,4 +1,4 @@
-# flowrl: `make demo` trains Flow-GRPO on the embedded shapes model; `make test` runs the test suite.
+# flowrl: `make demo` trains DGPO (the trainers comparison's winner) on the embedded shapes model; `make test` runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -46,7 +46,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS)
 
 demo: $(STAMP)
-	$(BIN)/flowrl train configs/shapes/flow_grpo.yaml
+	$(BIN)/flowrl train configs/shapes/demo.yaml
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks

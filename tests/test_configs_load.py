@@ -19,7 +19,7 @@ FRAGMENTS = [p for p in ALL_YAMLS if p.parent.name in FRAGMENT_DIRS]
 
 def test_there_are_configs_of_every_kind():
     names = {p.relative_to(ROOT / "configs").as_posix() for p in YAMLS}
-    for required in ("shapes/pretrain.yaml", "shapes/flow_grpo.yaml", "sd3/flow_grpo_geneval.yaml",
+    for required in ("shapes/pretrain.yaml", "shapes/flow_grpo.yaml", "shapes/demo.yaml", "sd3/flow_grpo_geneval.yaml",
                      "sd3/flow_grpo_ocr.yaml", "sd3/flow_grpo_pickscore.yaml", "flux/flow_grpo_pickscore.yaml",
                      "accelerate/cpu_2proc.yaml", "accelerate/multi_gpu.yaml", "accelerate/multi_node.yaml",
                      "accelerate/fsdp.yaml", "accelerate/zero2.yaml", "vlm/shapes_vqa_sft.yaml",
@@ -36,6 +36,23 @@ def test_config_loads(path):
     recipe, cfg = load_recipe_config(str(path), [])
     assert cfg.run.output_dir and cfg.run.max_epochs >= 1
     assert isinstance(cfg.run.seed, int)
+
+
+def test_make_demo_runs_the_shipped_dgpo_at_the_comparisons_beta():
+    """``make demo`` is DGPO as shipped with the comparison's winning beta (10, against the config's 100): the same
+    recipe, rollouts, reward and budget, nothing else changed but where the run goes."""
+    from flowrl.config import to_dict
+
+    assert "configs/shapes/demo.yaml" in (ROOT / "Makefile").read_text()
+    dgpo_recipe, dgpo = load_recipe_config(str(ROOT / "configs/shapes/dgpo.yaml"), [])
+    demo_recipe, demo = load_recipe_config(str(ROOT / "configs/shapes/demo.yaml"), [])
+    assert demo_recipe.main is dgpo_recipe.main and (demo.train.beta, dgpo.train.beta) == (10.0, 100.0)
+    a, b = to_dict(dgpo), to_dict(demo)
+    assert {k for k in a if a[k] != b[k]} == {"run", "train"}
+    assert {k for k in a["run"] if a["run"][k] != b["run"][k]} == {"output_dir"}
+    assert {k for k in a["train"] if a["train"][k] != b["train"][k]} == {"beta"}
+    assert (demo.sampling.precision, demo.eval.precision, demo.run.clock, demo.run.max_minutes) == (
+        "float32", "float32", "wall", 30.0)
 
 
 def test_variants_keep_only_what_differs_and_resolve_to_their_base():
