@@ -15,6 +15,11 @@ whose count is wrong, so a wrong count is never worth more than a right one (cou
 ``counting`` prompts, whose score becomes all-or-nothing; other prompts score as in ``partial``).
 ``details["correct"]`` is the same in both modes.
 
+``no_extra_objects=True`` adds one constraint to every prompt: the image has no object beyond the ones the prompt
+names (``"a red circle"`` names 1, ``"three green triangles"`` 3). Without it the reward pays in full for two red
+circles drawn for "a red circle", and policies learn to add objects (the hacking panel's ``hack/extra_object_rate``).
+``details["correct"]`` still ignores it (GenEval's accuracy, as ``eval/shapes/accuracy``).
+
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
 background and the palette colour ``c`` that fits it best; pixels with ``alpha > 0.5`` form connected
 components per colour. A component's shape comes from blur-robust soft measurements over the pixels
@@ -219,18 +224,22 @@ class ShapesReward(Reward):
         device: kept for the common reward interface (detection runs in numpy on the CPU).
         count_mode: ``"partial"`` (default) scores each constraint on its own; ``"strict"`` gives an
             object phrase with a wrong count no credit at all (see the module docstring).
+        no_extra_objects: one more constraint per prompt, met when no object beyond those it names is drawn.
     """
 
     name = "shapes"
     differentiable = False
     batch_size = 256
 
-    def __init__(self, device: str = "cpu", count_mode: str = "partial"):
+    def __init__(self, device: str = "cpu", count_mode: str = "partial", no_extra_objects: bool = False):
         if count_mode not in COUNT_MODES:
             raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received "
                               f"{count_mode!r} (strict: a wrong count earns nothing for its object)")
+        if not isinstance(no_extra_objects, bool):
+            raise RewardError(f"shapes reward: no_extra_objects must be true or false; received {no_extra_objects!r}")
         self.device = torch.device(device)
         self.count_mode = count_mode
+        self.no_extra_objects = no_extra_objects
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
         try:
@@ -242,8 +251,10 @@ class ShapesReward(Reward):
         for spec, image in zip(specs, array):
             detections = detect_objects(image)
             met = constraints_met(spec, detections, self.count_mode)
-            scores.append(sum(met) / len(met))
             correct.append(float(all(met)))
+            if self.no_extra_objects:
+                met.append(len(detections) <= sum(obj.count for obj in spec.objects))
+            scores.append(sum(met) / len(met))
             counts.append(float(len(detections)))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
         return RewardOutput(as_tensor(scores), {"correct": as_tensor(correct), "objects": as_tensor(counts)})

@@ -1,5 +1,6 @@
 """The shapes reward's count_mode: ``strict`` never pays more for a wrong count than for a right one, and
-leaves every other prompt (and the default) as it was."""
+leaves every other prompt (and the default) as it was; ``no_extra_objects`` adds a constraint against objects the
+prompt did not ask for."""
 
 from __future__ import annotations
 
@@ -86,3 +87,20 @@ def test_bad_count_mode_is_a_reward_error():
         rewards.load("shapes", count_mode="exact")
     with pytest.raises(RewardError, match="count_mode must be one of"):
         constraints_met(parse_prompt("a circle"), [], "loose")
+
+
+def test_no_extra_objects_adds_one_constraint_against_unasked_objects(images):
+    # Scenes: one green, three green, three red, two green + one red triangle.
+    prompts = ["a green triangle", "a green triangle", "a triangle", "two green triangles"]
+    plain = rewards.load("shapes", count_mode="strict")(images, prompts)
+    guarded = rewards.load("shapes", count_mode="strict", no_extra_objects=True)(images, prompts)
+    # plain: one green -> 2/2; three green for "a green triangle" -> 2/2 (the extra two are free); three red for
+    # "a triangle" -> 1/1; two green + one red for "two green triangles" -> 3/3.
+    assert plain.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0])
+    # guarded: the same constraints plus "nothing beyond the 1 / 1 / 1 / 2 objects named": only the first holds it.
+    assert guarded.scores.tolist() == pytest.approx([1.0, 2 / 3, 1 / 2, 3 / 4])
+    assert torch.equal(plain.details["correct"], guarded.details["correct"])  # the accuracy ignores it
+    assert guarded.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert ShapesReward().no_extra_objects is False
+    with pytest.raises(RewardError, match="no_extra_objects must be true or false; received 'yes'"):
+        rewards.load("shapes", no_extra_objects="yes")
