@@ -126,13 +126,9 @@ def background_stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(shifts, dtype=torch.float64), torch.tensor(colours, dtype=torch.float64)
 
 
-def _named_total(spec) -> int:
-    return sum(obj.count for obj in spec.objects)
-
-
 def extra_objects(spec, detections) -> int:
     """Detected objects beyond the number the prompt names (0 if none)."""
-    return max(0, len(detections) - _named_total(spec))
+    return max(0, len(detections) - spec.named_total)
 
 
 def strict_correct(spec, detections) -> bool:
@@ -140,7 +136,7 @@ def strict_correct(spec, detections) -> bool:
     exactly its count of detections (by shape, and colour where given), and no other object."""
     from rewards.shapes import constraints_met
 
-    if not all(constraints_met(spec, detections)) or len(detections) != _named_total(spec):
+    if not all(constraints_met(spec, detections)) or len(detections) != spec.named_total:
         return False
     for obj in spec.objects:
         matching = [d for d in detections if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]

@@ -253,7 +253,7 @@ class ShapesReward(Reward):
             met = constraints_met(spec, detections, self.count_mode)
             correct.append(float(all(met)))
             if self.no_extra_objects:
-                met.append(len(detections) <= sum(obj.count for obj in spec.objects))
+                met.append(len(detections) <= spec.named_total)
             scores.append(sum(met) / len(met))
             counts.append(float(len(detections)))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731

@@ -93,6 +93,12 @@ class PromptSpec:
     objects: tuple[ObjectSpec, ...]
     relation: str | None = None
 
+    @property
+    def named_total(self) -> int:
+        """How many objects the prompt names: ``"a red circle"`` 1, ``"three green triangles"`` 3, ``"a circle and
+        a square"`` 2."""
+        return sum(obj.count for obj in self.objects)
+
     def text(self) -> str:
         if self.kind == "position":
             return f"{self.objects[0].phrase()} {self.relation} {self.objects[1].phrase()}"
