@@ -196,8 +196,9 @@ class Run:
         self._deadline = self._stop = self._bar = None
         self._epoch_start = 0.0
         self._next_eval_minutes: float | None = None
+        self._owed_eval_minutes: float | None = None  # a resumed checkpoint's pending evaluation time
         self._next_checkpoint_minutes: float | None = None
-        self._updating = self._stopping = self._started = self._cut_short = False
+        self._updating = self._stopping = self._started = self._cut_short = self._evaluating = False
         self._early_reason: str | None = None
         self._saved_at: tuple[int, int] | None = None
         self._early_stop = EarlyStop(cfg.run.stop_on) if getattr(cfg.run, "stop_on", None) else None
@@ -228,8 +229,11 @@ class Run:
     # ------------------------------------------------------------------ checkpoints
 
     def _counter_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, **self.counters, "train_minutes": self.train_minutes(),
-                "wall_minutes": self.wall_minutes()}
+        state = {"epoch": self.epoch, **self.counters, "train_minutes": self.train_minutes(),
+                 "wall_minutes": self.wall_minutes()}
+        if self._next_eval_minutes is not None:  # an evaluation that failed or was interrupted is still owed
+            state["next_eval_minutes"] = self._next_eval_minutes
+        return state
 
     def save_checkpoint(self) -> None:
         """Checkpoint the tracked state now (once per position). Every process must call it.
@@ -257,6 +261,7 @@ class Run:
         self._train_minutes_before = float(state["train_minutes"])
         self._wall_minutes_before = float(state["wall_minutes"])
         self._saved_at = (self.epoch, self.counters.get("step", 0))
+        self._owed_eval_minutes = state.get("next_eval_minutes")
         self.logger.truncate_after(self.epoch)
         if self.dist.is_main:
             where = f"step {self.counters['step']}" if self.steps_per_epoch else f"epoch {self.epoch}"
@@ -289,6 +294,10 @@ class Run:
                                        already_spent=self._train_minutes_before, scale=self.cfg.run.clock_scale,
                                        precision=precision)
         self._next_eval_minutes = _next_multiple(self._train_minutes_before, self._eval_setting("every_minutes", None))
+        if self._next_eval_minutes is not None and self._owed_eval_minutes is not None:
+            # The checkpoint's pending evaluation (one that failed or was stopped) comes first: the next multiple
+            # of eval.every_minutes after the resumed minutes would skip it.
+            self._next_eval_minutes = min(self._next_eval_minutes, float(self._owed_eval_minutes))
         self._next_checkpoint_minutes = _next_multiple(self._train_minutes_before, self._checkpoint_cfg.every_minutes)
         self._stop = GracefulStop().__enter__()
         return self
@@ -330,12 +339,13 @@ class Run:
                 saved = f"({err})"
         if isinstance(exc, RunError):
             return RunError(f"{exc} {saved}", exit_code=exc.exit_code)
+        during = f"evaluation of epoch {self.epoch}" if self._evaluating else f"epoch {self.epoch + 1}"
         if isinstance(exc, user_errors()):
-            return RunError(f"epoch {self.epoch + 1}: {' '.join(str(exc).split())} {saved}")
+            return RunError(f"{during}: {' '.join(str(exc).split())} {saved}")
         log = self.output_dir / "error.log"
         if self.dist.is_main:
             log.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        return RunError(f"epoch {self.epoch + 1}: internal error {type(exc).__name__}: "
+        return RunError(f"{during}: internal error {type(exc).__name__}: "
                         f"{' '.join(str(exc).split())[:300]} {saved}; the traceback is in {log}", exit_code=1)
 
     def _has_row(self, epoch: int) -> bool:
@@ -347,13 +357,16 @@ class Run:
         """The evaluation's metrics, or None when a signal interrupted it (the partial result is discarded)."""
         from flowrl.generate import GenerationInterrupted
 
+        self._evaluating = True  # stays set when the evaluation fails, for the failure's message
         with self._deadline.excluded():
             try:
-                return self._evaluate(self.epoch, should_stop=lambda: self._stop.requested)
+                metrics = self._evaluate(self.epoch, should_stop=lambda: self._stop.requested)
             except GenerationInterrupted:
                 self._warn(f"flowrl: evaluation of epoch {self.epoch} interrupted by {self._stop.reason}; "
                            "its partial results are discarded")
-                return None
+                metrics = None
+        self._evaluating = False
+        return metrics
 
     def _warn(self, message: str) -> None:
         if self.dist.is_main:

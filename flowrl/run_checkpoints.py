@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +52,9 @@ class PolicyWeights:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.policy.load_trainable_state_dict(state)
 
+
+#: How long a process other than the main one waits, after a failure, for the main process's checkpoint.
+MAIN_SAVE_TIMEOUT_S = 120.0
 
 #: ``{tracked name: the name checkpoints of earlier releases stored it under}``.
 LEGACY_NAMES = {"rollout_snapshot": "sampler"}  # CRD's rollout snapshot, called "sampler" before
@@ -170,18 +174,25 @@ class RunCheckpoints:
             return lora or extra_files
         return lambda directory: (lora(directory), extra_files(directory))
 
-    def save_alone(self, counters: dict[str, Any], extra_files: Callable[[Path], None] | None = None) -> None:
+    def save_alone(self, counters: dict[str, Any], extra_files: Callable[[Path], None] | None = None, *,
+                   timeout_s: float = MAIN_SAVE_TIMEOUT_S) -> None:
         """The checkpoint a failure leaves in a run of several processes. The other processes may be anywhere
         (waiting in a collective, failing too), so the main process saves alone, without collectives, what it
         holds whole: ``state.pt`` with the optimizer inside (the layout before ``accelerate/``, which resumes).
         Sharded state (FSDP2 / ZeRO) cannot be saved by one process.
 
+        The other processes wait (at most ``timeout_s``) until the main process's checkpoint is in place:
+        a launcher stops every process as soon as one exits, so one that left at once could stop the main
+        process in the middle of its save.
+
         Raises:
-            CheckpointError: sharded state, or the write failed.
+            CheckpointError: sharded state, the write failed, or (off the main process) no checkpoint of this
+                position appeared within ``timeout_s``.
         """
         from flowrl.checkpoint import CheckpointError, rng_state, save_checkpoint
 
         if not self.dist.is_main:
+            self._await_main_checkpoint(self._number(counters), timeout_s)
             return
         if self.dist.shards_weights:
             raise CheckpointError(f"after a failure one process cannot save the sharded ({self.dist.backend}) state; "
@@ -190,6 +201,19 @@ class RunCheckpoints:
         state.update({"rng": rng_state(), **counters})
         save_checkpoint(self.output_dir, self._number(counters), state,
                         write_extra=self._combined_extra(state, extra_files), keep=self.keep, unit=self.unit)
+
+    def _await_main_checkpoint(self, number: int, timeout_s: float) -> None:
+        """Return once checkpoint ``number`` is complete (its folder appears whole: the writer renames it into
+        place), or raise CheckpointError after ``timeout_s`` seconds."""
+        from flowrl.checkpoint import CheckpointError, checkpoint_name
+
+        target = self.output_dir / "checkpoints" / checkpoint_name(number, self.unit)
+        deadline = time.monotonic() + timeout_s
+        while not (target / "state.pt").is_file():
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"the main process did not save {target.name} within {timeout_s:.0f} s; the last "
+                                      f"checkpoint in {self.output_dir}/checkpoints resumes with run.resume=true")
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ resuming
 

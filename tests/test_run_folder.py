@@ -153,3 +153,27 @@ def test_resume_refuses_when_processes_see_different_checkpoint_names(tmp_path):
     run = RunCheckpoints(tmp_path, TwoProcesses(), {}, keep=2, unit="epoch", counters=())
     with pytest.raises(CheckpointError, match=r"process 0: epoch_0000002; process 1: epoch_0000003.*file system every machine"):
         run.resume()
+
+
+def test_after_a_failure_the_other_processes_wait_for_the_main_process_checkpoint(tmp_path):
+    """A launcher stops every process when one exits: a process other than the main one that left at once after
+    a failure could stop the main process in the middle of its save. It waits until the main process's
+    checkpoint of its position is in place, and says so when none comes in time."""
+    import threading
+    import time
+
+    from flowrl.checkpoint import CheckpointError
+    from flowrl.run_checkpoints import RunCheckpoints
+
+    class SecondProcess(OneProcess):
+        is_main, world_size, rank = False, 2, 1
+
+    run = RunCheckpoints(tmp_path, SecondProcess(), {}, keep=2, unit="epoch", counters=())
+    main_saves = threading.Timer(0.5, lambda: save_checkpoint(tmp_path, 3, {"epoch": 3}, keep=2))
+    start = time.monotonic()
+    main_saves.start()
+    run.save_alone({"epoch": 3}, timeout_s=30)
+    assert time.monotonic() - start >= 0.5 and [p.name for p in checkpoints(tmp_path)] == ["epoch_0000003"]
+    # An earlier checkpoint is not the one it waits for; none of epoch 4 comes: a clear error, after the bound.
+    with pytest.raises(CheckpointError, match=r"did not save epoch_0000004 within 1 s.*resumes with run.resume=true"):
+        run.save_alone({"epoch": 4}, timeout_s=1)

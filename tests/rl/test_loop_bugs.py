@@ -102,3 +102,40 @@ def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shap
                     raise RewardError("bad input")
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("epoch_*"))
     assert math.isfinite(float(weights["w"]))
+
+
+def test_an_evaluation_that_failed_is_owed_after_the_resume(tmp_path, monkeypatch):
+    """An evaluation due at 10 training minutes fails (the run saves and stops); the resumed run evaluates at its
+    first epoch instead of waiting for the next multiple of eval.every_minutes (20)."""
+    from flowrl.errors import RunError
+    from flowrl.run import Run
+    from flowrl.train import load_recipe_config
+
+    monkeypatch.setattr(Run, "train_minutes", lambda self: 4.0 * self.epoch)  # epochs end at 4, 8, 12, ... minutes
+    calls = []
+
+    def evaluate(epoch, should_stop):
+        calls.append(epoch)
+        if len(calls) == 1:
+            raise RuntimeError("evaluation crashed")
+        return {"eval/shapes/accuracy": 0.5}
+
+    def scripted(resume: bool) -> None:
+        _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={tmp_path}", "eval.at_start=false",
+                                                  "eval.every_epochs=null", "eval.every_minutes=10",
+                                                  "run.max_minutes=null", "run.max_epochs=6",
+                                                  *(["run.resume=true"] if resume else [])])
+        run = Run(cfg, "test")
+        run.evaluation(evaluate)
+        with run:
+            while run.next_epoch():
+                run.end_epoch({"train/reward_mean": 0.5})
+        run.finish()
+
+    with pytest.raises(RunError, match=r"evaluation of epoch 3: internal error RuntimeError: evaluation crashed \(checkpoint of "
+                                       r"epoch 3 saved"):
+        scripted(resume=False)
+    scripted(resume=True)
+    assert calls == [3, 4, 5, 6]  # owed at 12 minutes (epoch 3): epoch 4; then 20 (epoch 5) and the last epoch
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in rows if "eval/shapes/accuracy" in r] == [4, 5, 6]
