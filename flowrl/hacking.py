@@ -52,7 +52,7 @@ import torch
 from flowrl.image_stats import image_stats
 
 __all__ = ["hacking_panel", "pixel_drift", "feature_drift", "group_diversity", "background_stats",
-           "extra_objects", "strict_correct", "shapes_metrics", "shapes_feature_fn", "diversity_rows",
+           "strict_correct", "shapes_metrics", "shapes_feature_fn", "diversity_rows",
            "is_shapes_world", "FOREGROUND_DISTANCE"]
 
 FeatureFn = Callable[[torch.Tensor], torch.Tensor]  # images [B, 3, H, W] in [0, 1] -> features [B, D]
@@ -126,17 +126,15 @@ def background_stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(shifts, dtype=torch.float64), torch.tensor(colours, dtype=torch.float64)
 
 
-def extra_objects(spec, detections) -> int:
-    """Detected objects beyond the number the prompt names (0 if none)."""
-    return max(0, len(detections) - spec.named_total)
-
-
-def strict_correct(spec, detections) -> bool:
-    """All of the prompt's constraints met (``rewards.shapes.constraints_met``), each object phrase matched by
-    exactly its count of detections (by shape, and colour where given), and no other object."""
+def strict_correct(spec, detections, lenient: bool | None = None) -> bool:
+    """All of the prompt's constraints met (``rewards.shapes.constraints_met``; ``lenient``, when given, is that
+    answer already computed), each object phrase matched by exactly its count of detections (by shape, and colour
+    where given), and no other object."""
     from rewards.shapes import constraints_met
 
-    if not all(constraints_met(spec, detections)) or len(detections) != spec.named_total:
+    if lenient is None:
+        lenient = all(constraints_met(spec, detections))
+    if not lenient or len(detections) != spec.named_total:
         return False
     for obj in spec.objects:
         matching = [d for d in detections if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
@@ -159,13 +157,13 @@ class ShapesJudgement(NamedTuple):
 def judge_shapes_image(prompt: str, image: np.ndarray) -> ShapesJudgement:
     """Judge one image (``[H, W, 3]`` float array in [0, 1]) against its shapes-world ``prompt`` (must parse)."""
     from flowrl.data.shapes import parse_prompt
-    from rewards.shapes import constraints_met, detect_objects
+    from rewards.shapes import constraints_met, detect_objects, extra_objects
 
     spec = parse_prompt(prompt)
     detections = detect_objects(image)
-    return ShapesJudgement(kind=spec.kind, extra=extra_objects(spec, detections),
-                           correct=all(constraints_met(spec, detections)),
-                           strict=strict_correct(spec, detections))
+    correct = all(constraints_met(spec, detections))
+    return ShapesJudgement(kind=spec.kind, extra=extra_objects(spec, detections), correct=correct,
+                           strict=strict_correct(spec, detections, lenient=correct))
 
 
 def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:

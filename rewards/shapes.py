@@ -41,7 +41,7 @@ from flowrl.data.shapes import BACKGROUND, PALETTE, PromptParseError, PromptSpec
 from .base import Reward, RewardError, RewardOutput
 from .registry import register_reward
 
-__all__ = ["COUNT_MODES", "Detection", "detect_objects", "constraints_met", "ShapesReward"]
+__all__ = ["COUNT_MODES", "Detection", "detect_objects", "constraints_met", "extra_objects", "ShapesReward"]
 
 COUNT_MODES = ("partial", "strict")
 
@@ -187,6 +187,11 @@ def _holds(a: Detection, b: Detection, relation: str) -> bool:
     return {"left of": dx > m, "right of": -dx > m, "above": dy > m, "below": -dy > m}[relation]
 
 
+def extra_objects(spec: PromptSpec, detections: list[Detection]) -> int:
+    """Detected objects beyond the number the prompt names (0 if none)."""
+    return max(0, len(detections) - spec.named_total)
+
+
 def constraints_met(spec: PromptSpec, detections: list[Detection], count_mode: str = "partial") -> list[bool]:
     """Which of the prompt's constraints the detected objects satisfy (see the module docstring).
 
@@ -253,7 +258,7 @@ class ShapesReward(Reward):
             met = constraints_met(spec, detections, self.count_mode)
             correct.append(float(all(met)))
             if self.no_extra_objects:
-                met.append(len(detections) <= spec.named_total)
+                met.append(extra_objects(spec, detections) == 0)
             scores.append(sum(met) / len(met))
             counts.append(float(len(detections)))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
