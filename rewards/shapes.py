@@ -18,6 +18,7 @@ whose count is wrong, so a wrong count is never worth more than a right one (cou
 ``no_extra_objects=True`` adds one constraint to every prompt: the image has no object beyond the ones the prompt
 names (``"a red circle"`` names 1, ``"three green triangles"`` 3). Without it the reward pays in full for two red
 circles drawn for "a red circle", and policies learn to add objects (the hacking panel's ``hack/extra_object_rate``).
+A list of task kinds (e.g. ``[counting]``) adds it to those kinds' prompts only.
 ``details["correct"]`` still ignores it (GenEval's accuracy, as ``eval/shapes/accuracy``).
 
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from flowrl.data.shapes import BACKGROUND, PALETTE, PromptParseError, PromptSpec, parse_prompt
+from flowrl.data.shapes import BACKGROUND, PALETTE, TASK_KINDS, PromptParseError, PromptSpec, parse_prompt
 
 from .base import Reward, RewardError, RewardOutput
 from .registry import register_reward
@@ -218,6 +219,17 @@ def constraints_met(spec: PromptSpec, detections: list[Detection], count_mode: s
     return met
 
 
+def _guarded_kinds(no_extra_objects) -> frozenset[str]:
+    """The task kinds whose prompts get the no-extra-objects constraint (``True``: all of them)."""
+    if isinstance(no_extra_objects, bool):
+        return frozenset(TASK_KINDS if no_extra_objects else ())
+    if (isinstance(no_extra_objects, (list, tuple)) and no_extra_objects
+            and all(isinstance(k, str) and k in TASK_KINDS for k in no_extra_objects)):
+        return frozenset(no_extra_objects)
+    raise RewardError(f"shapes reward: no_extra_objects must be true, false or a list of task kinds from "
+                      f"{', '.join(TASK_KINDS)} (e.g. [counting]); received {no_extra_objects!r}")
+
+
 @register_reward("shapes")
 class ShapesReward(Reward):
     """Verifiable GenEval-style reward of the shapes world.
@@ -229,22 +241,23 @@ class ShapesReward(Reward):
         device: kept for the common reward interface (detection runs in numpy on the CPU).
         count_mode: ``"partial"`` (default) scores each constraint on its own; ``"strict"`` gives an
             object phrase with a wrong count no credit at all (see the module docstring).
-        no_extra_objects: one more constraint per prompt, met when no object beyond those it names is drawn.
+        no_extra_objects: one more constraint per prompt, met when no object beyond those it names is drawn:
+            ``True`` for every prompt, or a list of task kinds (``flowrl.data.shapes.TASK_KINDS``) whose prompts get it.
     """
 
     name = "shapes"
     differentiable = False
     batch_size = 256
 
-    def __init__(self, device: str = "cpu", count_mode: str = "partial", no_extra_objects: bool = False):
+    def __init__(self, device: str = "cpu", count_mode: str = "partial",
+                 no_extra_objects: bool | list[str] | tuple[str, ...] = False):
         if count_mode not in COUNT_MODES:
             raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received "
                               f"{count_mode!r} (strict: a wrong count earns nothing for its object)")
-        if not isinstance(no_extra_objects, bool):
-            raise RewardError(f"shapes reward: no_extra_objects must be true or false; received {no_extra_objects!r}")
         self.device = torch.device(device)
         self.count_mode = count_mode
         self.no_extra_objects = no_extra_objects
+        self.guarded_kinds = _guarded_kinds(no_extra_objects)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
         try:
@@ -257,7 +270,7 @@ class ShapesReward(Reward):
             detections = detect_objects(image)
             met = constraints_met(spec, detections, self.count_mode)
             correct.append(float(all(met)))
-            if self.no_extra_objects:
+            if spec.kind in self.guarded_kinds:
                 met.append(extra_objects(spec, detections) == 0)
             scores.append(sum(met) / len(met))
             counts.append(float(len(detections)))

@@ -102,5 +102,21 @@ def test_no_extra_objects_adds_one_constraint_against_unasked_objects(images):
     assert torch.equal(plain.details["correct"], guarded.details["correct"])  # the accuracy ignores it
     assert guarded.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
     assert ShapesReward().no_extra_objects is False
-    with pytest.raises(RewardError, match="no_extra_objects must be true or false; received 'yes'"):
-        rewards.load("shapes", no_extra_objects="yes")
+    for bad in ("yes", [], ["counting", "colour"]):
+        with pytest.raises(RewardError, match=r"no_extra_objects must be true, false or a list of task kinds from "
+                                              r"single_object, .* \(e.g. \[counting\]\); received "):
+            rewards.load("shapes", no_extra_objects=bad)
+
+
+def test_no_extra_objects_for_some_task_kinds_only(images):
+    # "a green triangle" (a colors prompt) drawn as three green triangles; "two green triangles" (counting) drawn as
+    # two green and one red: guarding counting only leaves the first at 2/2 and adds the constraint to the second.
+    prompts = ["a green triangle", "two green triangles"]
+    scenes = images[1:2].expand(1, -1, -1, -1), images[3:4]
+    pair = torch.cat(scenes)
+    counting_only = rewards.load("shapes", count_mode="strict", no_extra_objects=["counting"])(pair, prompts)
+    assert counting_only.scores.tolist() == pytest.approx([1.0, 3 / 4])
+    everywhere = rewards.load("shapes", count_mode="strict", no_extra_objects=True)(pair, prompts)
+    assert everywhere.scores.tolist() == pytest.approx([2 / 3, 3 / 4])
+    colors_only = rewards.load("shapes", count_mode="strict", no_extra_objects=("colors",))(pair, prompts)
+    assert colors_only.scores.tolist() == pytest.approx([2 / 3, 1.0])
