@@ -191,12 +191,12 @@ class RunCheckpoints:
         """
         from flowrl.checkpoint import CheckpointError, rng_state, save_checkpoint
 
+        if self.dist.shards_weights:  # (every process says so: none waits for a save that cannot happen)
+            raise CheckpointError(f"after a failure one process cannot save the sharded ({self.dist.backend}) state; "
+                                  f"the last checkpoint in {self.output_dir}/checkpoints resumes with run.resume=true")
         if not self.dist.is_main:
             self._await_main_checkpoint(self._number(counters), timeout_s)
             return
-        if self.dist.shards_weights:
-            raise CheckpointError(f"after a failure one process cannot save the sharded ({self.dist.backend}) state; "
-                                  f"the last checkpoint in {self.output_dir}/checkpoints resumes with run.resume=true")
         state = {name: obj.state_dict() for name, obj in self.tracked.items()}
         state.update({"rng": rng_state(), **counters})
         save_checkpoint(self.output_dir, self._number(counters), state,

@@ -166,7 +166,7 @@ def test_after_a_failure_the_other_processes_wait_for_the_main_process_checkpoin
     from flowrl.run_checkpoints import RunCheckpoints
 
     class SecondProcess(OneProcess):
-        is_main, world_size, rank = False, 2, 1
+        is_main, world_size, rank, shards_weights = False, 2, 1, False
 
     run = RunCheckpoints(tmp_path, SecondProcess(), {}, keep=2, unit="epoch", counters=())
     main_saves = threading.Timer(0.5, lambda: save_checkpoint(tmp_path, 3, {"epoch": 3}, keep=2))
@@ -177,3 +177,9 @@ def test_after_a_failure_the_other_processes_wait_for_the_main_process_checkpoin
     # An earlier checkpoint is not the one it waits for; none of epoch 4 comes: a clear error, after the bound.
     with pytest.raises(CheckpointError, match=r"did not save epoch_0000004 within 1 s.*resumes with run.resume=true"):
         run.save_alone({"epoch": 4}, timeout_s=1)
+    # Sharded weights (FSDP2 / ZeRO): the main process cannot save alone, so no process waits for it.
+    SecondProcess.shards_weights, SecondProcess.backend = True, "fsdp"
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"cannot save the sharded \(fsdp\) state"):
+        run.save_alone({"epoch": 5}, timeout_s=30)
+    assert time.monotonic() - start < 5
