@@ -18,7 +18,13 @@ whose count is wrong, so a wrong count is never worth more than a right one (cou
 ``no_extra_objects=True`` adds one constraint to every prompt: the image has no object beyond the ones the prompt
 names (``"a red circle"`` names 1, ``"three green triangles"`` 3). Without it the reward pays in full for two red
 circles drawn for "a red circle", and policies learn to add objects (the hacking panel's ``hack/extra_object_rate``).
-A list of task kinds (e.g. ``[counting]``) adds it to those kinds' prompts only.
+A list of task kinds (e.g. ``[counting]``) adds it to those kinds' prompts only, and ``extra_objects_weight``
+sets how many constraints it counts as (default 1; 0.5 makes it half a constraint, a softer guard).
+
+``all_met_share`` pays that share of the score only when every scored constraint is met (the guard included), and
+the rest as the fraction met: 0 (default) is the fraction alone, 1 the all-or-nothing accuracy itself. Fractions
+give a policy credit for the easy constraints of a prompt (shapes and colours) and little for the hard ones (a
+relation is 1 of 5 constraints of a position prompt); the all-or-nothing share pays for the whole prompt.
 ``details["correct"]`` still ignores it (GenEval's accuracy, as ``eval/shapes/accuracy``).
 
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
@@ -230,6 +236,10 @@ def _guarded_kinds(no_extra_objects) -> frozenset[str]:
                       f"{', '.join(TASK_KINDS)} (e.g. [counting]); received {no_extra_objects!r}")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @register_reward("shapes")
 class ShapesReward(Reward):
     """Verifiable GenEval-style reward of the shapes world.
@@ -243,6 +253,9 @@ class ShapesReward(Reward):
             object phrase with a wrong count no credit at all (see the module docstring).
         no_extra_objects: one more constraint per prompt, met when no object beyond those it names is drawn:
             ``True`` for every prompt, or a list of task kinds (``flowrl.data.shapes.TASK_KINDS``) whose prompts get it.
+        extra_objects_weight: how many constraints that one counts as (> 0; default 1).
+        all_met_share: the share of the score (in [0, 1]) paid only when every scored constraint is met; the rest
+            is the fraction met (default 0: the fraction alone).
     """
 
     name = "shapes"
@@ -250,7 +263,8 @@ class ShapesReward(Reward):
     batch_size = 256
 
     def __init__(self, device: str = "cpu", count_mode: str = "partial",
-                 no_extra_objects: bool | list[str] | tuple[str, ...] = False):
+                 no_extra_objects: bool | list[str] | tuple[str, ...] = False, extra_objects_weight: float = 1.0,
+                 all_met_share: float = 0.0):
         if count_mode not in COUNT_MODES:
             raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received "
                               f"{count_mode!r} (strict: a wrong count earns nothing for its object)")
@@ -258,6 +272,14 @@ class ShapesReward(Reward):
         self.count_mode = count_mode
         self.no_extra_objects = no_extra_objects
         self.guarded_kinds = _guarded_kinds(no_extra_objects)
+        if not _is_number(extra_objects_weight) or not extra_objects_weight > 0:
+            raise RewardError(f"shapes reward: extra_objects_weight must be a number above 0 (how many constraints the "
+                              f"no_extra_objects guard counts as); received {extra_objects_weight!r}")
+        if not _is_number(all_met_share) or not 0 <= all_met_share <= 1:
+            raise RewardError(f"shapes reward: all_met_share must be a number from 0 to 1 (the share of the score paid "
+                              f"only when every constraint is met); received {all_met_share!r}")
+        self.extra_objects_weight = float(extra_objects_weight)
+        self.all_met_share = float(all_met_share)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> RewardOutput:
         try:
@@ -270,9 +292,12 @@ class ShapesReward(Reward):
             detections = detect_objects(image)
             met = constraints_met(spec, detections, self.count_mode)
             correct.append(float(all(met)))
+            weights = [1.0] * len(met)
             if spec.kind in self.guarded_kinds:
                 met.append(extra_objects(spec, detections) == 0)
-            scores.append(sum(met) / len(met))
+                weights.append(self.extra_objects_weight)
+            fraction = sum(w for w, ok in zip(weights, met) if ok) / sum(weights)
+            scores.append((1 - self.all_met_share) * fraction + self.all_met_share * float(all(met)))
             counts.append(float(len(detections)))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
         return RewardOutput(as_tensor(scores), {"correct": as_tensor(correct), "objects": as_tensor(counts)})

@@ -119,3 +119,38 @@ def test_no_extra_objects_for_some_task_kinds_only(images):
     assert everywhere.scores.tolist() == pytest.approx([2 / 3, 3 / 4])
     colors_only = rewards.load("shapes", count_mode="strict", no_extra_objects=("colors",))(pair, prompts)
     assert colors_only.scores.tolist() == pytest.approx([2 / 3, 1.0])
+
+
+def test_extra_objects_weight_makes_the_guard_count_as_part_of_a_constraint(images):
+    # As above with the guard at half a constraint: one green 2.5/2.5; three green for "a green triangle" 2/2.5;
+    # three red for "a triangle" 1/1.5; two green + one red for "two green triangles" 3/3.5.
+    prompts = ["a green triangle", "a green triangle", "a triangle", "two green triangles"]
+    half = rewards.load("shapes", count_mode="strict", no_extra_objects=True, extra_objects_weight=0.5)(images, prompts)
+    assert half.scores.tolist() == pytest.approx([1.0, 0.8, 2 / 3, 6 / 7])
+    assert half.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    # Without the guard the weight has nothing to weigh.
+    unguarded = rewards.load("shapes", count_mode="strict", extra_objects_weight=0.5)(images, prompts)
+    assert unguarded.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0])
+    for bad in (0, -1.0, "1", True, None):
+        with pytest.raises(RewardError, match=r"extra_objects_weight must be a number above 0 .*; received "):
+            rewards.load("shapes", extra_objects_weight=bad)
+
+
+def test_all_met_share_pays_part_of_the_score_only_for_a_whole_prompt(images):
+    # Fractions as in test_default_is_partial_...: 1, 1, 3/4 (three red triangles have no green one), 1.
+    prompts = ["a triangle", "a green triangle", "a red triangle and a green triangle",
+               "a green triangle left of a red triangle"]
+    half = rewards.load("shapes", all_met_share=0.5)(images, prompts)
+    assert half.scores.tolist() == pytest.approx([1.0, 1.0, 0.375, 1.0])
+    whole = rewards.load("shapes", all_met_share=1)(images, prompts)
+    assert torch.equal(whole.scores, whole.details["correct"])  # the score is the accuracy itself
+    assert whole.scores.tolist() == [1.0, 1.0, 0.0, 1.0]
+    # With the guard the all-or-nothing share needs it met too; the accuracy still ignores it.
+    guarded_prompts = ["a green triangle", "a green triangle", "a triangle", "two green triangles"]
+    guarded = rewards.load("shapes", count_mode="strict", no_extra_objects=True, all_met_share=1.0)(images,
+                                                                                                   guarded_prompts)
+    assert guarded.scores.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert guarded.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    for bad in (1.5, -0.1, None, "0.5"):
+        with pytest.raises(RewardError, match=r"all_met_share must be a number from 0 to 1 .*; received "):
+            rewards.load("shapes", all_met_share=bad)
