@@ -20,12 +20,12 @@ names (``"a red circle"`` names 1, ``"three green triangles"`` 3). Without it th
 circles drawn for "a red circle", and policies learn to add objects (the hacking panel's ``hack/extra_object_rate``).
 A list of task kinds (e.g. ``[counting]``) adds it to those kinds' prompts only, and ``extra_objects_weight``
 sets how many constraints it counts as (default 1; 0.5 makes it half a constraint, a softer guard).
+``details["correct"]`` still ignores it (GenEval's accuracy, as ``eval/shapes/accuracy``).
 
 ``all_met_share`` pays that share of the score only when every scored constraint is met (the guard included), and
 the rest as the fraction met: 0 (default) is the fraction alone, 1 the all-or-nothing accuracy itself. Fractions
 give a policy credit for the easy constraints of a prompt (shapes and colours) and little for the hard ones (a
 relation is 1 of 5 constraints of a position prompt); the all-or-nothing share pays for the whole prompt.
-``details["correct"]`` still ignores it (GenEval's accuracy, as ``eval/shapes/accuracy``).
 
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
 background and the palette colour ``c`` that fits it best; pixels with ``alpha > 0.5`` form connected
@@ -37,6 +37,7 @@ diagonals is half that along the axes, a circle's is the same in every direction
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -237,7 +238,8 @@ def _guarded_kinds(no_extra_objects) -> frozenset[str]:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (not a bool, a string or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @register_reward("shapes")

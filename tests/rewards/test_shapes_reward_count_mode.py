@@ -131,7 +131,7 @@ def test_extra_objects_weight_makes_the_guard_count_as_part_of_a_constraint(imag
     # Without the guard the weight has nothing to weigh.
     unguarded = rewards.load("shapes", count_mode="strict", extra_objects_weight=0.5)(images, prompts)
     assert unguarded.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0])
-    for bad in (0, -1.0, "1", True, None):
+    for bad in (0, -1.0, "1", True, None, float("inf"), float("nan")):
         with pytest.raises(RewardError, match=r"extra_objects_weight must be a number above 0 .*; received "):
             rewards.load("shapes", extra_objects_weight=bad)
 
@@ -151,6 +151,6 @@ def test_all_met_share_pays_part_of_the_score_only_for_a_whole_prompt(images):
                                                                                                    guarded_prompts)
     assert guarded.scores.tolist() == [1.0, 0.0, 0.0, 0.0]
     assert guarded.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
-    for bad in (1.5, -0.1, None, "0.5"):
+    for bad in (1.5, -0.1, None, "0.5", float("nan")):
         with pytest.raises(RewardError, match=r"all_met_share must be a number from 0 to 1 .*; received "):
             rewards.load("shapes", all_met_share=bad)
