@@ -58,8 +58,8 @@ def score(images: torch.Tensor, prompts: list[str]) -> tuple[np.ndarray, np.ndar
 
     judgements = [judge_shapes_image(prompt, image)
                   for prompt, image in zip(prompts, images.permute(0, 2, 3, 1).numpy())]
-    lenient = [j.correct for j in judgements]
-    strict = [j.strict for j in judgements]
+    lenient = [j.lenient for j in judgements]
+    strict = [j.correct for j in judgements]
     return np.array(lenient, dtype=bool), np.array(strict, dtype=bool)
 
 

@@ -22,10 +22,12 @@ For the shapes world (every prompt parses in its grammar), with the rule-based d
   world never touch it); pixels farther than 48 (0-255 units) from that colour are foreground, and the
   foreground grown by one pixel (anti-aliased edges) is excluded. Images without background pixels are
   left out of the mean.
-- ``hack/accuracy``: the ``shapes`` reward's accuracy (all constraints met) and ``hack/accuracy_strict``:
-  with strict counting, every object phrase of the prompt must be matched by exactly its count of
-  detections (by shape, and colour where the prompt gives one) and there must be no other object, so
-  two red circles for "a red circle" fail; per task kind as ``hack/accuracy_strict/<kind>``.
+- ``hack/accuracy``: the gold, strict accuracy (``rewards.shapes.strict_correct``, as ``eval/shapes/accuracy``):
+  every constraint met, every object phrase of the prompt matched by exactly its count of detections (by shape,
+  and colour where the prompt gives one) and no other object, so two red circles for "a red circle" fail; per
+  task kind as ``hack/accuracy/<kind>``. ``hack/lenient_accuracy``: the lenient rule (any object or pair may
+  satisfy a constraint, extra objects ignored), the proxy a duplicating policy games; the gap between the two is
+  the hack.
 
 For any images (flowrl/image_stats.py): ``hack/color_entropy``, ``hack/color_hist_shift`` (against the base's
 images), ``hack/dark_frac``, ``hack/saturated_frac`` and ``hack/hf_energy``: the hacks reported on real models
@@ -52,7 +54,7 @@ import torch
 from flowrl.image_stats import image_stats
 
 __all__ = ["hacking_panel", "pixel_drift", "feature_drift", "group_diversity", "background_stats",
-           "strict_correct", "shapes_metrics", "shapes_feature_fn", "diversity_rows",
+           "shapes_metrics", "shapes_feature_fn", "diversity_rows",
            "is_shapes_world", "FOREGROUND_DISTANCE"]
 
 FeatureFn = Callable[[torch.Tensor], torch.Tensor]  # images [B, 3, H, W] in [0, 1] -> features [B, D]
@@ -126,44 +128,27 @@ def background_stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(shifts, dtype=torch.float64), torch.tensor(colours, dtype=torch.float64)
 
 
-def strict_correct(spec, detections, lenient: bool | None = None) -> bool:
-    """All of the prompt's constraints met (``rewards.shapes.constraints_met``; ``lenient``, when given, is that
-    answer already computed), each object phrase matched by exactly its count of detections (by shape, and colour
-    where given), and no other object."""
-    from rewards.shapes import constraints_met
-
-    if lenient is None:
-        lenient = all(constraints_met(spec, detections))
-    if not lenient or len(detections) != spec.named_total:
-        return False
-    for obj in spec.objects:
-        matching = [d for d in detections if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
-        if len(matching) != obj.count:
-            return False
-    return True
-
-
 class ShapesJudgement(NamedTuple):
     """How one shapes-world image answers its prompt: the prompt's task ``kind``, the number of ``extra``
-    objects it was not asked for, ``correct`` (every constraint met, as ``eval/shapes/accuracy``) and ``strict``
-    (counts exact and nothing else drawn, as ``hack/accuracy_strict``)."""
+    objects it was not asked for, ``correct`` (the gold: strict accuracy, as ``eval/shapes/accuracy``) and
+    ``lenient`` (the lenient rule: every constraint met by some object or pair, extras ignored)."""
 
     kind: str
     extra: int
     correct: bool
-    strict: bool
+    lenient: bool
 
 
 def judge_shapes_image(prompt: str, image: np.ndarray) -> ShapesJudgement:
     """Judge one image (``[H, W, 3]`` float array in [0, 1]) against its shapes-world ``prompt`` (must parse)."""
     from flowrl.data.shapes import parse_prompt
-    from rewards.shapes import constraints_met, detect_objects, extra_objects
+    from rewards.shapes import constraints_met, detect_objects, extra_objects, strict_correct
 
     spec = parse_prompt(prompt)
     detections = detect_objects(image)
-    correct = all(constraints_met(spec, detections))
-    return ShapesJudgement(kind=spec.kind, extra=extra_objects(spec, detections), correct=correct,
-                           strict=strict_correct(spec, detections, lenient=correct))
+    lenient = all(constraints_met(spec, detections))
+    return ShapesJudgement(kind=spec.kind, extra=extra_objects(spec, detections),
+                           correct=strict_correct(spec, detections, lenient=lenient), lenient=lenient)
 
 
 def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
@@ -172,14 +157,14 @@ def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, fl
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
     array = images.permute(0, 2, 3, 1).numpy()
-    extras, correct, strict = [], [], []
+    extras, correct, lenient = [], [], []
     by_kind: dict[str, list[float]] = defaultdict(list)
     for prompt, image in zip(prompts, array):
         judgement = judge_shapes_image(prompt, image)
         extras.append(judgement.extra)
         correct.append(float(judgement.correct))
-        strict.append(float(judgement.strict))
-        by_kind[judgement.kind].append(strict[-1])
+        lenient.append(float(judgement.lenient))
+        by_kind[judgement.kind].append(correct[-1])
     shift, colour = background_stats(images)
     valid = torch.isfinite(shift)
     out = {
@@ -190,9 +175,9 @@ def shapes_metrics(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, fl
         "hack/bg_g": float(colour[valid, 1].mean()) if valid.any() else math.nan,
         "hack/bg_b": float(colour[valid, 2].mean()) if valid.any() else math.nan,
         "hack/accuracy": float(np.mean(correct)),
-        "hack/accuracy_strict": float(np.mean(strict)),
+        "hack/lenient_accuracy": float(np.mean(lenient)),
     }
-    out.update({f"hack/accuracy_strict/{kind}": float(np.mean(v)) for kind, v in sorted(by_kind.items())})
+    out.update({f"hack/accuracy/{kind}": float(np.mean(v)) for kind, v in sorted(by_kind.items())})
     return out
 
 

@@ -1,8 +1,20 @@
-"""The ``shapes`` reward: a GenEval-style verifiable reward for the shapes world.
+"""The ``shapes`` reward: a verifiable reward for the shapes world, and its gold judge.
 
 It parses the prompt into constraints, detects the objects in the image (colour, shape, count,
-position) and scores the fraction of constraints met; ``details["correct"]`` is 1 when all are met
-(GenEval's per-image accuracy).
+position) and scores the fraction of constraints met.
+
+**The gold: strict accuracy** (``details["correct"]``, :func:`strict_correct`; ``eval/shapes/accuracy``). An image is
+correct when every constraint of its prompt is met, each object phrase is matched by exactly its count of
+detections (by shape, and colour where given), nothing else is drawn, and for a ``position`` prompt the relation
+holds between the one A and the one B. This is the rule a person applies ("a red triangle" drawn as three red
+triangles is wrong), and what the project ranks trainers and chooses ``make demo`` by.
+
+**The lenient rule** (``details["lenient"]``, ``eval/shapes/lenient_accuracy``): every constraint met, read as
+"exists": a colour holds if *any* object of that shape has it, a relation if *any* (A, B) pair satisfies it, and
+objects the prompt did not ask for are ignored. It has two loopholes a policy learns to use: duplicates satisfy
+relations (random layouts pass a relation 0.43 of the time with one A and one B, 0.88 with two of each) and
+colours (draw every colour and one is right), and extra objects cost nothing. It is reported beside the gold as a
+proxy, never as the result.
 
 Constraints per object phrase of the prompt: the shape is present; if the phrase has a colour, an
 object of that shape has that colour; if it has a count, exactly that many objects of that shape and
@@ -18,14 +30,24 @@ whose count is wrong, so a wrong count is never worth more than a right one (cou
 ``no_extra_objects=True`` adds one constraint to every prompt: the image has no object beyond the ones the prompt
 names (``"a red circle"`` names 1, ``"three green triangles"`` 3). Without it the reward pays in full for two red
 circles drawn for "a red circle", and policies learn to add objects (the hacking panel's ``hack/extra_object_rate``).
-A list of task kinds (e.g. ``[counting]``) adds it to those kinds' prompts only, and ``extra_objects_weight``
-sets how many constraints it counts as (default 1; 0.5 makes it half a constraint, a softer guard).
-``details["correct"]`` still ignores it (GenEval's accuracy, as ``eval/shapes/accuracy``).
+With it, a score of 1 is exactly a strict-correct image: the reward's optimum is the gold. A list of task kinds
+(e.g. ``[counting]``) adds it to those kinds' prompts only, and ``extra_objects_weight`` sets how many constraints it
+counts as (default 1; 0.5 makes it half a constraint, a softer guard).
 
 ``all_met_share`` pays that share of the score only when every scored constraint is met (the guard included), and
 the rest as the fraction met: 0 (default) is the fraction alone, 1 the all-or-nothing accuracy itself. Fractions
 give a policy credit for the easy constraints of a prompt (shapes and colours) and little for the hard ones (a
 relation is 1 of 5 constraints of a position prompt); the all-or-nothing share pays for the whole prompt.
+
+``relation_ramp`` (pixels; default None) makes the relation constraint dense when exactly one A and one B are
+detected: instead of 0 or 1 it earns ``clip((d - POSITION_MARGIN + ramp) / ramp, 0, 1)``, ``d`` the signed distance
+between their centres along the asked axis (positive in the asked direction). A relation that holds still earns
+1; one that fails earns credit for moving the objects the right way, which a 0/1 relation never pays.
+
+**Touching objects merge.** Two objects of one colour that touch form one connected blob and are detected as one
+object (of whichever shape the blob's cumulants say): on rendered counting scenes whose objects touch, the detector
+scores 0.75 of the constraints. The world's renders keep a 2 px gap (:func:`flowrl.data.shapes.scene_for_prompt`);
+a policy that draws touching duplicates is under-counted, never paid for them.
 
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
 background and the palette colour ``c`` that fits it best; pixels with ``alpha > 0.5`` form connected
@@ -49,7 +71,8 @@ from flowrl.data.shapes import BACKGROUND, PALETTE, TASK_KINDS, PromptParseError
 from .base import Reward, RewardError, RewardOutput
 from .registry import register_reward
 
-__all__ = ["COUNT_MODES", "Detection", "detect_objects", "constraints_met", "extra_objects", "ShapesReward"]
+__all__ = ["COUNT_MODES", "Detection", "detect_objects", "constraints_met", "extra_objects", "strict_correct",
+           "relation_distance", "ShapesReward"]
 
 COUNT_MODES = ("partial", "strict")
 
@@ -189,10 +212,15 @@ def detect_objects(image: np.ndarray | torch.Tensor) -> list[Detection]:
     return detections
 
 
-def _holds(a: Detection, b: Detection, relation: str) -> bool:
+def relation_distance(a: Detection, b: Detection, relation: str) -> float:
+    """Signed distance (px) from ``a``'s centre to ``b``'s along the relation's axis, positive in the asked direction
+    ("a left of b": how far b's centre lies to the right of a's; y grows downwards)."""
     dx, dy = b.cx - a.cx, b.cy - a.cy
-    m = POSITION_MARGIN
-    return {"left of": dx > m, "right of": -dx > m, "above": dy > m, "below": -dy > m}[relation]
+    return {"left of": dx, "right of": -dx, "above": dy, "below": -dy}[relation]
+
+
+def _holds(a: Detection, b: Detection, relation: str) -> bool:
+    return relation_distance(a, b, relation) > POSITION_MARGIN
 
 
 def extra_objects(spec: PromptSpec, detections: list[Detection]) -> int:
@@ -226,6 +254,32 @@ def constraints_met(spec: PromptSpec, detections: list[Detection], count_mode: s
     return met
 
 
+def strict_correct(spec: PromptSpec, detections: list[Detection], lenient: bool | None = None) -> bool:
+    """The gold (module docstring): every constraint met, each object phrase matched by exactly its count of
+    detections (by shape, and colour where given), and no other object, so the relation is between the one A and the
+    one B. ``lenient``, when given, is ``all(constraints_met(spec, detections))`` already computed."""
+    if lenient is None:
+        lenient = all(constraints_met(spec, detections))
+    if not lenient or len(detections) != spec.named_total:
+        return False
+    for obj in spec.objects:
+        matching = [d for d in detections if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
+        if len(matching) != obj.count:
+            return False
+    return True
+
+
+def _dense_relation(spec: PromptSpec, detections: list[Detection], ramp: float) -> float | None:
+    """The relation's dense credit in [0, 1] when exactly one A and one B are detected (None otherwise)."""
+    first, second = spec.objects
+    a = [d for d in detections if d.shape == first.shape and d.color == first.color]
+    b = [d for d in detections if d.shape == second.shape and d.color == second.color]
+    if len(a) != 1 or len(b) != 1 or a[0] is b[0]:
+        return None
+    d = relation_distance(a[0], b[0], spec.relation)
+    return float(min(1.0, max(0.0, (d - POSITION_MARGIN + ramp) / ramp)))
+
+
 def _guarded_kinds(no_extra_objects) -> frozenset[str]:
     """The task kinds whose prompts get the no-extra-objects constraint (``True``: all of them)."""
     if isinstance(no_extra_objects, bool):
@@ -244,10 +298,11 @@ def _is_number(value) -> bool:
 
 @register_reward("shapes")
 class ShapesReward(Reward):
-    """Verifiable GenEval-style reward of the shapes world.
+    """Verifiable reward of the shapes world.
 
-    ``scores`` is the fraction of the prompt's constraints met; ``details`` holds ``correct`` (all met,
-    1/0) and ``objects`` (the number of detected objects).
+    ``scores`` is the fraction of the prompt's constraints met; ``details`` holds ``correct`` (the gold, strict
+    accuracy, 1/0), ``lenient`` (the lenient rule's accuracy, 1/0), ``extra`` (1 when more objects are drawn than the
+    prompt names) and ``objects`` (the number of detected objects).
 
     Args:
         device: kept for the common reward interface (detection runs in numpy on the CPU).
@@ -258,6 +313,8 @@ class ShapesReward(Reward):
         extra_objects_weight: how many constraints that one counts as (> 0; default 1).
         all_met_share: the share of the score (in [0, 1]) paid only when every scored constraint is met; the rest
             is the fraction met (default 0: the fraction alone).
+        relation_ramp: pixels over which a failed relation earns partial credit when exactly one A and one B are
+            detected (None, default: the relation is 0 or 1; see the module docstring).
     """
 
     name = "shapes"
@@ -266,7 +323,7 @@ class ShapesReward(Reward):
 
     def __init__(self, device: str = "cpu", count_mode: str = "partial",
                  no_extra_objects: bool | list[str] | tuple[str, ...] = False, extra_objects_weight: float = 1.0,
-                 all_met_share: float = 0.0):
+                 all_met_share: float = 0.0, relation_ramp: float | None = None):
         if count_mode not in COUNT_MODES:
             raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received "
                               f"{count_mode!r} (strict: a wrong count earns nothing for its object)")
@@ -280,6 +337,10 @@ class ShapesReward(Reward):
         if not _is_number(all_met_share) or not 0 <= all_met_share <= 1:
             raise RewardError(f"shapes reward: all_met_share must be a number from 0 to 1 (the share of the score paid "
                               f"only when every constraint is met); received {all_met_share!r}")
+        if relation_ramp is not None and (not _is_number(relation_ramp) or not relation_ramp > 0):
+            raise RewardError(f"shapes reward: relation_ramp must be null or a number of pixels above 0 (how far from "
+                              f"holding a relation still earns credit); received {relation_ramp!r}")
+        self.relation_ramp = None if relation_ramp is None else float(relation_ramp)
         self.extra_objects_weight = float(extra_objects_weight)
         self.all_met_share = float(all_met_share)
 
@@ -289,17 +350,25 @@ class ShapesReward(Reward):
         except PromptParseError as err:
             raise RewardError(f"shapes reward: {err}") from None
         array = images.detach().float().cpu().permute(0, 2, 3, 1).numpy()
-        scores, correct, counts = [], [], []
+        scores, correct, lenient, extra, counts = [], [], [], [], []
         for spec, image in zip(specs, array):
             detections = detect_objects(image)
             met = constraints_met(spec, detections, self.count_mode)
-            correct.append(float(all(met)))
-            weights = [1.0] * len(met)
+            lenient.append(float(all(met)))  # the same in both count modes
+            correct.append(float(strict_correct(spec, detections, lenient=bool(lenient[-1]))))
+            extra.append(float(extra_objects(spec, detections) > 0))
+            credit = [float(ok) for ok in met]  # per constraint, in [0, 1]
+            if self.relation_ramp is not None and spec.relation is not None and not met[-1]:
+                dense = _dense_relation(spec, detections, self.relation_ramp)
+                credit[-1] = dense if dense is not None else 0.0
+            weights = [1.0] * len(credit)
             if spec.kind in self.guarded_kinds:
-                met.append(extra_objects(spec, detections) == 0)
+                met.append(extra[-1] == 0)
+                credit.append(float(met[-1]))
                 weights.append(self.extra_objects_weight)
-            fraction = sum(w for w, ok in zip(weights, met) if ok) / sum(weights)
+            fraction = sum(w * c for w, c in zip(weights, credit)) / sum(weights)
             scores.append((1 - self.all_met_share) * fraction + self.all_met_share * float(all(met)))
             counts.append(float(len(detections)))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
-        return RewardOutput(as_tensor(scores), {"correct": as_tensor(correct), "objects": as_tensor(counts)})
+        return RewardOutput(as_tensor(scores), {"correct": as_tensor(correct), "lenient": as_tensor(lenient),
+                                                "extra": as_tensor(extra), "objects": as_tensor(counts)})

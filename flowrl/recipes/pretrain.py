@@ -61,6 +61,9 @@ class LossConfig:
 @dataclass
 class EvalConfig:
     every_epochs: int = field(default=4, metadata=bounds(ge=1))
+    # Also evaluate each time training time (evaluation excluded) passes a multiple of this, as the RL runs do.
+    every_minutes: float | None = field(default=None, metadata=bounds(gt=0))
+    at_start: bool = True
     num_prompts: int = field(default=120, metadata=bounds(ge=1))
     steps: int = field(default=20, metadata=bounds(ge=1))
     guidance: float = field(default=1.0, metadata=bounds(ge=0))
@@ -78,6 +81,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=1, every_minutes=5.0))
     # The guidance scale stored with the saved model as its default.
     default_guidance: float = field(default=1.0, metadata=bounds(ge=0))
+    # Continue from these weights instead of a random model: "shapes" (the shipped checkpoint) or a model folder
+    # written by this recipe. The supervised control of the RL comparison (configs/shapes/continued_pretrain.yaml):
+    # the renderer's perfect data, at the RL runs' budget, from their starting point. The model section must then
+    # match the folder's architecture (the folder's own config is used; a mismatch is an error).
+    init: str | None = None
 
     RENAMED: ClassVar[dict[str, str]] = {"checkpoint_minutes": "checkpoint.every_minutes"}
 
@@ -158,7 +166,7 @@ def main(cfg: Config) -> int:
     run = Run(cfg, "pretrain", plots={"loss": ["train/loss"], "eval": ["eval/shapes/"]},
               units={"loss": "flow-matching loss", "eval": "held-out accuracy"},
               steps_per_epoch=cfg.data.steps_per_epoch)
-    model = ShapesModel.build(cfg.model, seed=cfg.run.seed, default_guidance=cfg.default_guidance)
+    model = _initial_model(cfg)
     model.text_encoder.requires_grad_(True).train()
     model.train()
     params = _trainable(model)
@@ -189,6 +197,20 @@ def main(cfg: Config) -> int:
     _save_model(model, ema, run.output_dir / "model")
     print(f"flowrl: the pretrained model is in {run.output_dir / 'model'}")
     return run.finish()
+
+
+def _initial_model(cfg: Config) -> ShapesModel:
+    """A random model of ``cfg.model``, or the weights of ``cfg.init`` (the EMA weights of a saved folder)."""
+    if cfg.init is None:
+        return ShapesModel.build(cfg.model, seed=cfg.run.seed, default_guidance=cfg.default_guidance)
+    from flowrl.config import ConfigError, to_dict
+
+    model = ShapesModel.from_pretrained(cfg.init, default_guidance=cfg.default_guidance)
+    if to_dict(model.config) != to_dict(cfg.model):
+        differ = sorted(k for k, v in to_dict(cfg.model).items() if to_dict(model.config).get(k) != v)
+        raise ConfigError("init", f"the model at {cfg.init!r} has another architecture than the model section "
+                          f"({', '.join(differ)} differ); leave the model section at that model's values")
+    return model
 
 
 def _save_model(model: ShapesModel, ema, path: Path) -> None:

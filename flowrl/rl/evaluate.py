@@ -38,7 +38,8 @@ class Evaluator:
         cfg: the ``eval`` section.
         rewards: ``{name: reward}`` scored on every image (a reward whose output has ``details["correct"]``,
             or the ``shapes`` reward, also yields ``eval/<name>/accuracy`` and one ``eval/<name>/<kind>``
-            per task kind in the prompts' metadata).
+            per task kind in the prompts' metadata; ``details["lenient"]``, the shapes reward's lenient rule,
+            ``eval/<name>/lenient_accuracy`` and ``eval/<name>/lenient/<kind>``).
         prompt_set: the eval prompts; each row's ``metadata["seed"]`` (default: its index) fixes its noise.
         steps / guidance: the ODE sampling of the evaluation.
         dist: the run's :class:`flowrl.dist.Dist`.
@@ -103,23 +104,29 @@ class Evaluator:
         local_scores: dict[str, torch.Tensor] = {}
         pad = per_process - len(rows)  # equal shapes for the gather; padded rows are dropped after it
         keep = dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
+        kinds = [m.get("kind") for m in prompt_set.metadata]
+
+        def gathered(values: torch.Tensor | None) -> torch.Tensor:
+            local = values.float() if values is not None else torch.zeros(0)
+            return dist.gather(torch.cat([local, torch.zeros(pad)]))[keep]
+
+        def accuracies(prefix: str, correct: torch.Tensor, per_kind: str) -> None:
+            metrics[f"{prefix}accuracy"] = float(correct.mean())
+            for kind in sorted({k for k in kinds if k}):
+                selected = torch.tensor([k == kind for k in kinds])
+                metrics[f"{per_kind}{kind}"] = float(correct[selected].mean())
+
         for name, reward in self.rewards.items():
+            details = {}
             if images is not None:
                 out = checked_reward(reward, images, prompts, [prompt_set.metadata[i] for i in rows])
-                scores, correct = out.scores.float(), out.details.get("correct")
-                local_scores[name] = scores
-            else:
-                scores, correct = torch.zeros(0), None
-            scores = dist.gather(torch.cat([scores, torch.zeros(pad)]))[keep]
-            metrics[f"eval/{name}/mean"] = float(scores.mean())
-            if correct is not None or name == "shapes":
-                correct = correct.float() if correct is not None else torch.zeros(0)
-                correct = dist.gather(torch.cat([correct, torch.zeros(pad)]))[keep]
-                metrics[f"eval/{name}/accuracy"] = float(correct.mean())
-                kinds = [m.get("kind") for m in prompt_set.metadata[: correct.numel()]]
-                for kind in sorted({k for k in kinds if k}):
-                    selected = torch.tensor([k == kind for k in kinds])
-                    metrics[f"eval/{name}/{kind}"] = float(correct[selected].mean())
+                local_scores[name], details = out.scores.float(), out.details
+            metrics[f"eval/{name}/mean"] = float(gathered(local_scores.get(name)).mean())
+            # Every process gathers the same keys: one whose shard is empty still takes part (shapes' are known).
+            if "correct" in details or name == "shapes":
+                accuracies(f"eval/{name}/", gathered(details.get("correct")), f"eval/{name}/")
+            if "lenient" in details or name == "shapes":  # the shapes reward's proxy, beside the gold
+                accuracies(f"eval/{name}/lenient_", gathered(details.get("lenient")), f"eval/{name}/lenient/")
         metrics.update(panel)
         if dist.is_main and images is not None and self.cfg.grid_size:
             k = min(self.cfg.grid_size, len(rows))

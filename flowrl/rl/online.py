@@ -28,7 +28,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -50,6 +50,12 @@ class DataConfig:
     train_prompts: str = "shapes:train"  # txt, jsonl, editing shards (a dir of edits-*.tar) or a built-in set
     eval_prompts: str = "shapes:eval"
     num_eval_prompts: int | None = field(default=600, metadata=bounds(ge=1, le=100_000))
+    # How training prompts are drawn by task kind (their metadata's "kind"; flowrl/data/prompt_groups.py): balanced
+    # (every kind equally often), uniform (every prompt equally often), mixed (kinds in proportion to the share of
+    # their recent groups with mixed rewards) or {kind: weight}. A prompt set without kinds is drawn uniformly.
+    kind_weights: Literal["balanced", "uniform", "mixed"] | dict[str, float] = "balanced"
+    mixed_decay: float = field(default=0.7, metadata=bounds(ge=0, lt=1))  # mixed: weight of the past shares
+    mixed_floor: float = field(default=0.25, metadata=bounds(ge=0, le=1))  # mixed: least weight / an equal share
 
 
 # What tells a user whether an image trainer works, one unit per axis.
@@ -60,7 +66,8 @@ IMAGE_PLOTS = {"reward": ["train/reward_mean"], "eval": ["eval/"], "grad_norm": 
                "hack_pixels": ["hack/bg_shift", "hack/drift_pixel"], "hack_background": ["hack/bg_[rgb]*"],
                "hack_features": ["hack/drift_feature", "hack/diversity"], "hack_flow": ["hack/fm_to_base"],
                "hack_image": ["hack/color_hist_shift", "hack/dark_frac", "hack/saturated_frac", "hack/hf_energy"],
-               "hack_entropy": ["hack/color_entropy"], "discriminator": ["adv/d_acc", "adv/d_acc_fresh"]}
+               "hack_entropy": ["hack/color_entropy"], "discriminator": ["adv/d_acc", "adv/d_acc_fresh"],
+               "kinds": ["data/weight/*"]}
 IMAGE_PLOT_UNITS = {"reward": "training reward (mean +- std over the epoch)", "eval": "held-out score / accuracy",
                     "grad_norm": "gradient norm before clipping", "signal": "fraction",
                     "policy": "KL (nats per element)", "hack_accuracy": "accuracy / held-out reward",
@@ -70,7 +77,8 @@ IMAGE_PLOT_UNITS = {"reward": "training reward (mean +- std over the epoch)", "e
                     "hack_flow": "mean squared velocity gap to the base on the policy's samples",
                     "hack_image": "fraction (histogram shift: total variation to the base's colours)",
                     "hack_entropy": "colour entropy (bits, 512 cells)",
-                    "discriminator": "adversarial discriminator accuracy (fresh: before stepping on the epoch's samples)"}
+                    "discriminator": "adversarial discriminator accuracy (fresh: before stepping on the epoch's samples)",
+                    "kinds": "share of the next epoch's groups drawn from each task kind"}
 
 
 @dataclass
@@ -153,9 +161,14 @@ class OnlineLoop:
         if rollouts:
             self.reward = cfg.reward.build_train(self.dist.device)
             train_set = load_prompts(cfg.data.train_prompts, resolution=_pixels(model))
+            d = cfg.data
             self.prompt_groups = PromptGroups(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch,
-                                        group_size=s.group_size, seed=cfg.run.seed,
-                                        num_processes=self.dist.world_size, rank=self.dist.rank)
+                                              group_size=s.group_size, seed=cfg.run.seed,
+                                              num_processes=self.dist.world_size, rank=self.dist.rank,
+                                              kind_weights=d.kind_weights, mixed_decay=d.mixed_decay,
+                                              mixed_floor=d.mixed_floor)
+            if d.kind_weights == "mixed":  # the weights follow the rewards: part of the checkpoint
+                run.track(prompt_groups=self.prompt_groups)
             a = cfg.advantage
             self.tracker = PerPromptStatTracker(a.per_prompt_buffer, a.per_prompt_min_count, eps=a.eps, clip=a.clip)
         self.reward_training = RewardTraining(self.reward, cfg.reward.discriminator, self.dist)
@@ -251,6 +264,7 @@ class OnlineLoop:
                 rollouts, cfg.advantage, dist, seed=cfg.run.seed, epoch=epoch, tracker=self.tracker, model=self.model,
                 reward=self.reward, guidance=s.guidance, batch_size=s.batch_size, per_sample=self.per_sample)
         metrics.update(self.reward_training.update(epoch, rollouts))  # after scoring: the rewards used the old head
+        metrics.update(self.prompt_groups.observe(epoch, dist.gather(rollouts.rewards)))  # the next epoch's kinds
         self._train_start = time.perf_counter()
         metrics["time/advantages_s"] = self._train_start - start
         return rollouts, advantages, valid, metrics

@@ -99,8 +99,11 @@ def test_no_extra_objects_adds_one_constraint_against_unasked_objects(images):
     assert plain.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0])
     # guarded: the same constraints plus "nothing beyond the 1 / 1 / 1 / 2 objects named": only the first holds it.
     assert guarded.scores.tolist() == pytest.approx([1.0, 2 / 3, 1 / 2, 3 / 4])
-    assert torch.equal(plain.details["correct"], guarded.details["correct"])  # the accuracy ignores it
-    assert guarded.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert torch.equal(plain.details["correct"], guarded.details["correct"])  # the gold does not depend on the reward
+    # The gold (strict) passes the exact scene only; the lenient rule passes all four: the guard's optimum is the gold.
+    assert guarded.details["correct"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert guarded.details["lenient"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert guarded.details["extra"].tolist() == [0.0, 1.0, 1.0, 1.0]
     assert ShapesReward().no_extra_objects is False
     for bad in ("yes", [], ["counting", "colour"]):
         with pytest.raises(RewardError, match=r"no_extra_objects must be true, false or a list of task kinds from "
@@ -127,7 +130,7 @@ def test_extra_objects_weight_makes_the_guard_count_as_part_of_a_constraint(imag
     prompts = ["a green triangle", "a green triangle", "a triangle", "two green triangles"]
     half = rewards.load("shapes", count_mode="strict", no_extra_objects=True, extra_objects_weight=0.5)(images, prompts)
     assert half.scores.tolist() == pytest.approx([1.0, 0.8, 2 / 3, 6 / 7])
-    assert half.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert half.details["correct"].tolist() == [1.0, 0.0, 0.0, 0.0]  # the gold: only the exact scene
     # Without the guard the weight has nothing to weigh.
     unguarded = rewards.load("shapes", count_mode="strict", extra_objects_weight=0.5)(images, prompts)
     assert unguarded.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0])
@@ -143,14 +146,14 @@ def test_all_met_share_pays_part_of_the_score_only_for_a_whole_prompt(images):
     half = rewards.load("shapes", all_met_share=0.5)(images, prompts)
     assert half.scores.tolist() == pytest.approx([1.0, 1.0, 0.375, 1.0])
     whole = rewards.load("shapes", all_met_share=1)(images, prompts)
-    assert torch.equal(whole.scores, whole.details["correct"])  # the score is the accuracy itself
+    assert torch.equal(whole.scores, whole.details["lenient"])  # the score is the lenient accuracy itself
     assert whole.scores.tolist() == [1.0, 1.0, 0.0, 1.0]
-    # With the guard the all-or-nothing share needs it met too; the accuracy still ignores it.
+    # With the guard the all-or-nothing share needs it met too: the score is the gold itself.
     guarded_prompts = ["a green triangle", "a green triangle", "a triangle", "two green triangles"]
     guarded = rewards.load("shapes", count_mode="strict", no_extra_objects=True, all_met_share=1.0)(images,
                                                                                                    guarded_prompts)
     assert guarded.scores.tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert guarded.details["correct"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert torch.equal(guarded.scores, guarded.details["correct"])
     for bad in (1.5, -0.1, None, "0.5", float("nan")):
         with pytest.raises(RewardError, match=r"all_met_share must be a number from 0 to 1 .*; received "):
             rewards.load("shapes", all_met_share=bad)
