@@ -13,10 +13,10 @@ from flowrl.logging import read_metrics
 from flowrl.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINERS = ("crd", "nft", "awm", "dgpo", "dpo", "d3po")
+TRAINERS = ("crd", "nft", "awm", "dgpo", "dpo", "d3po", "raft")
 # Extra state each trainer checkpoints beside the model, the optimizer and its schedule.
 SNAPSHOTS = {"crd": ("old", "rollout_snapshot"), "nft": ("old",), "awm": ("ema_snapshot",), "dgpo": ("ema_snapshot",), "dpo": (),
-             "d3po": ()}
+             "d3po": (), "raft": ()}
 
 
 def tiny_overrides(name: str, model_dir: Path, out: Path, pairs: Path, **extra) -> list[str]:
@@ -35,6 +35,8 @@ def tiny_overrides(name: str, model_dir: Path, out: Path, pairs: Path, **extra) 
         settings.update({"pairs.path": str(pairs), "pairs.pairs_per_epoch": 4})
     if name == "awm":
         settings["train.ema_kl_coef"] = 0.1  # exercise the EMA snapshot
+    if name == "raft":  # the JPEG reward has no "correct": keep each group's best
+        settings["train.select"] = "best"
     if name == "dgpo":
         settings.update({"train.clip_range": 0.01, "train.sample_from_ema_after": 1})  # EMA rollouts from epoch 2
     settings.update(extra)

@@ -157,3 +157,40 @@ def test_all_met_share_pays_part_of_the_score_only_for_a_whole_prompt(images):
     for bad in (1.5, -0.1, None, "0.5", float("nan")):
         with pytest.raises(RewardError, match=r"all_met_share must be a number from 0 to 1 .*; received "):
             rewards.load("shapes", all_met_share=bad)
+
+
+def _obj(shape: str, color: str, x: float, y: float = 16.0) -> SceneObject:
+    return SceneObject(shape, color, x, y, 9.0)
+
+
+def test_relation_ramp_pays_a_failed_relation_by_its_signed_distance_when_one_a_and_one_b_are_seen():
+    prompt = ["a red circle left of a blue square"]  # 5 constraints: 2 shapes, 2 colours, the relation
+    wrong_way = render_batch([Scene((_obj("circle", "red", 20), _obj("square", "blue", 10)))])  # d = 10 - 20 = -10 px
+    right_way = render_batch([Scene((_obj("circle", "red", 10), _obj("square", "blue", 20)))])
+    duplicated = render_batch([Scene((_obj("circle", "red", 22, 8), _obj("circle", "red", 22, 24),
+                                      _obj("square", "blue", 8)))])  # no pair holds; two A
+    plain = rewards.load("shapes")
+    assert plain(wrong_way, prompt).scores.tolist() == pytest.approx([4 / 5])
+    ramp16 = rewards.load("shapes", relation_ramp=16)
+    # credit = clip((d - margin + ramp) / ramp, 0, 1) = (-10 - 3 + 16) / 16 = 3 / 16
+    assert ramp16(wrong_way, prompt).scores.tolist() == pytest.approx([(4 + 3 / 16) / 5], abs=2e-3)
+    assert rewards.load("shapes", relation_ramp=8)(wrong_way, prompt).scores.tolist() == pytest.approx([4 / 5])
+    assert ramp16(right_way, prompt).scores.tolist() == pytest.approx([1.0])
+    # Duplicates earn no dense credit (it needs the one A and the one B); the gold fails them, the lenient rule too.
+    out = ramp16(duplicated, prompt)
+    assert out.scores.tolist() == pytest.approx([4 / 5])
+    assert out.details["correct"].tolist() == [0.0] and out.details["lenient"].tolist() == [0.0]
+    # The gold and the lenient rule do not depend on the option.
+    assert ramp16(wrong_way, prompt).details["correct"].tolist() == [0.0]
+    for bad in (0, -2.0, "8", True, float("nan")):
+        with pytest.raises(RewardError, match=r"relation_ramp must be null or a number of pixels above 0 .*; received"):
+            rewards.load("shapes", relation_ramp=bad)
+
+
+def test_the_gold_fails_a_relation_that_only_a_duplicate_satisfies():
+    # "a red circle left of a blue square" with two red circles, one on each side: the lenient rule finds the pair that
+    # holds; the gold asks for one A and one B.
+    scene = Scene((_obj("circle", "red", 6), _obj("circle", "red", 26), _obj("square", "blue", 16)))
+    out = rewards.load("shapes")(render_batch([scene]), ["a red circle left of a blue square"])
+    assert out.details["lenient"].tolist() == [1.0] and out.details["correct"].tolist() == [0.0]
+    assert out.details["extra"].tolist() == [1.0] and out.scores.tolist() == [1.0]
