@@ -136,6 +136,11 @@ class RunConfig:
     max_degenerate_epochs: int = dataclasses.field(default=5, metadata=bounds(ge=1))
     # Early stop on a falling held-out measure, keeping the best checkpoint (None: off).
     stop_on: StopOnConfig | None = None
+    # Where the run's tensors live: auto (the GPU accelerate assigns this process, else the CPU; a real-size model
+    # that would land on the CPU is then an error naming the likely cause, flowrl/hardware.py), cpu (on purpose),
+    # cuda (an error without a usable GPU) or another registered torch device type (mps; the tests' fake
+    # accelerator, flowrl/testing/fake_accelerator.py).
+    device: str = "auto"
 
     def check(self) -> None:
         if self.resume and self.overwrite:

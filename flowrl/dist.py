@@ -37,15 +37,32 @@ class Dist:
         mixed_precision: ``no`` / ``bf16`` / ``fp16``; None (default) takes the launch config's
             (``accelerate launch`` exports it as ``ACCELERATE_MIXED_PRECISION``), ``no`` without a launcher.
         cpu: force CPU even when a GPU is visible.
+        device: ``run.device`` (:func:`flowrl.hardware.run_device`): ``auto`` is accelerate's choice, ``cpu`` and
+            ``cuda`` accelerate's with that constraint; another device type (``mps``, the tests' fake accelerator) is
+            used as given, accelerate then placing nothing itself (one process; collectives stay on the CPU).
+
+    Raises:
+        DeviceError: the device cannot be used here (the message names why and the fix).
     """
 
-    def __init__(self, mixed_precision: str | None = None, cpu: bool = False):
+    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, device: str = "auto"):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
+        from flowrl.hardware import run_device
+
+        wanted = run_device(device)
+        # cuda is accelerate's own device (it picks this process's GPU); anything else is placed by flowrl.
+        self._device = wanted if wanted is not None and wanted.type not in ("cpu", "cuda") else None
+        cpu = cpu or (wanted is not None and wanted.type != "cuda")
         # Unused-parameter detection is off: every trainable parameter takes part in each backward.
-        self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu,
+        self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, device_placement=self._device is None,
                                        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
+        if self._device is not None and self.accelerator.num_processes > 1:
+            from flowrl.hardware import DeviceError
+
+            raise DeviceError(f"run.device={device} runs one process; launch it without accelerate's several "
+                              "processes, or use run.device=auto")
         self._prepared_modules: list[torch.nn.Module] = []
         self._prepared_optimizers: list[Any] = []
         # Under DDP / one process flowrl saves the trained tensors itself (only those: a LoRA run must not
@@ -69,7 +86,7 @@ class Dist:
 
     @property
     def device(self) -> torch.device:
-        return self.accelerator.device
+        return self._device if self._device is not None else self.accelerator.device
 
     @property
     def mixed_precision(self) -> str:

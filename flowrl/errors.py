@@ -23,7 +23,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from flowrl.checkpoint import CheckpointError
     from flowrl.config import ConfigError
     from flowrl.data.prompts import PromptSetError
+    from flowrl.hardware import DeviceError
     from flowrl.models.base import ModelLoadError
     from rewards.base import RewardError
 
-    return (ConfigError, CheckpointError, ModelLoadError, RewardError, PromptSetError, RunError)
+    return (ConfigError, CheckpointError, ModelLoadError, RewardError, PromptSetError, RunError, DeviceError)

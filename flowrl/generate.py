@@ -86,7 +86,9 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
     prompts = [r[0] for r in rows]
     images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
                       batch_size=batch_size, progress=progress, precision=precision, metadata=metadata)
-    out = reward(images, prompts, metadata)
+    from rewards.base import checked_reward
+
+    out = checked_reward(reward, images, prompts, metadata)  # on the CPU
     correct = out.details.get("correct", out.scores)
     kinds: dict[str, list[float]] = {}
     for (_, kind, _), c in zip(rows, correct.tolist()):

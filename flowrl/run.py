@@ -163,7 +163,7 @@ class Run:
         from flowrl.updates import UpdateHealth
 
         self.cfg, self.recipe = cfg, recipe
-        self.dist = dist or Dist()
+        self.dist = dist or Dist(device=cfg.run.device)
         self.steps_per_epoch = steps_per_epoch
         if self.dist.is_main:
             print(f"flowrl: {recipe} on {self.dist.describe()}", flush=True)

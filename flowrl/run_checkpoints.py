@@ -60,6 +60,22 @@ MAIN_SAVE_TIMEOUT_S = 120.0
 LEGACY_NAMES = {"rollout_snapshot": "sampler"}  # CRD's rollout snapshot, called "sampler" before
 
 
+def load_onto_live_devices(obj: Any, state: Any) -> None:
+    """``obj.load_state_dict(state)`` with the restored tensors kept on the devices of the ones they replace.
+
+    Checkpoints load to the CPU. Modules and flowrl's snapshots copy into their own tensors, but diffusers'
+    ``EMAModel`` takes the loaded tensors as they are, so on a GPU its next ``step`` would mix CPU shadows with GPU
+    weights (the first optimizer step of every resumed run with ``train.ema_decay``)."""
+    from diffusers.training_utils import EMAModel
+
+    if not isinstance(obj, EMAModel):
+        obj.load_state_dict(state)
+        return
+    devices = [p.device for p in obj.shadow_params]
+    obj.load_state_dict(state)
+    obj.shadow_params = [p.to(device) for p, device in zip(obj.shadow_params, devices)]
+
+
 class RunCheckpoints:
     """Save and restore the tracked objects of one run.
 
@@ -230,7 +246,7 @@ class RunCheckpoints:
             value = state[name]  # (a checkpoint written before accelerate/ existed keeps its optimizer here)
             if self.dist.shards_weights and not isinstance(obj, TrainableWeights):
                 value = self.dist.shard_like(value, obj.state_dict())
-            obj.load_state_dict(value)
+            load_onto_live_devices(obj, value)
         set_rng_state(state["rng"])
         if accelerate_dir.is_dir():
             # The optimizer (and sharded weights), the scaler and each process's own random generators.

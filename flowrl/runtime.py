@@ -236,38 +236,15 @@ def prepare_run(run: RunConfig) -> Path:
 
 
 def resolve_device(text: str | None) -> torch.device:
-    """A ``--device`` argument: None means cuda when available, else cpu.
-
-    Only devices that can run flowrl here pass: ``cpu``, ``cuda[:N]`` with that GPU present, and ``mps``
-    on a Mac whose Metal backend is available. ``meta`` (tensors without data) and other accelerator
-    types are refused with the devices that would work.
+    """A ``--device`` argument: None means cuda when available, else cpu; otherwise
+    :func:`flowrl.hardware.usable_device` (``cpu``, ``cuda[:N]`` with that GPU present, ``mps`` where Metal is
+    available, the tests' fake accelerator).
 
     Raises:
-        ValueError: not a usable device here (the message says the fix).
+        ValueError: not a usable device here (a :class:`flowrl.hardware.DeviceError`; the message says the fix).
     """
+    from flowrl.hardware import usable_device
+
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    usable = "cpu" + (", cuda" if torch.cuda.is_available() else "")
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device {text!r} is not a torch device; use {usable} (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cpu":
-        return device
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {text!r}: no CUDA device is available here; use --device cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {text!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
-                             "use one of those")
-        return device
-    if device.type == "meta":
-        raise ValueError(f"--device {text!r}: meta tensors hold no data, so nothing can be generated or scored on "
-                         f"them; use {usable}")
-    if device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"--device {text!r}: Apple's Metal (MPS) backend is not available on this machine; "
-                             f"use {usable}")
-        return device
-    raise ValueError(f"--device {text!r}: flowrl runs on cpu, cuda or mps, not {device.type}; use {usable}")
+    return usable_device(text, "--device")

@@ -203,7 +203,9 @@ def _sample(argv: list[str]) -> int:
                           metadata=metadata)
     captions = None
     if reward is not None:
-        scores = reward(images, prompts, metadata).scores.tolist()  # an editing reward sees the sources
+        from rewards.base import checked_reward
+
+        scores = checked_reward(reward, images, prompts, metadata).scores.tolist()  # an editing reward sees sources
         captions = [f"{args.reward} {s:.2f}" for s in scores]
     columns = [f"seed {s}" for s in args.seeds]
     if sources is not None:  # the source as the first column of its row

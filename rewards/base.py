@@ -13,12 +13,12 @@ composites, which hand videos on to their terms) sees the whole clips.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["RewardOutput", "Reward", "RewardError", "to_image_tensor", "to_media_tensor", "to_pil_images",
+__all__ = ["RewardOutput", "Reward", "RewardError", "checked_reward", "to_image_tensor", "to_media_tensor", "to_pil_images",
            "score_frames", "FRAME_REDUCTIONS"]
 
 #: How per-frame scores become one score per video.
@@ -175,3 +175,33 @@ class Reward:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, differentiable={self.differentiable})"
+
+
+def checked_reward(reward: Callable, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+    """``reward(images, prompts, metadata)``, with a reward that crashes or answers the wrong shape turned into
+    a one-line :class:`rewards.RewardError` that names it.
+
+    The one place reward outputs enter a run: scores and details come back as float32 tensors on the CPU, whatever
+    device the reward model runs on (PickScore, HPSv2 and CLIP built on a GPU answer on it), so advantages, the
+    evaluation's gathers and the logs never mix devices.
+
+    Raises:
+        RewardError: the reward raised (its own ``RewardError`` passes through unchanged), returned something
+            that is not a ``RewardOutput``, or a number of scores other than the number of images.
+    """
+    name = getattr(reward, "name", None) or type(reward).__name__
+    try:
+        out = reward(images, prompts, metadata)
+    except RewardError:
+        raise
+    except Exception as err:
+        raise RewardError(f"the reward {name} failed: {type(err).__name__}: {' '.join(str(err).split())[:300]}") \
+            from err
+    if not isinstance(out, RewardOutput):
+        raise RewardError(f"the reward {name} returned a {type(out).__name__}; a reward must return a RewardOutput")
+    if out.scores.numel() != len(prompts):
+        raise RewardError(f"the reward {name} returned {out.scores.numel()} scores for {len(prompts)} images; a "
+                          "reward must return one score per image")
+    # One device-to-host copy per tensor, here rather than wherever a score is read.
+    return RewardOutput(out.scores.detach().float().cpu(),
+                        {key: value.detach().float().cpu() for key, value in out.details.items()})

@@ -18,7 +18,7 @@ import torch
 
 from samplers import Trajectory
 
-__all__ = ["EpochRollouts", "collect_epoch", "checked_reward"]
+__all__ = ["EpochRollouts", "collect_epoch"]
 
 
 @dataclass
@@ -63,32 +63,6 @@ class EpochRollouts:
         return {k: v[rows].to(device) for k, v in self.cond.items()}
 
 
-def checked_reward(reward: Callable, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-    """``reward(images, prompts, metadata)``, with a reward that crashes or answers the wrong shape turned into
-    a one-line :class:`rewards.RewardError` that names it.
-
-    Raises:
-        RewardError: the reward raised (its own ``RewardError`` passes through unchanged), returned something
-            that is not a ``RewardOutput``, or a number of scores other than the number of images.
-    """
-    from rewards import RewardError, RewardOutput
-
-    name = getattr(reward, "name", None) or type(reward).__name__
-    try:
-        out = reward(images, prompts, metadata)
-    except RewardError:
-        raise
-    except Exception as err:
-        raise RewardError(f"the reward {name} failed: {type(err).__name__}: {' '.join(str(err).split())[:300]}") \
-            from err
-    if not isinstance(out, RewardOutput):
-        raise RewardError(f"the reward {name} returned a {type(out).__name__}; a reward must return a RewardOutput")
-    if out.scores.numel() != len(prompts):
-        raise RewardError(f"the reward {name} returned {out.scores.numel()} scores for {len(prompts)} images; a "
-                          "reward must return one score per image")
-    return out
-
-
 def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: Callable, guidance: float,
                   batch_size: int, store_x0: bool = False, store_means: bool = False, velocity_fn=None,
                   progress=None) -> EpochRollouts:
@@ -112,6 +86,7 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
         :class:`EpochRollouts` on the CPU.
     """
     from flowrl.models.base import encode_rows
+    from rewards.base import checked_reward
     from samplers import initial_noise, rollout
 
     velocity = velocity_fn or model.velocity_fn(guidance)

@@ -38,7 +38,7 @@ def completion_rewards(rollouts, model, reward, *, guidance: float, batch_size: 
     Returns:
         ``(R [n_local, n + 1] float32, nfe)`` with ``nfe`` the model evaluations spent (rows x calls).
     """
-    from flowrl.rl.collect import checked_reward
+    from rewards.base import checked_reward
     from samplers import ode_complete
 
     traj = rollouts.trajectory

@@ -69,7 +69,7 @@ class Evaluator:
 
         ``should_stop`` is polled before every model call; when it returns True the evaluation raises
         ``flowrl.sample.GenerationInterrupted`` (the run discards the partial evaluation)."""
-        from flowrl.rl.collect import checked_reward
+        from rewards.base import checked_reward
         from flowrl.generate import generate
 
         dist, prompt_set = self.dist, self.prompt_set
@@ -143,7 +143,7 @@ class Evaluator:
                      metadata: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The base model's images of the grid's prompts and seeds, and their scores (computed once: at the
         evaluation before training they are the current images; otherwise the reference weights draw them)."""
-        from flowrl.rl.collect import checked_reward
+        from rewards.base import checked_reward
         from flowrl.generate import generate
 
         if self._base is None:

@@ -217,10 +217,25 @@ class OnlineLoop:
         if model is None:
             from flowrl.models.config import build_model
 
+            self._check_device(self.cfg.model)
             model = build_model(self.cfg.model, self.dist.device)
         model.to(self.dist.device)
         model.freeze_reference()
         return model
+
+    def _check_device(self, model_cfg) -> None:
+        """A real-size model must not land on the CPU unless ``run.device=cpu`` says so (sized from its configs, before
+        any weight loads: :func:`flowrl.models.footprint.footprint`)."""
+        from flowrl.hardware import check_not_silently_cpu
+
+        if self.cfg.run.device != "auto" or self.dist.device.type != "cpu" or model_cfg.name == "shapes":
+            return
+        from flowrl.models.footprint import footprint
+
+        fp = footprint(model_cfg)
+        denoiser = None if fp is None else max(fp.params.get("transformer", 0), fp.params.get("unet", 0)) or None
+        check_not_silently_cpu(self.cfg.run.device, self.dist.device, denoiser,
+                               f"{model_cfg.name} {model_cfg.path or ''}".strip())
 
     def precision(self):
         """The ``sampling.precision`` autocast context (rollouts and training, never evaluation)."""

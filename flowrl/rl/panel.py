@@ -242,7 +242,7 @@ class HackingPanel:
         """The panel for ``images`` (``[n, 3, H, W]`` in [0, 1]: every eval row, gathered, in order) drawn by
         ``model`` (its evaluated weights swapped in) at the eval ``seeds``."""
         from flowrl.hacking import hacking_panel
-        from flowrl.rl.collect import checked_reward
+        from rewards.base import checked_reward
 
         images = to_uint8(images).float() / 255  # 8-bit, as stored for the base (and as a saved image would be)
         features = self.features()

@@ -1,0 +1,134 @@
+"""Every image trainer on the fake accelerator, through ``flowrl train`` and the shipped configs, on tiny SD3, FLUX and
+Z-Image pipelines: the evaluation before training with the hacking panel, a reward whose scores come back on the
+device (PickScore), checkpoints, a resume with an EMA of the weights, and the LoRA export of the result.
+
+Before the fixes they guard (2026-12-07) the first case failed twice, as every GPU user's SD3 / FLUX run did: the
+evaluation at epoch 0 (``torch.cat`` of device scores with CPU padding, flowrl/rl/evaluate.py) and, with the reward
+moved to the CPU, the first optimizer step after a resume (diffusers' EMA kept the checkpoint's CPU tensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flowrl.logging import read_metrics
+from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: (config, family, overrides): the shipped SD3 / FLUX configs where they exist, every other trainer through its
+#: shapes config with the model swapped.
+CASES = [
+    ("sd3/flow_grpo_pickscore", "sd3", {}),
+    ("sd3/tp_grpo_pickscore", "sd3", {}),
+    ("shapes/grpo_guard", "sd3", {}),
+    ("shapes/flow_dppo", "sd3", {}),
+    ("sd3/crd_ocr", "sd3", {}),
+    ("sd3/nft_pickscore", "sd3", {}),
+    ("sd3/awm_pickscore", "sd3", {}),
+    ("sd3/dgpo_pickscore", "sd3", {}),
+    ("sd3/d3po_pickscore", "sd3", {}),
+    ("sd3/dpo_pickapic", "sd3", {}),
+    ("shapes/raft", "sd3", {"train.select": "best"}),
+    ("flux/flow_grpo_pickscore", "flux", {}),
+    ("flux/nft_pickscore", "flux", {}),
+    ("flux/awm_pickscore", "flux", {}),
+    ("shapes/crd", "flux", {}),
+    ("shapes/dgpo", "flux", {}),
+    ("shapes/d3po", "flux", {}),
+    ("shapes/dpo", "flux", {}),
+    ("shapes/raft", "flux", {"train.select": "best"}),
+    ("z_image/flow_grpo_pickscore", "z_image", {}),
+    ("shapes/crd", "z_image", {}),
+    ("shapes/nft", "z_image", {}),
+    ("shapes/awm", "z_image", {}),
+    ("shapes/dgpo", "z_image", {}),
+    ("shapes/d3po", "z_image", {}),
+    ("shapes/dpo", "z_image", {}),
+    ("shapes/raft", "z_image", {"train.select": "best"}),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("a red apple\na blue car\na cat on a mat\na bowl of soup\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    from flowrl.data.webdataset_io import write_pair_shards
+
+    path = tmp_path_factory.mktemp("pairs")
+    rng = np.random.default_rng(0)
+    image = lambda: rng.integers(0, 256, (TINY_RESOLUTION, TINY_RESOLUTION, 3), dtype=np.uint8)  # noqa: E731
+    write_pair_shards(((image(), image(), p, None) for p in ["a red apple", "a blue car"] * 2), path)
+    return path
+
+
+def arguments(config: str, family: str, out: Path, prompts: Path, pairs: Path, pickscore, extra: dict) -> list[str]:
+    model, processor = pickscore
+    settings = {
+        "model.name": family, "model.path": str(build_tiny(family)), "model.resolution": TINY_RESOLUTION,
+        "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "model.lora": "{rank: 4, alpha: 8}",
+        "model.dtype": "float32", "run.output_dir": str(out), "run.max_epochs": 1, "run.max_minutes": "null",
+        "run.device": "fakegpu", "data.train_prompts": str(prompts), "data.eval_prompts": str(prompts),
+        "data.num_eval_prompts": 4, "sampling.num_steps": 10, "sampling.eval_num_steps": 2, "sampling.group_size": 2,
+        "sampling.groups_per_epoch": 2, "sampling.batch_size": 4, "train.micro_batch_size": 4,
+        "reward.train": f"{{pickscore: {{weight: 1.0, kwargs: {{model: {model}, processor: {processor}}}}}}}",
+        "reward.eval": "[pickscore]", "eval.at_start": "true", "eval.every_epochs": 1, "eval.every_minutes": "null",
+        "eval.batch_size": 4, "eval.grid_size": 2, "checkpoint.every_epochs": 1,
+    }
+    if "dpo_" in config or config.endswith("/dpo"):
+        for key in [k for k in settings if k.startswith(("sampling.group", "sampling.batch", "data.train_prompts"))]:
+            del settings[key]
+        # Offline pairs: no training reward, so the evaluation's reward is one without weights.
+        settings.update({"pairs.path": str(pairs), "pairs.pairs_per_epoch": 2, "reward.eval": "[jpeg_incompressibility]"})
+        del settings["reward.train"]
+    if "d3po" in config:
+        settings.update({"sampling.window.max_start": "null", "train.micro_batch_size": 1})
+    settings.update(extra)
+    return [str(ROOT / "configs" / f"{config}.yaml")] + [f"{k}={v}" for k, v in settings.items()]
+
+
+def run_ok(args: list[str], out: Path) -> list[dict]:
+    from flowrl.train import main
+
+    error = out / "error.log"
+    assert main(args) == 0, error.read_text() if error.is_file() else "a config error (printed above)"
+    return read_metrics(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("config,family,extra", CASES, ids=[f"{c}-{f}" for c, f, _ in CASES])
+def test_a_tiny_epoch_evaluates_and_checkpoints_on_the_device(config, family, extra, device, tiny_pickscore, prompts,
+                                                               pairs, tmp_path):
+    out = tmp_path / "run"
+    rows = run_ok(arguments(config, family, out, prompts, pairs, tiny_pickscore, extra), out)
+    evaluated = "eval/jpeg_incompressibility/mean" if "dpo" in config.split("/")[-1].split("_")[0] else \
+        "eval/pickscore/mean"
+    assert np.isfinite(rows[0][evaluated])  # the evaluation before training, on device scores
+    assert "hack/drift_pixel" in rows[0] and "hack/fm_to_base" in rows[-1]  # with the panel
+    assert np.isfinite(rows[-1]["train/loss"]) and rows[-1]["train/grad_norm"] > 0
+    assert (out / "checkpoints" / "epoch_0000001" / "state.pt").is_file()
+
+
+@pytest.mark.parametrize("config,family", [("sd3/flow_grpo_pickscore", "sd3"), ("flux/nft_pickscore", "flux"),
+                                           ("shapes/dgpo", "z_image")])
+def test_a_resume_with_an_ema_trains_on_and_exports(config, family, device, tiny_pickscore, prompts, pairs, tmp_path):
+    """The EMA of the weights (train.ema_decay) comes back from the checkpoint on the CPU; the resumed run's first
+    optimizer step updates it against the device's weights. The LoRA export then reads the result."""
+    from flowrl.export import main as export
+
+    out = tmp_path / "run"
+    args = arguments(config, family, out, prompts, pairs, tiny_pickscore, {"train.ema_decay": 0.9})
+    run_ok(args, out)
+    rows = run_ok(args + ["run.max_epochs=2", "run.resume=true"], out)
+    assert [r["epoch"] for r in rows if "train/loss" in r] == [1, 2]
+    assert np.isfinite(rows[-1]["train/loss"])
+    assert export([str(out), "--format", "peft", "--out", str(tmp_path / "peft"), "--device", "fakegpu"]) == 0
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
