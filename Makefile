@@ -35,15 +35,18 @@ browser:
 
 install: $(STAMP) browser
 
+# Two pytest processes: the fake-accelerator tier (tests marked `device`, docs/gpu.md) in its own, since its device
+# cannot follow CPU backward passes in one process.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not device"
+	$(BIN)/python -m pytest -m device
 
 # The inner loop (about 2 minutes on 2 cores): the math, samplers, configs, data, rewards, environments, model
 # adapters, CLI errors, import rules and the golden metrics of every recipe; tests marked slow are left out.
 FAST_TESTS := tests/core tests/samplers tests/flowrl tests/data tests/rewards tests/envs tests/models \
 	tests/test_configs_load.py tests/test_cli_errors.py tests/test_import_rules.py tests/recipes/test_golden_metrics.py
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS)
+	$(BIN)/python -m pytest -m "not slow and not device" $(FAST_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/flowrl train configs/shapes/demo.yaml

@@ -19,6 +19,8 @@ into the same temporary directory before it is renamed, and for LoRA runs of dif
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import os
 import random
 import shutil
@@ -86,7 +88,7 @@ def set_aside(checkpoint: Path) -> Path | None:
         return None
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FlowrlError, RuntimeError):
     """A checkpoint to resume from is missing or unreadable; the message says what to do."""
 
 

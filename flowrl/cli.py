@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample": ("flowrl.sample:sample_main", "sample a labelled image grid from a model"),
     "eval": ("flowrl.sample:eval_main", "GenEval-style evaluation of a model with a reward"),
     "export": ("flowrl.export:main", "a run's LoRA for diffusers / peft, or merged: flowrl export RUN --format F"),
+    "doctor": ("flowrl.doctor:main", "check a GPU machine in ten minutes: flowrl doctor [--device cuda]"),
     "data": ("flowrl.data.cli:main", "write datasets (e.g. flowrl data shapes --split train --n N --out DIR)"),
     "score": ("rewards.cli:score_main", "score images with reward models"),
     "serve-reward": ("rewards.server:serve_main", "serve reward models over HTTP"),

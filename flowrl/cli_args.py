@@ -6,6 +6,8 @@ Every command prints a :class:`UsageError` as ``flowrl <cmd>: error: <cause>; <f
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import argparse
 import math
 import os
@@ -18,7 +20,7 @@ __all__ = ["UsageError", "OneLineParser", "positive_int", "bounded_int", "finite
 MAX_TEXT_FILE_BYTES = 256 * 2 ** 20  # prompt and config files: far more than any real one
 
 
-class UsageError(Exception):
+class UsageError(FlowrlError):
     """A mistake on the command line; commands print it as one line and exit with code 2."""
 
 

@@ -19,6 +19,8 @@ calls :func:`fail` with the offending field's name.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import dataclasses
 import difflib
 import math
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(FlowrlError, ValueError):
     """A config value is unknown, mistyped, out of range or inconsistent. The message is one line."""
 
     def __init__(self, path: str, message: str):
@@ -83,7 +85,7 @@ class StopOnConfig:
     the training reward kept rising, with ``while_reward_rises``), keeping the best evaluation's checkpoint in
     ``checkpoints/best``: the over-optimisation guard (the proxy climbs, the gold falls)."""
 
-    metric: str = "hack/accuracy_strict"  # a key of the evaluation's metrics (eval/..., hack/...)
+    metric: str = "eval/shapes/accuracy"  # a key of the evaluation's metrics (eval/..., hack/...)
     mode: Literal["max", "min"] = "max"  # max: higher is better
     patience: int = dataclasses.field(default=3, metadata=bounds(ge=1, le=1000))  # evaluations without improvement
     min_delta: float = dataclasses.field(default=0.0, metadata=bounds(ge=0))  # what counts as an improvement
@@ -94,7 +96,7 @@ class StopOnConfig:
     def check(self) -> None:
         if not self.metric.startswith(("eval/", "hack/")):
             fail("metric", f"{self.metric!r} is not a held-out measure; name an evaluation metric such as "
-                 "hack/accuracy_strict or eval/shapes/accuracy")
+                 "eval/shapes/accuracy or hack/accuracy")
 
 
 @dataclasses.dataclass
@@ -129,6 +131,11 @@ class RunConfig:
     # (Diffusion-DPO at a large beta: sigmoid gradients ~ e^-logit) fills the backward pass with denormals, which
     # x86 CPUs compute ~100x slower: an epoch took 9-34 s instead of 7 with the same losses. No effect on GPUs.
     flush_denormal: bool = True
+    # TF32 for float32 matmuls and convolutions on NVIDIA GPUs (Ampere and newer: A100, H100, RTX 30xx+):
+    # torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32. Several times faster float32
+    # matmuls with a 10-bit mantissa for the products (sums stay float32); bfloat16 compute is unaffected. false
+    # keeps full float32 (e.g. to compare numbers bit for bit with another GPU run). No effect on CPUs.
+    tf32: bool = True
     # Run health: stop (after a checkpoint of the last finite weights) when this many optimizer updates in a
     # row had a non-finite loss or gradient (each is skipped, not applied) ...
     max_nonfinite_updates: int = dataclasses.field(default=3, metadata=bounds(ge=1))
@@ -141,6 +148,10 @@ class RunConfig:
     # cuda (an error without a usable GPU) or another registered torch device type (mps; the tests' fake
     # accelerator, flowrl/testing/fake_accelerator.py).
     device: str = "auto"
+    # How long a collective (all-reduce, gather, FSDP2's all-gather) waits for the slowest process before the run
+    # fails with an error instead of hanging: long enough for the main process's own work between collectives (a
+    # checkpoint, a LoRA export, an evaluation grid). torch's NCCL default is 10 minutes.
+    collective_timeout_minutes: float = dataclasses.field(default=60.0, metadata=bounds(gt=0, le=24 * 60))
 
     def check(self) -> None:
         if self.resume and self.overwrite:

@@ -37,6 +37,7 @@ class Dist:
         mixed_precision: ``no`` / ``bf16`` / ``fp16``; None (default) takes the launch config's
             (``accelerate launch`` exports it as ``ACCELERATE_MIXED_PRECISION``), ``no`` without a launcher.
         cpu: force CPU even when a GPU is visible.
+        timeout_minutes: the process group's timeout (``run.collective_timeout_minutes``).
         device: ``run.device`` (:func:`flowrl.hardware.run_device`): ``auto`` is accelerate's choice, ``cpu`` and
             ``cuda`` accelerate's with that constraint; another device type (``mps``, the tests' fake accelerator) is
             used as given, accelerate then placing nothing itself (one process; collectives stay on the CPU).
@@ -45,9 +46,12 @@ class Dist:
         DeviceError: the device cannot be used here (the message names why and the fix).
     """
 
-    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, device: str = "auto"):
+    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, device: str = "auto",
+                 timeout_minutes: float = 60.0):
+        from datetime import timedelta
+
         from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
         from flowrl.hardware import run_device
 
@@ -56,8 +60,11 @@ class Dist:
         self._device = wanted if wanted is not None and wanted.type not in ("cpu", "cuda") else None
         cpu = cpu or (wanted is not None and wanted.type != "cuda")
         # Unused-parameter detection is off: every trainable parameter takes part in each backward.
+        # An explicit process-group timeout: a process that waits for a collective the others never reach fails after
+        # it with an error naming the collective, instead of hanging (run.collective_timeout_minutes).
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, device_placement=self._device is None,
-                                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
+                                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False),
+                                                        InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))])
         if self._device is not None and self.accelerator.num_processes > 1:
             from flowrl.hardware import DeviceError
 
@@ -205,6 +212,18 @@ class Dist:
         if self.world_size == 1:
             return tensor
         return self.accelerator.gather(tensor.to(self.device).contiguous()).to(tensor.device)
+
+    def even_shard(self, n: int) -> tuple[list[int], int]:
+        """This process's rows of ``n`` (contiguous, in rank order), padded to ``ceil(n / world_size)`` on every
+        process by repeating row ``n - 1``; returns ``(rows, real)``, the first ``real`` being its own.
+
+        Every process then runs the same number of forward passes, which FSDP2 needs (a forward all-gathers the
+        shards: a process with a batch fewer would leave the others waiting until the timeout). Drop the padded rows'
+        results after :meth:`gather` (``keep`` masks), at the cost of at most ``world_size - 1`` extra rows."""
+        per = -(-n // self.world_size)
+        start = self.rank * per
+        real = max(0, min(per, n - start))
+        return list(range(start, start + real)) + [n - 1] * (per - real), real
 
     def gather_object(self, items: list) -> list:
         """Concatenate every process's list, in rank order."""

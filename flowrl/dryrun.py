@@ -284,8 +284,37 @@ def _epoch_work(cfg) -> list[str]:
     return lines
 
 
-def _memory(cfg) -> list[str]:
-    from flowrl.models.footprint import footprint, format_gib, memory_estimate
+def _snapshot_copies(cfg) -> int:
+    """Float32 copies of the trained tensors the recipe keeps beside the EMA (:class:`flowrl.rl.snapshots.ParamSnapshot`),
+    read from its ``train`` section: one per :class:`~flowrl.rl.snapshots.SnapshotConfig` field (NFT's ``old``, CRD's
+    ``old`` and ``rollout_snapshot``, DGPO's ``ema_snapshot``, AWM's only with ``ema_kl_coef > 0``, as its recipe builds
+    it), two for Flow-GRPO's ``elastic_reset`` (its base and its EMA)."""
+    from dataclasses import fields, is_dataclass
+
+    from flowrl.rl.elastic_reset import ElasticResetConfig
+    from flowrl.rl.snapshots import SnapshotConfig
+
+    train = getattr(cfg, "train", None)
+    if not is_dataclass(train):
+        return 0
+    count = 0
+    for f in fields(train):
+        value = getattr(train, f.name)
+        if isinstance(value, SnapshotConfig):
+            count += not (f.name == "ema_snapshot" and getattr(train, "ema_kl_coef", None) == 0)
+        elif isinstance(value, ElasticResetConfig):
+            count += 2
+    return count
+
+
+def _memory(cfg, objective: bool | None = None) -> list[str]:
+    """The architecture and the rough memory per GPU of the real run (:func:`flowrl.models.footprint.memory_estimate`).
+
+    ``objective``: what the recipe declared about its objective's use of the reference for this config
+    (:class:`flowrl.rl.online.OnlineLoop`'s ``reference``, recorded during the tiny epoch); None when not known (the
+    tiny epoch stopped before): a full fine-tune's reference copy is then counted."""
+    from flowrl.models.footprint import footprint, format_gib, memory_estimate, reward_memory
+    from flowrl.rl.online import reference_uses
 
     model = getattr(cfg, "model", None)
     if model is None or not hasattr(model, "lora") or not hasattr(model, "name"):
@@ -299,8 +328,12 @@ def _memory(cfg) -> list[str]:
                 "point model.path at a local copy for an estimate"]
     s, t = getattr(cfg, "sampling", None), getattr(cfg, "train", None)
     guidance = s is not None and s.guidance != 1.0 and model.name not in _GUIDANCE_EMBEDDED
+    uses = reference_uses(cfg, True if objective is None else objective)
+    rewards = reward_memory(cfg.reward) if hasattr(cfg, "reward") else {}
+    snapshots = _snapshot_copies(cfg)
     est = memory_estimate(model, fp, micro_batch=getattr(t, "micro_batch_size", 1),
-                          guidance=guidance, ema=getattr(t, "ema_decay", None) is not None)
+                          guidance=guidance, ema=getattr(t, "ema_decay", None) is not None, reference=bool(uses),
+                          snapshots=snapshots, rewards=sum(rewards.values()))
     params = ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in fp.params.items())
     lines = [f"architecture ({fp.source}): {params}; trained {fp.trainable / 1e6:,.2f}M "
              f"({'LoRA r%d' % model.lora.rank if model.lora else 'full fine-tuning'})"
@@ -310,6 +343,28 @@ def _memory(cfg) -> list[str]:
                  f"{getattr(t, 'micro_batch_size', '?')}, gradient checkpointing "
                  f"{'on' if model.gradient_checkpointing else 'off'}): "
                  + ", ".join(f"{k} {format_gib(v)}" for k, v in est.items()))
+    if model.lora is None:
+        if uses:
+            why = ", ".join(uses) + (" (assumed: the tiny epoch did not reach the recipe's declaration)"
+                                     if objective is None else "")
+            if any(use.startswith("eval.") for use in uses):
+                why += "; eval.hacking.enabled=false and eval.grid_size=0 drop the evaluation's uses"
+            lines.append(f"memory: full fine-tuning keeps a frozen reference copy of the denoiser ({model.dtype}) for: "
+                         f"{why}")
+        else:
+            lines.append("memory: full fine-tuning keeps no reference copy (nothing uses the reference)")
+        if model.dtype != "float32":
+            lines.append(f"memory: full fine-tuning in {model.dtype} trains float32 master weights (their gradients "
+                         f"and AdamW's moments float32 too) and computes in {model.dtype} under autocast")
+    if "text encoders lent to encode" in est:
+        lines.append(f"memory: text encoders offloaded to the CPU ({format_gib(est['text encoders lent to encode'])} "
+                     "on the device only while new prompts are encoded, never beside the training step's activations: "
+                     "the total counts the larger; model.offload_text_encoders=false keeps them resident)")
+    if rewards:
+        lines.append("memory: reward models (each built copy; on a GPU 'auto' precision is bf16): "
+                     + ", ".join(f"{k} {format_gib(v / 2 ** 30)}" for k, v in rewards.items()))
+    if snapshots:
+        lines.append(f"memory: {snapshots} float32 snapshot(s) of the trained weights (flowrl.rl.snapshots)")
     return lines
 
 
@@ -406,14 +461,16 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
         if hook is not None:
             notes.extend(hook(data, workdir) or [])
         tiny = from_dict(recipe.config_class, data)
-        needs.extend(_memory(cfg))
         work = _epoch_work(cfg)
         out(f"flowrl train --dry-run: {config}: one epoch of the {recipe.main.__module__.rsplit('.', 1)[-1]} recipe "
             f"on a tiny model")
         for note in notes:
             out(f"  dry run: {note}")
+        from flowrl.rl.online import recorded_reference_declarations
+
         try:
-            code = int(recipe.main(tiny) or 0)
+            with recorded_reference_declarations() as declared:  # the recipe's reference use, for the estimate
+                code = int(recipe.main(tiny) or 0)
             if code == NO_USABLE_REWARD:  # a random tiny model draws nothing a reward can tell apart
                 out("  dry run: the tiny random model's rewards carried no learning signal (expected); the "
                     "epoch's plumbing ran")
@@ -421,6 +478,7 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
         except user_errors() as err:
             out(f"flowrl train --dry-run: FAILED: {' '.join(str(err).split())}")
             code = getattr(err, "exit_code", 2)
+        needs.extend(_memory(cfg, declared[0] if declared else None))
         seconds = time.perf_counter() - start
         out(f"flowrl train --dry-run: {'the tiny epoch ran' if code == 0 else 'the tiny epoch failed'} "
             f"({seconds:.0f} s). The real run needs:")

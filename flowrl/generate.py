@@ -81,7 +81,8 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
 
     Returns:
         (summary, images): summary has ``overall`` (mean of ``details['correct']`` if the reward has it,
-        else of the scores), ``score_mean`` and per-kind ``{kind: {"accuracy", "n"}}``.
+        else of the scores), ``score_mean``, per-kind ``{kind: {"accuracy", "n"}}``, and the means of the shapes
+        reward's ``lenient`` and ``extra`` details when it reports them.
     """
     prompts = [r[0] for r in rows]
     images = generate(model, prompts, [r[2] for r in rows], steps=steps, guidance=guidance,
@@ -99,4 +100,6 @@ def evaluate(model, reward, rows: list[tuple[str, str, int]], *, steps: int = 40
         "n": len(rows),
         "kinds": {k: {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in kinds.items()},
     }
+    # The shapes reward's proxy and habit beside its gold: the lenient rule's accuracy, the share with extra objects.
+    summary.update({name: float(out.details[name].mean()) for name in ("lenient", "extra") if name in out.details})
     return summary, images

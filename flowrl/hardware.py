@@ -10,6 +10,8 @@ epoch to float32.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import os
 
 import torch
@@ -24,7 +26,7 @@ CUDA_DRIVER_FLOOR = {11: 450, 12: 525, 13: 580}
 REAL_SIZE_PARAMETERS = 100_000_000
 
 
-class DeviceError(ValueError):
+class DeviceError(FlowrlError, ValueError):
     """The device a run or command asks for cannot be used here, or it would silently be the CPU; the message names
     the cause and the setting that fixes it."""
 

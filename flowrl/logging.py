@@ -46,10 +46,21 @@ class MetricsLogger:
         self.plot_units = plot_units or {}
         self._tb = None
         self._wandb = None
-        if not enabled:
+        self._backends, self._project, self._run_name, self._config = tuple(backends), project, run_name, config
+        self._opened = not enabled
+        for backend in backends:  # a bad name fails now, before the run claims its folder
+            if backend not in ("tensorboard", "wandb"):
+                raise ValueError(f"unknown logging backend {backend!r}; valid: tensorboard, wandb")
+
+    def open(self) -> None:
+        """Create the folder and start the backends (once; :meth:`log` calls it): a run that never starts writes
+        nothing."""
+        if self._opened:
             return
+        self._opened = True
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for backend in backends:
+        project, run_name, config = self._project, self._run_name, self._config
+        for backend in self._backends:
             if backend == "tensorboard":
                 try:
                     from torch.utils.tensorboard import SummaryWriter
@@ -64,19 +75,19 @@ class MetricsLogger:
                     raise RuntimeError("log.backends has 'wandb' but wandb is not installed: pip install wandb") from err
                 self._wandb = wandb.init(project=project, name=run_name, config=config,
                                          dir=str(self.output_dir), resume="allow")
-            else:
-                raise ValueError(f"unknown logging backend {backend!r}; valid: tensorboard, wandb")
 
     def truncate_after(self, epoch: int) -> None:
         """Drop rows with ``epoch > epoch`` (a resumed run re-logs what came after its checkpoint)."""
         if not self.enabled or not self.path.is_file():
             return
+        self.open()
         rows = [r for r in read_metrics(self.path) if r.get("epoch", -1) <= epoch]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def log(self, metrics: dict[str, Any], *, step: int | None = None) -> None:
         if not self.enabled:
             return
+        self.open()
         row = {k: _plain(v) for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -94,6 +105,7 @@ class MetricsLogger:
         the caller into the run directory)."""
         if not self.enabled:
             return
+        self.open()
         if self._tb is not None:
             import numpy as np
 

@@ -158,21 +158,22 @@ class Run:
         from flowrl.dist import Dist
         from flowrl.logging import MetricsLogger
         from flowrl.run_checkpoints import RunCheckpoints
-        from flowrl.run_folder import prepare_output_dir
+        from flowrl.run_folder import check_output_dir
         from flowrl.runtime import prepare_run
         from flowrl.updates import UpdateHealth
 
         self.cfg, self.recipe = cfg, recipe
-        self.dist = dist or Dist(device=cfg.run.device)
+        self.dist = dist or Dist(device=cfg.run.device, timeout_minutes=cfg.run.collective_timeout_minutes)
         self.steps_per_epoch = steps_per_epoch
         if self.dist.is_main:
             print(f"flowrl: {recipe} on {self.dist.describe()}", flush=True)
             for note in self.dist.notes():
                 print(f"flowrl: warning: {note}", file=sys.stderr, flush=True)
-        _, self._lock = prepare_output_dir(cfg.run, self.dist, recipe)
+        # The folder is checked now (before the model loads) and claimed only when the run starts (__enter__): a run
+        # that fails to start leaves nothing that blocks the corrected command, and an overwrite deletes nothing yet.
+        check_output_dir(cfg.run)
+        self._lock = None
         self.output_dir = prepare_run(cfg.run)
-        if self.dist.is_main:
-            save_config(cfg, self.output_dir / "config.yaml", extra={"recipe": recipe})
         groups = dict(plots or {})
         groups.update({"time_per_epoch": ["time/*_s"], "time_total": ["time/*_min"]})
         units = {**(units or {}), "time_per_epoch": "seconds per epoch", "time_total": "minutes"}
@@ -284,8 +285,12 @@ class Run:
     # ------------------------------------------------------------------ the loop
 
     def __enter__(self) -> "Run":
+        from flowrl.run_folder import prepare_output_dir
         from flowrl.runtime import GracefulStop, make_deadline
 
+        _, self._lock = prepare_output_dir(self.cfg.run, self.dist, self.recipe)  # lock, overwrite, marker
+        if self.dist.is_main:
+            save_config(self.cfg, self.output_dir / "config.yaml", extra={"recipe": self.recipe})
         if self.cfg.run.resume:
             self._resume()
         # The reference clock probes in the precision the run computes in (rollouts and training).

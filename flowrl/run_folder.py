@@ -21,7 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["RUN_FILES", "MARKER", "LOCK", "RunLock", "prepare_output_dir", "holds_run"]
+__all__ = ["RUN_FILES", "MARKER", "LOCK", "RunLock", "check_output_dir", "prepare_output_dir", "holds_run"]
 
 #: What a run writes into its folder (and what ``run.overwrite`` removes).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "plots", "samples", "tensorboard", "wandb", "error.log",
@@ -86,23 +86,23 @@ def _write_marker(out: Path, recipe: str) -> None:
         os.replace(tmp, marker)
 
 
-def prepare_output_dir(run, dist, recipe: str = "run") -> tuple[Path, RunLock | None]:
-    """Create ``run.output_dir`` for a fresh run, a resume or an overwrite (``run`` is a RunConfig), lock it,
-    and return ``(folder, lock)`` (the lock: main process only; release it when the run ends).
-
-    Stale temporary files of killed checkpoint writers are removed.
+def check_output_dir(run) -> None:
+    """Refuse a ``run.output_dir`` the run could not claim, touching nothing: a run checks this before its model
+    loads and claims the folder (:func:`prepare_output_dir`) only once it can start, so a run that fails to start
+    (a mistyped model path, no GPU) leaves nothing behind that blocks the corrected command.
 
     Raises:
-        ConfigError: the folder is a file, cannot be created or written, holds a run nobody asked to resume
-            or overwrite, is an overwrite target flowrl did not create, or is locked by another run.
-        CheckpointError: ``run.resume`` with no checkpoint to resume from.
+        ConfigError / CheckpointError: as :func:`prepare_output_dir`, for the same causes it can see without writing.
     """
-    from flowrl.checkpoint import clean_stale_files
     from flowrl.config import ConfigError
 
     out = Path(run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError("run.output_dir", f"{out} is a file, not a folder; choose another run.output_dir")
+    existing = next(p for p in (out, *out.parents) if p.exists())  # the folder the run would be created in
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "Not a directory" if not existing.is_dir() else "Permission denied"
+        raise ConfigError("run.output_dir", f"cannot write to {out}: {why}; choose a writable run.output_dir")
     has_run = holds_run(out)
     if has_run and not run.resume and not run.overwrite:
         raise ConfigError("run.output_dir", f"{out} holds an earlier run; continue it with run.resume=true, start "
@@ -118,6 +118,25 @@ def prepare_output_dir(run, dist, recipe: str = "run") -> tuple[Path, RunLock | 
         if not checkpoints(out):  # say so before a model loads
             raise CheckpointError(f"run.resume=true but {out}/checkpoints holds no checkpoint; run without "
                                   "run.resume=true to start fresh")
+
+
+def prepare_output_dir(run, dist, recipe: str = "run") -> tuple[Path, RunLock | None]:
+    """Create ``run.output_dir`` for a fresh run, a resume or an overwrite (``run`` is a RunConfig), lock it,
+    and return ``(folder, lock)`` (the lock: main process only; release it when the run ends).
+
+    Stale temporary files of killed checkpoint writers are removed.
+
+    Raises:
+        ConfigError: the folder is a file, cannot be created or written, holds a run nobody asked to resume
+            or overwrite, is an overwrite target flowrl did not create, or is locked by another run.
+        CheckpointError: ``run.resume`` with no checkpoint to resume from.
+    """
+    from flowrl.checkpoint import clean_stale_files
+    from flowrl.config import ConfigError
+
+    out = Path(run.output_dir)
+    check_output_dir(run)
+    has_run = holds_run(out)
     dist.barrier()  # every process has looked before the main one changes anything
     lock, error = None, None
     if dist.is_main:

@@ -221,9 +221,9 @@ def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0,
 
 
 def prepare_run(run: RunConfig) -> Path:
-    """Create the output directory and apply the determinism settings. Returns the output directory."""
+    """Apply the process settings of ``run`` (determinism, threads, denormals, ``run.tf32``, the seed); returns the
+    output directory's path (created when the run claims it: :func:`flowrl.run_folder.prepare_output_dir`)."""
     output_dir = Path(run.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     if run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -231,6 +231,9 @@ def prepare_run(run: RunConfig) -> Path:
     if getattr(run, "threads", None):
         torch.set_num_threads(run.threads)
     torch.set_flush_denormal(run.flush_denormal)  # returns False (and does nothing) where the CPU cannot
+    # run.tf32: TF32 tensor cores for float32 matmuls and convolutions on CUDA; the CPU kernels never read these.
+    torch.backends.cuda.matmul.allow_tf32 = run.tf32
+    torch.backends.cudnn.allow_tf32 = run.tf32
     torch.manual_seed(run.seed)
     return output_dir
 

@@ -21,6 +21,8 @@ docs/security.md lists where each is used and how it is tested.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import io
 import json
 import os
@@ -40,7 +42,7 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_JSON_DEPTH = 64
 
 
-class UntrustedImageError(ValueError):
+class UntrustedImageError(FlowrlError, ValueError):
     """Bytes or a file that are not an image in one of the allowed formats."""
 
 

@@ -17,7 +17,7 @@ import torch
 from .base import RewardError
 
 __all__ = ["looks_like_path", "require_file", "require_dir", "load_errors", "load_state_dict_file",
-           "resolve_device", "resolve_dtype", "OFFLINE_HINT", "refuse_pickle_only"]
+           "resolve_device", "resolve_dtype", "auto_precision", "OFFLINE_HINT", "refuse_pickle_only"]
 
 OFFLINE_HINT = ("Without internet, download the files elsewhere and pass their local path, or pre-fill the "
                 "Hugging Face cache (HF_HOME) and set HF_HUB_OFFLINE=1 so hub look-ups fail fast.")
@@ -115,9 +115,28 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def auto_precision(device: torch.device) -> str:
+    """The ``"auto"`` precision of the CLIP-based rewards (pickscore, hpsv2, clip_score): ``"bf16"`` on a CUDA device,
+    ``"fp32"`` elsewhere (a CPU's bfloat16 is emulated or slow, and CPU scores are the recorded ones).
+
+    Half precision is what these models' authors run or trained them in: PickScore was trained under bf16 mixed
+    precision (its repository's ``trainer/conf/experiment/clip.yaml``: ``mixed_precision: BF16``, DeepSpeed's bf16
+    mode); HPSv2's own scoring (``score.py``, ``hpsv2.img_score``) runs under ``precision='amp'`` and
+    ``torch.cuda.amp.autocast()``; OpenAI's ``clip.load`` keeps CLIP's float16 weights on CUDA (float32 only on the
+    CPU). A ViT-H-14 in bf16 takes 2 GB instead of 4 GB per copy, and a run holds a training and an evaluation copy
+    on every GPU. Scores move by bf16 rounding (about 1e-3 of a cosine); pass ``dtype`` / ``precision`` explicitly
+    (``float32`` / ``fp32``) to reproduce float32 numbers, e.g. Flow-GRPO's PickScore, which it scores in float32.
+    """
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A torch dtype from a name (``"float32"``, ``"bf16"``, ...), a dtype, or ``"auto"`` (:func:`auto_precision` on
+    ``device``; the CPU when None)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        dtype = auto_precision(device if device is not None else torch.device("cpu"))
     if dtype not in _DTYPES:
-        raise RewardError(f"invalid dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
+        raise RewardError(f"invalid dtype {dtype!r}; valid: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

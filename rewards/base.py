@@ -12,6 +12,8 @@ composites, which hand videos on to their terms) sees the whole clips.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -25,7 +27,7 @@ __all__ = ["RewardOutput", "Reward", "RewardError", "checked_reward", "to_image_
 FRAME_REDUCTIONS = ("mean", "min")
 
 
-class RewardError(RuntimeError):
+class RewardError(FlowrlError, RuntimeError):
     """A reward cannot run (missing weights, bad input, unreachable server); the message says the fix."""
 
 

@@ -7,13 +7,17 @@ Score conventions (``convention=``):
 - ``"clipscore"``: ``2.5 * max(cos, 0)``, CLIP-S of Hessel et al. 2021 (zero gradient where cos < 0).
 
 ``details["clip_score/cosine"]`` always holds the raw cosine.
+
+Precision: ``precision="auto"`` (the default) runs the model in bfloat16 on CUDA and float32 elsewhere
+(:func:`rewards._loading.auto_precision`: OpenAI's own loader keeps CLIP in float16 on CUDA); ``precision="fp32"``
+gives float32 scores.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._loading import resolve_device
+from ._loading import auto_precision, resolve_device
 from ._open_clip import OpenClipReward, load_open_clip
 from .base import RewardError, RewardOutput
 
@@ -30,7 +34,7 @@ class ClipScore(OpenClipReward):
         pretrained: tag (``"openai"``) or checkpoint file; ignored for ``local-dir:``/``hf-hub:``.
         convention: ``"cosine"``, ``"x100"`` or ``"clipscore"`` (see the module docstring).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or ``"auto"``.
-        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        precision: ``"auto"`` (bf16 on CUDA, fp32 elsewhere), ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         batch_size: preferred batch size.
         cache_dir: where open_clip caches downloaded weights.
     """
@@ -38,12 +42,13 @@ class ClipScore(OpenClipReward):
     name = "clip_score"
 
     def __init__(self, model_name: str = "ViT-L-14", pretrained: str | None = "openai", convention: str = "cosine",
-                 device: str = "cpu", precision: str = "fp32", batch_size: int = 32, cache_dir: str | None = None):
+                 device: str = "cpu", precision: str = "auto", batch_size: int = 32, cache_dir: str | None = None):
         if convention not in _CONVENTIONS:
             raise RewardError(f"clip_score: convention must be one of {', '.join(_CONVENTIONS)}, got {convention!r}")
         self.convention = convention
         self.batch_size = int(batch_size)
         dev = resolve_device(device)
+        precision = auto_precision(dev) if precision == "auto" else precision
         fix = (f"Pass model_name=<open_clip architecture> and pretrained=<tag or path to the checkpoint "
                f"(open_clip_pytorch_model.bin / .safetensors)>, or model_name='local-dir:<folder with "
                f"open_clip_config.json and the weights>'.")

@@ -6,13 +6,17 @@ An open_clip ViT-H-14 whose weights are replaced by the HPS checkpoint (``HPS_v2
 (``hpsv2.img_score``): the cosine of the L2-normalised image and text features, *without* CLIP's
 logit scale, so typical values are 0.2-0.35. Unlike the reference, the ViT-H-14 architecture is built
 without first downloading the LAION weights that the checkpoint overwrites anyway.
+
+Precision: ``precision="auto"`` (the default) runs the model in bfloat16 on CUDA and float32 elsewhere
+(:func:`rewards._loading.auto_precision`: the reference scoring itself runs under half-precision autocast);
+``precision="fp32"`` gives float32 scores.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._loading import OFFLINE_HINT, load_errors, load_state_dict_file, looks_like_path, resolve_device
+from ._loading import OFFLINE_HINT, auto_precision, load_errors, load_state_dict_file, looks_like_path, resolve_device
 from ._open_clip import OpenClipReward, load_open_clip
 from .base import RewardError, RewardOutput
 
@@ -32,18 +36,20 @@ class HPSv2(OpenClipReward):
         model_name: open_clip architecture the checkpoint belongs to (``"ViT-H-14"``); tests pass a tiny
             ``local-dir:`` config here.
         local_files_only: with ``checkpoint=None``, only look in the hub cache (no network).
-        device, precision, batch_size, cache_dir: as for :class:`~rewards.clip_score.ClipScore`.
+        device, precision, batch_size, cache_dir: as for :class:`~rewards.clip_score.ClipScore` (``precision``
+            ``"auto"``: bf16 on CUDA, fp32 elsewhere).
     """
 
     name = "hpsv2"
 
     def __init__(self, checkpoint: str | None = None, version: str = "v2.1", model_name: str = "ViT-H-14",
-                 device: str = "cpu", precision: str = "fp32", batch_size: int = 32, cache_dir: str | None = None,
+                 device: str = "cpu", precision: str = "auto", batch_size: int = 32, cache_dir: str | None = None,
                  local_files_only: bool = False):
         if version not in HPS_FILES:
             raise RewardError(f"hpsv2: version must be one of {', '.join(HPS_FILES)}, got {version!r}")
         self.batch_size = int(batch_size)
         dev = resolve_device(device)
+        precision = auto_precision(dev) if precision == "auto" else precision
         filename = HPS_FILES[version]
         fix = (f"Download {filename} (hub repo {HPS_REPO}) and pass checkpoint=/path/to/{filename}.")
         if checkpoint is None:

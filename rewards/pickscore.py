@@ -6,6 +6,10 @@ each a local folder or a hub id (defaults ``yuvalkirstain/PickScore_v1`` and
 ``logit_scale.exp() * cos(image, text)`` (about 18-23 for real images; ``logit_scale.exp()`` is 100 for
 the released model). The processor supplies the tokenizer and the image geometry/normalisation; the
 image preprocessing itself runs in torch on the tensor so the score is differentiable.
+
+Precision: ``dtype="auto"`` (the default) runs the model in bfloat16 on CUDA and float32 elsewhere
+(:func:`rewards._loading.auto_precision`: PickScore was trained under bf16 mixed precision); ``dtype="float32"``
+reproduces the reference code's float32 scores (the model card's snippet and Flow-GRPO score in float32).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class PickScore(Reward):
         model: local folder (``config.json`` + ``model.safetensors``) or hub id of the CLIPModel.
         processor: local folder or hub id of the CLIPProcessor (tokenizer + image processor files).
         device: ``"cpu"``, ``"cuda"``, ... or ``"auto"``.
-        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere; see the module docstring), ``"float32"``,
+            ``"float16"`` or ``"bfloat16"``.
         batch_size: preferred batch size.
         local_files_only: never contact the hub (use the local cache only).
     """
@@ -52,12 +57,12 @@ class PickScore(Reward):
     differentiable = True
 
     def __init__(self, model: str = PICKSCORE_MODEL, processor: str = PICKSCORE_PROCESSOR, device: str = "cpu",
-                 dtype: str = "float32", batch_size: int = 32, local_files_only: bool = False):
+                 dtype: str = "auto", batch_size: int = 32, local_files_only: bool = False):
         from transformers import CLIPModel, CLIPProcessor
 
         self.batch_size = int(batch_size)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, self.device)
         fix = (f"Pass model=<folder with config.json and model.safetensors of {PICKSCORE_MODEL}> and "
                f"processor=<folder with the tokenizer and preprocessor files of {PICKSCORE_PROCESSOR}>.")
         for value, what in ((model, "PickScore model"), (processor, "CLIP processor")):

@@ -44,6 +44,8 @@ server's log, never to the client). The server keeps serving after every error.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import asyncio
 import hmac
 import ipaddress
@@ -80,7 +82,7 @@ BODY_FACTOR = 3  # body bytes + the decoded JSON text + the base64-decoded PNGs
 log = logging.getLogger("flowrl.reward_server")
 
 
-class ServerConfigError(ValueError):
+class ServerConfigError(FlowrlError, ValueError):
     """The server cannot start with these settings (the message says the fix)."""
 
 

@@ -45,9 +45,10 @@ between their centres along the asked axis (positive in the asked direction). A 
 1; one that fails earns credit for moving the objects the right way, which a 0/1 relation never pays.
 
 **Touching objects merge.** Two objects of one colour that touch form one connected blob and are detected as one
-object (of whichever shape the blob's cumulants say): on rendered counting scenes whose objects touch, the detector
-scores 0.75 of the constraints. The world's renders keep a 2 px gap (:func:`flowrl.data.shapes.scene_for_prompt`);
-a policy that draws touching duplicates is under-counted, never paid for them.
+object (of whichever shape the blob's cumulants say). Measured 2026-12-07 on 300 rendered, correct counting scenes of
+the eval split whose closest two bounding boxes are less than 1 px apart: 0.497 judged strict-correct, against 1.000
+for 300 with the world's gap of at least 2 px (:func:`flowrl.data.shapes.scene_for_prompt`). A policy that draws
+touching objects is under-counted, never paid for it.
 
 Detection (no learned model): every pixel is explained as a blend ``bg + alpha (c - bg)`` of the white
 background and the palette colour ``c`` that fits it best; pixels with ``alpha > 0.5`` form connected

@@ -12,11 +12,11 @@ Public API:
 * the uniform step interface: ``STEPS``, ``get_step``, ``make_step``, ``noise_kwargs``, ``Step``, ``UnknownStepError``
 * guidance: ``classifier_free_guidance``
 * rollout: ``Window``, ``train_mask``, ``window_start``, ``Trajectory``, ``rollout``, ``ode_complete``
-* per-sample noise: ``make_sample_seeds``, ``initial_noise``, ``step_noise``, ``derive_seed``
+* per-sample noise: ``make_sample_seeds``, ``initial_noise``, ``step_noise``, ``steps_noise``, ``derive_seed``
 """
 
 from .guidance import classifier_free_guidance, concat_cond, expand_cond, select_cond
-from .noise import derive_seed, initial_noise, make_sample_seeds, sample_generators, step_noise
+from .noise import derive_seed, initial_noise, make_sample_seeds, sample_generators, step_noise, steps_noise
 from .rollout import (
     WINDOW_MODES,
     Trajectory,
@@ -65,6 +65,7 @@ __all__ = [
     "make_sample_seeds",
     "sample_generators",
     "step_noise",
+    "steps_noise",
     "WINDOW_MODES",
     "Trajectory",
     "Window",

@@ -105,7 +105,11 @@ def classifier_free_guidance(velocity_fn: VelocityFn, uncond: Any, scale: float 
         model's output unchanged.
     """
     per_sample = isinstance(scale, torch.Tensor) and scale.ndim > 0
-    if not per_sample and float(scale) == 1.0:
+    # One weight for the batch is a Python float, read once here: ``v_u + w (v_c - v_u)`` with a float needs no
+    # tensor for ``w``, where a 0-d tensor built per call on the device would be a host-to-device copy per model
+    # call (per denoising step). The float is rounded to float32 in the product just as the 0-d float32 tensor was.
+    weight = None if per_sample else float(scale)
+    if not per_sample and weight == 1.0:
 
         def conditional_only(x: torch.Tensor, sigma: torch.Tensor, cond: Any) -> torch.Tensor:
             return velocity_fn(x, sigma, cond)
@@ -127,9 +131,9 @@ def classifier_free_guidance(velocity_fn: VelocityFn, uncond: Any, scale: float 
         v_u, v_c = v.float().chunk(2, dim=0)
         if detach_uncond:
             v_u = v_u.detach()
-        w = torch.as_tensor(scale, dtype=torch.float32, device=v.device)
-        if w.ndim == 1:
-            w = w.reshape((b,) + (1,) * (v_c.ndim - 1))
+        if weight is not None:
+            return v_u + weight * (v_c - v_u)
+        w = scale.to(device=v.device, dtype=torch.float32).reshape((b,) + (1,) * (v_c.ndim - 1))
         return v_u + w * (v_c - v_u)
 
     return guided

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["derive_seed", "make_sample_seeds", "initial_noise", "step_noise", "sample_generators"]
+__all__ = ["derive_seed", "make_sample_seeds", "initial_noise", "step_noise", "steps_noise", "sample_generators"]
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -122,3 +122,36 @@ def step_noise(
         ``[B, *shape]``; row ``b`` depends only on ``(sample_seeds[b], step_index)``.
     """
     return _draw(shape, sample_generators(sample_seeds, STREAM_STEP, int(step_index)), device, dtype)
+
+
+def steps_noise(
+    shape: Sequence[int],
+    sample_seeds: torch.Tensor | Sequence[int],
+    step_indices: Sequence[int],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The SDE noise of several steps at once: ``steps_noise(...)[k]`` equals ``step_noise(..., step_indices[k])``
+    bit for bit.
+
+    A rollout draws the noise of all its stochastic steps before the first one and moves it to the device in one
+    copy: drawn step by step (on the CPU, see the module docstring), every step would wait for its own blocking
+    host-to-device copy. Costs ``K`` times one step's noise of device memory.
+
+    Args:
+        shape: the shape of ONE sample, without the batch dimension.
+        sample_seeds: int64 ``[B]``.
+        step_indices: ``K`` step positions in the schedule (0-based).
+        device, dtype: as in ``initial_noise``.
+
+    Returns:
+        ``[K, B, *shape]``; ``[k, b]`` depends only on ``(sample_seeds[b], step_indices[k])``.
+    """
+    shape = tuple(int(d) for d in shape)
+    seeds = _seed_list(sample_seeds)
+    out = torch.empty((len(step_indices), len(seeds)) + shape, dtype=torch.float32)
+    for k, step_index in enumerate(step_indices):
+        # The same generators and the same contiguous [*shape] rows as step_noise, hence the same numbers.
+        for row, gen in zip(out[k], sample_generators(seeds, STREAM_STEP, int(step_index))):
+            row.normal_(generator=gen)
+    return out.to(device=device, dtype=dtype)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .guidance import cond_batch_size, select_cond
-from .noise import STREAM_WINDOW, derive_seed, make_sample_seeds, step_noise
+from .noise import STREAM_WINDOW, derive_seed, make_sample_seeds, steps_noise
 from .steps import Step, StepOutput, euler_step, make_step
 
 __all__ = [
@@ -343,9 +343,11 @@ def rollout(
         iteration: training iteration (epoch), for ``random`` / ``sliding`` windows and default seeds.
         seed: run seed, for ``random`` windows and default seeds.
         sample_seeds: int64 ``[B]`` per-sample seeds; the SDE noise of sample ``b`` at step ``t`` is
-            ``step_noise(S, sample_seeds[b], t)``. Without them and without ``generator`` they default
+            ``step_noise(S, sample_seeds[b], t)`` (drawn for every SDE step before the first one, and moved to
+            the device in one copy: ``steps_noise``). Without them and without ``generator`` they default
             to ``make_sample_seeds(seed, iteration, range(B))`` (then rows depend on their batch position).
-        generator: alternatively, one generator for the whole batch (noise then depends on the batch).
+        generator: alternatively, one generator for the whole batch (noise then depends on the batch). It draws
+            step by step on its own device: a CPU generator for a GPU rollout costs one copy per SDE step.
         store_x0: also record ``x0_preds`` ``[B, T, *S]`` (``x - sigma v``; for dense credit).
         store_means: also record the transition ``means`` ``[B, T, *S]``.
         deterministic_last_step: keep the final step (to ``sigma = 0``) an untrained Euler step.
@@ -391,8 +393,16 @@ def rollout(
     elif generator is None:
         sample_seeds = make_sample_seeds(seed, iteration, range(B))
 
+    # Everything a step needs from the host is moved to the device here, once per rollout: on a GPU a step then
+    # queues its kernels without waiting for a host-to-device copy. The schedule goes over in one copy (the
+    # model's per-row sigma is a view of it); the step's own constants are Python floats (Step._lookup); the
+    # noise of every SDE step is drawn now, on the CPU as always (so the numbers are the same), and copied once.
     sig_dev = sig.to(device)
     mask_list = mask.tolist()
+    sde_steps = [t for t in range(T) if mask_list[t]]
+    noise_of = {t: k for k, t in enumerate(sde_steps)}
+    window_noise = (steps_noise(sample_shape, sample_seeds, sde_steps, device=device)
+                    if sample_seeds is not None and sde_steps else None)  # [K, B, *S]
     x0_state = x_init.detach().to(torch.float32) if not enable_grad else x_init.to(torch.float32)
     # Preallocated [B, T + 1, *S]: each new state is copied in while it is still in cache (cheaper than
     # one big stack at the end); the loop keeps stepping on the contiguous state itself.
@@ -414,9 +424,7 @@ def rollout(
             if v.shape != x.shape:
                 raise ValueError(f"velocity_fn returned shape {tuple(v.shape)} for a state of shape {tuple(x.shape)}")
             if mask_list[t]:
-                noise = (
-                    step_noise(sample_shape, sample_seeds, t, device=device) if sample_seeds is not None else None
-                )
+                noise = window_noise[noise_of[t]] if window_noise is not None else None
                 out = step_obj(v, x, t, noise=noise, generator=generator if noise is None else None)
                 log_probs[:, t] = out.log_prob
                 stds[:, t] = out.std.reshape(B)

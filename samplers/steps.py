@@ -8,7 +8,9 @@ std)``. Conventions shared by all functions in this module:
   dtype (bf16 model outputs included); every returned tensor is float32. The caller casts ``x_next``
   back to the model dtype if it wants to.
 * **Times** ``sigma`` / ``sigma_next`` (and noise scales) are Python floats, 0-d tensors or ``[B]``
-  tensors (one value per row, so rows at different steps can share a call).
+  tensors (one value per row, so rows at different steps can share a call). Floats cost no host/device
+  traffic (they are filled in on ``x``'s device), which is why ``Step`` passes its schedule's constants as
+  floats: a step on a GPU then never waits for a host-to-device copy.
 * **Randomness** only from ``noise=`` (a standard-normal tensor shaped like ``x``) or ``generator=``;
   never from the global RNG. Passing ``x_next=`` scores that stored transition instead of sampling:
   the mean is recomputed from ``(v, x)`` and ``log_prob = log N(x_next; mean, std^2)``. Sampling
@@ -84,9 +86,15 @@ def _per_row(value: Number, x: torch.Tensor, name: str) -> torch.Tensor:
 
     Every coefficient is materialised at the batch size before any arithmetic, so a row's numbers do
     not depend on whether its time came as a float (rollout) or as a ``[B]`` tensor (training).
+
+    A Python number is filled in on the device (``torch.full``): ``torch.as_tensor(float, device=gpu)`` would
+    build it on the host and copy it over, a blocking host-to-device copy per call (three per denoising step).
+    Both round the number to float32 the same way, so the values are identical.
     """
-    t = torch.as_tensor(value, dtype=torch.float32, device=x.device)
     b = x.shape[0]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.full((b,) + (1,) * (x.ndim - 1), float(value), dtype=torch.float32, device=x.device)
+    t = torch.as_tensor(value, dtype=torch.float32, device=x.device)
     if t.ndim == 0:
         t = t.expand(b)
     elif t.ndim == 1 and t.shape[0] in (1, b):
@@ -145,7 +153,10 @@ def gaussian_log_prob(
     x_next, mean = _f32(x_next), _f32(mean)
     if x_next.shape != mean.shape:
         raise ValueError(f"x_next and mean must have the same shape, got {tuple(x_next.shape)} and {tuple(mean.shape)}")
-    std = _f32(torch.as_tensor(std, device=mean.device))
+    if isinstance(std, torch.Tensor):
+        std = _f32(std.to(mean.device))
+    else:  # filled in on the device: no host-to-device copy (see _per_row)
+        std = torch.full((), float(std), dtype=torch.float32, device=mean.device)
     b = mean.shape[0]
     d = mean[0].numel() if mean.ndim > 0 else 1
     diff = x_next - mean
@@ -635,14 +646,20 @@ class Step:
     def stochastic(self) -> bool:
         return self.spec.stochastic
 
-    def _lookup(self, table: torch.Tensor, index, x: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, table: torch.Tensor, index, x: torch.Tensor) -> float | torch.Tensor:
+        """``table[index]``: a Python float for an int index, a ``[B]`` tensor on ``x``'s device for a tensor index.
+
+        The tables live on the CPU. An int index (rollout, and the training pass of one step) reads a constant of
+        the schedule as a float, which the kernels fill in on the device (``_per_row``): no host-to-device copy
+        per step, where a 0-d CPU tensor moved to the device would be one blocking copy per lookup. The float
+        holds the float32 table value exactly, so the step's numbers are the same either way.
+        """
         if isinstance(index, torch.Tensor):
             idx = index.to(device=table.device, dtype=torch.long)
             if idx.ndim > 1:
                 raise ValueError(f"index must be an int or a [B] tensor, got shape {tuple(idx.shape)}")
-        else:
-            idx = int(index)
-        return table[idx].to(x.device)
+            return table[idx].to(x.device)
+        return float(table[int(index)])
 
     def _check_index(self, index) -> None:
         lo, hi = (int(index.min()), int(index.max())) if isinstance(index, torch.Tensor) else (int(index), int(index))

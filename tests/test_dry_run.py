@@ -100,3 +100,110 @@ def test_the_command_line_and_a_bad_config(tmp_path, capsys):
     assert "128 samples per epoch (16 prompts x 8), 4 denoising steps" in out
     assert main(["configs/shapes/flow_grpo.yaml", "--dry-run", "sampling.group_sise=4"]) == 2
     assert "config error: sampling.group_sise: unknown key" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- the memory estimate
+
+GIB = 2 ** 30
+
+
+def _model(**fields):
+    from flowrl.models.config import LoraConfig, ModelConfig
+
+    lora = fields.pop("lora", None)
+    return ModelConfig(name="flux", path="black-forest-labs/FLUX.1-dev", dtype=fields.pop("dtype", "bfloat16"),
+                       lora=LoraConfig(rank=lora) if lora else None, **fields)
+
+
+def _footprint(trainable: int):
+    from flowrl.models.footprint import Footprint
+
+    # round numbers: 1e9 transformer, 0.1e9 + 4e9 text encoders, 0.1e9 VAE
+    return Footprint("test", {"transformer": 10 ** 9, "vae": 10 ** 8, "text_encoder (CLIP-L)": 10 ** 8,
+                              "text_encoder_2 (T5)": 4 * 10 ** 9}, trainable)
+
+
+def test_memory_estimate_full_finetune_accounting():
+    from flowrl.models.footprint import memory_estimate
+
+    fp = _footprint(10 ** 9)
+    est = memory_estimate(_model(), fp, micro_batch=1, guidance=False, ema=True, reference=True, snapshots=2,
+                          rewards=3 * 10 ** 9)
+    # float32 master weights (4 B) + the float32 VAE; the text encoders offloaded (model.offload_text_encoders)
+    assert est["weights"] == pytest.approx((4e9 + 4e8) / GIB)
+    assert est["training state"] == pytest.approx(12e9 / GIB)  # float32 gradients and AdamW's two moments
+    assert est["reference copy"] == pytest.approx(2e9 / GIB)  # the denoiser in bfloat16
+    assert est["EMA"] == pytest.approx(4e9 / GIB) and est["snapshots"] == pytest.approx(8e9 / GIB)
+    assert est["rewards"] == pytest.approx(3e9 / GIB)
+    # no activation estimate here: the lent text encoders (4.1e9 x 2 B) set the peak beside the resident parts
+    assert est["text encoders lent to encode"] == pytest.approx(8.2e9 / GIB)
+    assert est["total"] == pytest.approx((4.4e9 + 12e9 + 2e9 + 4e9 + 8e9 + 3e9 + 8.2e9) / GIB)
+    lean = memory_estimate(_model(offload_text_encoders=False), fp, micro_batch=1, guidance=False, ema=False,
+                           reference=False)
+    assert not {"reference copy", "EMA", "snapshots", "rewards", "text encoders lent to encode"} & set(lean)
+    assert lean["weights"] == pytest.approx((4e9 + 4e8 + 8.2e9) / GIB)  # the text encoders resident, in bf16
+    assert lean["total"] == pytest.approx((12.6e9 + 12e9) / GIB)
+
+
+def test_memory_estimate_lora_accounting():
+    from flowrl.models.footprint import memory_estimate
+
+    est = memory_estimate(_model(lora=8), _footprint(10 ** 7), micro_batch=1, guidance=False, ema=True,
+                          reference=True, snapshots=1)
+    assert est["weights"] == pytest.approx((2e9 + 4e8) / GIB)  # the base in bfloat16
+    assert est["training state"] == pytest.approx(16e7 / GIB)  # float32 LoRA weights, gradients, two moments
+    assert "reference copy" not in est  # adapters off: no copy whatever the run uses
+    assert est["EMA"] == pytest.approx(4e7 / GIB) and est["snapshots"] == pytest.approx(4e7 / GIB)
+
+
+def test_reward_memory_counts_each_built_copy_at_its_precision():
+    from rewards.config import RewardConfig
+
+    from flowrl.models.footprint import REWARD_PARAMS, reward_memory
+
+    h, l = REWARD_PARAMS["pickscore"], REWARD_PARAMS["clip_score"]
+    cfg = RewardConfig(train={"pickscore": 1.0, "clip_score": {"weight": 0.5, "kwargs": {"precision": "fp32"}},
+                              "jpeg_incompressibility": 0.1},
+                       eval=["pickscore", "jpeg_incompressibility"], heldout=["hpsv2"])
+    assert reward_memory(cfg) == {"pickscore (train, bf16)": 2 * h, "clip_score (train, fp32)": 4 * l,
+                                  "pickscore (eval, bf16)": 2 * h, "hpsv2 (held out, bf16)": 2 * h}
+    on_cpu = RewardConfig(train={"pickscore": {"kwargs": {"device": "cpu"}}}, eval=[])
+    assert reward_memory(on_cpu) == {}
+
+
+def _sd3_memory(objective, *overrides):
+    from flowrl.dryrun import _memory
+    from flowrl.models.footprint import footprint, memory_estimate
+    from flowrl.train import load_recipe_config
+
+    _, cfg = load_recipe_config(str(ROOT / "configs/sd3/flow_grpo_pickscore.yaml"), list(overrides))
+    return cfg, footprint(cfg.model), _memory(cfg, objective)
+
+
+def test_the_report_counts_the_reference_only_when_used():
+    off = ("model.lora=null", "train.kl_coef=0", "eval.hacking.enabled=false", "eval.grid_size=0")
+    cfg, fp, lines = _sd3_memory(False, *off)
+    report = "\n".join(lines)
+    assert "reference copy" not in lines[1] and "keeps no reference copy" in report
+    assert "trains float32 master weights" in report
+    assert "text encoders offloaded to the CPU" in report
+    assert "pickscore (train, bf16) 1.9 GiB, pickscore (eval, bf16) 1.9 GiB" in report  # 986M x 2 B, each copy
+    _, _, used = _sd3_memory(True, *off[:1], "train.kl_coef=0.01", *off[2:])
+    from flowrl.models.footprint import format_gib
+
+    copy = format_gib(fp.params["transformer"] * 2 / GIB)  # SD3.5-medium's transformer in bfloat16
+    assert f"reference copy {copy}" in used[1] and "for: the objective" in "\n".join(used)
+    _, _, evaluated = _sd3_memory(False, *off[:2])  # the hacking panel and grid (defaults) draw the base model
+    assert f"reference copy {copy}" in evaluated[1] and "eval.hacking" in "\n".join(evaluated)
+    _, _, lora = _sd3_memory(True)  # the shipped LoRA config: the reference is the adapters off
+    assert "reference copy" not in "\n".join(lora)
+
+
+def test_the_dry_run_reads_the_recipes_declaration(tmp_path):
+    """Through the whole dry run: the recipe's ``OnlineLoop(reference=...)`` of the tiny epoch sizes the real run."""
+    result, report = dry(ROOT / "configs/sd3/flow_grpo_pickscore.yaml", tmp_path, "model.lora=null", "train.kl_coef=0",
+                         "eval.hacking.enabled=false", "eval.grid_size=0")
+    assert result["exit_code"] == 0, report
+    (estimate,) = [line for line in report.splitlines() if "memory per GPU" in line]
+    assert "reference copy" not in estimate and "full fine-tuning keeps no reference copy" in report
+    assert "training state" in estimate and "rewards" in estimate and "text encoders lent to encode" in estimate

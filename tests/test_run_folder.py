@@ -183,3 +183,41 @@ def test_after_a_failure_the_other_processes_wait_for_the_main_process_checkpoin
     with pytest.raises(CheckpointError, match=r"cannot save the sharded \(fsdp\) state"):
         run.save_alone({"epoch": 5}, timeout_s=30)
     assert time.monotonic() - start < 5
+
+
+def test_a_start_that_fails_leaves_nothing_that_blocks_the_corrected_command(tiny_shapes_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Before 2026-12-07 a run locked its folder and wrote config.yaml before the model loaded: a mistyped model path
+    (a VLM's was even a traceback) left a folder that refused the corrected command ("holds an earlier run")."""
+    from flowrl.policies.shapes_vlm import ShapesVLMConfig, build_model
+    from flowrl.train import main
+
+    out = tmp_path / "run"
+    vlm = [str(ROOT / "configs/vlm/shapes_vqa_grpo.yaml"), f"run.output_dir={out}", "run.max_epochs=0",
+           "eval.at_start=false"]
+    assert main(vlm + [f"model.path={tmp_path / 'typo'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowrl train: error: no model at ") and "Traceback" not in err
+    assert not out.exists()
+    folder = tmp_path / "vlm"
+    model, processor = build_model(ShapesVLMConfig(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64,
+                                                   vision_width=32, vision_layers=1, vision_heads=2), seed=0)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    assert main(vlm + [f"model.path={folder}"]) == 0  # the corrected command runs in the same folder
+    assert (out / "config.yaml").is_file()
+
+    # A real-size model that would train on the CPU by accident: one line, nothing left; run.device=cpu runs it.
+    import flowrl.hardware
+
+    monkeypatch.setattr(flowrl.hardware, "REAL_SIZE_PARAMETERS", 1000)  # the tiny SD3 counts as real-size
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+
+    sd3 = tmp_path / "sd3_run"
+    args = [str(ROOT / "configs/sd3/tiny.yaml"), f"model.path={build_tiny('sd3')}", f"run.output_dir={sd3}",
+            f"model.resolution={TINY_RESOLUTION}", f"model.max_sequence_length={TINY_MAX_SEQUENCE_LENGTH}",
+            "run.max_epochs=0", "eval.at_start=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "would train on the CPU" in err and "set run.device=cpu" in err and not sd3.exists()
+    assert main(args + ["run.device=cpu"]) == 0

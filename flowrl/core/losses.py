@@ -272,10 +272,30 @@ POLICY_LOSSES.register("clipped", clipped_policy_loss)
 # exact: ||mean - old_mean||^2 / (2 std^2) (gaussian_kl). One row is one (sample, step) pair.
 
 
+def _positive(x: Tensor, message: str) -> Tensor:
+    """``x``, checked to be > 0 everywhere.
+
+    On the CPU a non-positive entry raises ``ValueError(message)``. On an accelerator the check would be a blocking
+    device-to-host read per call (per training pass), so it is made on the device instead: non-positive entries
+    become NaN, the loss is NaN, and the guarded optimizer step (:func:`flowrl.updates.optimizer_step`) skips
+    the update and counts it. Positive entries are returned unchanged.
+    """
+    if x.device.type == "cpu":
+        if not bool((x > 0).all()):
+            raise ValueError(message)
+        return x
+    return torch.where(x > 0, x, torch.full_like(x, float("nan")))
+
+
 def _per_row_value(name: str, value: float | Tensor, logp: Tensor) -> Tensor:
     """A float or one value per row (``[B]`` or ``[B, 1, ...]``) as ``[B]`` in ``logp``'s working dtype."""
     batch = logp.shape[0]
-    x = torch.as_tensor(value, device=logp.device).to(torch.promote_types(logp.dtype, torch.float32))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # Filled in on the device (no host-to-device copy); torch.full infers the dtype as as_tensor does.
+        x = torch.full((), value, device=logp.device)
+    else:
+        x = torch.as_tensor(value, device=logp.device)
+    x = x.to(torch.promote_types(logp.dtype, torch.float32))
     if x.numel() == 1:
         return x.reshape(1).expand(batch)
     if x.numel() == batch and all(n == 1 for n in x.shape[1:]):
@@ -294,9 +314,8 @@ def _step_rows(logp: Tensor, old_logp: Tensor, advantages: Tensor, mean: Tensor,
     if mean.ndim < 1 or mean.shape[0] != logp.shape[0]:
         raise ValueError(f"mean must have shape [B, ...] with B = {logp.shape[0]}; received {list(mean.shape)}")
     dtype = torch.promote_types(logp.dtype, torch.float32)
-    s = _per_row_value("std", std, logp)
-    if not bool((s > 0).all()):
-        raise ValueError("std must be > 0: these losses need a stochastic step (an ODE step has no policy ratio)")
+    s = _positive(_per_row_value("std", std, logp),
+                  "std must be > 0: these losses need a stochastic step (an ODE step has no policy ratio)")
     return (logp.to(dtype), old_logp.detach().to(dtype), advantages.detach().to(dtype), mean.to(dtype),
             old_mean.detach().to(dtype), s)
 
@@ -338,6 +357,7 @@ def ratio_norm_policy_loss(
         old_mean: ``[B, ...]`` the sampling policy's transition mean (recorded at rollout).
         std: the transition's per-element std: a float or one value per row (``[B]`` or ``[B, 1, ...]``), > 0.
         dt: the step length ``sigma_t - sigma_{t+1}`` (its sign is ignored): a float or ``[B]``, != 0.
+            (Both checked on the CPU; on an accelerator a violation makes the loss NaN instead, see ``_positive``.)
         clip_range / clip_range_high / dual_clip: as :func:`clipped_policy_loss`, applied to the normalised ratio.
         reduction: the reduction of the log-probs (``mean``: divided by ``D``, Flow-GRPO's and GRPO-Guard's;
             ``sum``), used for ``kl`` too.
@@ -349,9 +369,8 @@ def ratio_norm_policy_loss(
     _check_choice("reduction", reduction, ("mean", "sum"))
     clip_range_high = _check_clip_ranges(clip_range, clip_range_high, dual_clip)
     logp, old_logp, adv, mean, old_mean, s = _step_rows(logp, old_logp, advantages, mean, old_mean, std)
-    step = _per_row_value("dt", dt, logp).abs()
-    if not bool((step > 0).all()):
-        raise ValueError("dt must be non-zero (the step length sigma_t - sigma_{t+1})")
+    step = _positive(_per_row_value("dt", dt, logp).abs(),
+                     "dt must be non-zero (the step length sigma_t - sigma_{t+1})")
     bias = gaussian_kl(mean, old_mean, s, reduction=reduction)  # the ratio's mean bias: KL(old || new)
     raw = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = ((logp - old_logp + bias) * s).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -405,6 +424,8 @@ def dppo_policy_loss(
     drop = (kl >= threshold) & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0)))
     # where, not a product: an overflowing ratio times a zero mask would be NaN.
     loss = torch.where(drop, torch.zeros_like(ratio), -adv * ratio).mean()
+    if s.device.type != "cpu":  # std enters only the mask: a NaN-marked std (see _positive) must still show
+        loss = torch.where(torch.isnan(s).any(), torch.full_like(loss, float("nan")), loss)
     with torch.no_grad():
         approx_kl = (torch.expm1(log_ratio) - log_ratio).mean()
         return LossOutput(loss, ratio.mean(), drop.to(logp.dtype).mean(), approx_kl)
@@ -465,7 +486,8 @@ def gaussian_kl(mean: Tensor, mean_ref: Tensor, std: float | Tensor, *, reductio
         mean: ``[B, ...]`` mean of the policy's transition.
         mean_ref: same shape, mean of the reference's transition at the same state.
         std: the shared per-element std: a float, a ``[B]`` tensor (one std per sample, broadcast over
-            the other dims), or a tensor broadcastable to ``mean``. Must be > 0.
+            the other dims), or a tensor broadcastable to ``mean``. Must be > 0 (checked on the CPU; on an
+            accelerator a non-positive std gives a NaN KL instead of an error, see ``_positive``).
         reduction: ``"mean"`` (default) or ``"sum"`` over the non-batch elements.
 
     Returns:
@@ -488,8 +510,7 @@ def gaussian_kl(mean: Tensor, mean_ref: Tensor, std: float | Tensor, *, reductio
                 f"std must be a float, a [B] = [{mean.shape[0]}] tensor or broadcastable to mean "
                 f"{list(mean.shape)}; received shape {list(std.shape)}"
             )
-        if bool((std <= 0).any()):
-            raise ValueError("std must be > 0 everywhere; received a tensor with non-positive entries")
+        std = _positive(std, "std must be > 0 everywhere; received a tensor with non-positive entries")
     else:
         _check_positive("std", std)
     per_elem = (mean - mean_ref) ** 2 / (2.0 * std**2)

@@ -125,8 +125,10 @@ class PromptGroups:
 
     def _choose(self, generator: torch.Generator) -> torch.Tensor:
         """``[groups]`` prompt indices of one epoch."""
+        if self.kind_weights == "uniform" or len(self.kinds) == 1:  # every prompt alike, whatever its kind
+            return self._within(len(self.prompts), self.groups, generator)
         drawn = [kind for kind in self.kinds if self.weights[kind] > 0]
-        if len(drawn) == 1:  # one kind (or none named): every prompt alike
+        if len(drawn) == 1:
             members = self._members[drawn[0]]
             return members[self._within(len(members), self.groups, generator)]
         expected = torch.tensor([self.groups * self.weights[kind] for kind in drawn], dtype=torch.float64)
@@ -157,10 +159,9 @@ class PromptGroups:
     def observe(self, epoch: int, rewards: torch.Tensor) -> dict[str, float]:
         """Update the ``mixed`` weights from ``epoch``'s rewards ``[groups * group_size]`` (all processes' samples in
         global order; NaN where a reward failed) and return ``data/weight/<kind>`` and ``data/mixed/<kind>`` for the
-        log (the weights the *next* epoch draws with). A no-op returning the weights for the other modes."""
-        out = {f"data/weight/{kind}": w for kind, w in self.weights.items() if kind}
+        log (the weights the *next* epoch draws with). A no-op for the other modes (their weights never change)."""
         if self.kind_weights != "mixed" or len(self.kinds) < 2:
-            return out
+            return {}
         rows = rewards.detach().float().cpu().reshape(self.groups, self.group_size)
         by_kind: dict[str, list[float]] = {}
         for kind, group in zip(self.group_kinds(epoch), rows):

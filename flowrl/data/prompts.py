@@ -5,6 +5,8 @@ directory of ``edits-*.tar`` or a ``.tar`` path / brace pattern; the source imag
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 __all__ = ["PromptSet", "PromptSetError", "load_prompts", "is_edit_source"]
 
 
-class PromptSetError(ValueError):
+class PromptSetError(FlowrlError, ValueError):
     """A prompt file is missing, empty or malformed; the message names the file and line."""
 
 

@@ -22,6 +22,8 @@ both splits (the eval table reports them separately, so nothing is hidden).
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import hashlib
 import json
 import math
@@ -62,7 +64,7 @@ TASK_KINDS = ("single_object", "two_object", "counting", "colors", "position", "
 EVAL_FRACTION = 0.25
 
 
-class PromptParseError(ValueError):
+class PromptParseError(FlowrlError, ValueError):
     """A prompt is outside the shapes grammar; the message shows the grammar's forms."""
 
 

@@ -25,6 +25,8 @@ metadata JSON is read with bounded nesting (:mod:`flowrl.untrusted`).
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import glob
 import io
 import json
@@ -46,7 +48,7 @@ __all__ = ["ShardError", "SHARD_PATTERN", "shard_paths", "iter_raw_samples", "it
 SHARD_PATTERN = "shapes-{split}-%06d.tar"
 
 
-class ShardError(ValueError):
+class ShardError(FlowrlError, ValueError):
     """Shards cannot be found or read; the message names the path and what was expected."""
 
 

@@ -298,12 +298,9 @@ def _run(argv: list[str]) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    # Imported only once an error happened: `--help` and flag mistakes must not wait for torch.
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.config import ConfigError
-    from flowrl.models.base import ModelLoadError
+    from flowrl.errors import FlowrlError
 
-    return (ModelLoadError, CheckpointError, ConfigError, OSError)  # OSError: e.g. the port is taken
+    return (FlowrlError, OSError)  # OSError: e.g. the port is taken
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as err:
-        if not isinstance(err, UsageError) and not isinstance(err, _user_errors()):
+        if not isinstance(err, _user_errors()):
             raise
         print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -14,13 +14,9 @@ log = logging.getLogger("flowrl.demo")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.config import ConfigError
-    from flowrl.data.shapes import PromptParseError
-    from flowrl.models.base import ModelLoadError
-    from rewards import RewardError
+    from flowrl.errors import FlowrlError
 
-    return (DemoInputError, ModelLoadError, RewardError, CheckpointError, ConfigError, PromptParseError)
+    return (FlowrlError,)
 
 
 def one_line(err: BaseException) -> str:

@@ -8,6 +8,8 @@ what was given and what is allowed; the UI shows it with ``gr.Error``.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import math
 import re
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ __all__ = ["DemoInputError", "Limits", "SAMPLERS", "parse_prompt_list", "parse_s
 SAMPLERS = ("ode", "flow_sde", "dance_sde", "cps")
 
 
-class DemoInputError(ValueError):
+class DemoInputError(FlowrlError, ValueError):
     """A bad input to the demo; the message is one line that says what is allowed."""
 
 

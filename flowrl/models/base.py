@@ -10,7 +10,10 @@ shapes model, Stable Diffusion 3 and FLUX.1. An adapter
   (sigma = 1 noise, sigma = 0 data), converting from the backbone's own convention;
 - decodes latents to images ``[B, 3, H, W]`` in [0, 1];
 - owns the trainable parameters (full fine-tuning or LoRA through peft) and a reference context
-  (LoRA adapters off, or a frozen copy for full fine-tuning).
+  (LoRA adapters off, or a frozen copy for full fine-tuning, made only when the run uses the reference:
+  :meth:`FlowModel.freeze_reference`);
+- for full fine-tuning of a 16-bit model, keeps float32 master weights on request
+  (:meth:`FlowModel.keep_float32_master_weights`), so AdamW never steps bfloat16 weights.
 
 The trained network is ``self.denoiser``. Distributed recipes may replace it with the module that
 ``accelerator.prepare`` returns; adapters always call ``self.denoiser`` and unwrap it where they need
@@ -18,6 +21,8 @@ the plain module.
 """
 
 from __future__ import annotations
+
+from flowrl.errors import FlowrlError
 
 import contextlib
 import copy
@@ -31,7 +36,8 @@ from torch import nn
 Cond = dict[str, torch.Tensor]  # each value [B, ...]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
-__all__ = ["Cond", "VelocityFn", "LoraSettings", "FlowModel", "ModelLoadError", "cond_select", "cond_cat",
+__all__ = ["Cond", "VelocityFn", "LoraSettings", "FlowModel", "ModelLoadError", "ReferenceUnavailableError",
+           "cond_select", "cond_cat",
            "encode_rows", "source_tensor", "source_digest",
            "unwrap", "DEFAULT_PROMPT_CACHE_SIZE", "ATTENTION_BACKENDS", "check_attention_backend"]
 
@@ -39,8 +45,13 @@ __all__ = ["Cond", "VelocityFn", "LoraSettings", "FlowModel", "ModelLoadError", 
 DEFAULT_PROMPT_CACHE_SIZE = 1024
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(FlowrlError, RuntimeError):
     """A model could not be loaded (missing weights offline, wrong path); the message says the fix."""
+
+
+class ReferenceUnavailableError(RuntimeError):
+    """:meth:`FlowModel.reference` was entered on a full fine-tune that keeps no reference copy (the run declared
+    that nothing uses the reference); predicting with the live weights instead would be silently wrong."""
 
 
 @dataclass
@@ -121,7 +132,8 @@ class GuidanceEmbedded:
 
         def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
             sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
-            return self._predict(self.denoiser, x, sigma, cond, guidance=scale).float()
+            with self._master_autocast(x):
+                return self._predict(self.denoiser, x, sigma, cond, guidance=scale).float()
 
         return velocity
 
@@ -153,6 +165,9 @@ class FlowModel(nn.Module):
         self.prompt_cache_size = DEFAULT_PROMPT_CACHE_SIZE
         self.prompt_cache_device: str = "cpu"  # "cpu", or "model": kept on the model's device
         self._reference: nn.Module | None = None
+        # keep_float32_master_weights: {parameter name: its 16-bit dtype} and that dtype (None: not upcast)
+        self._master_dtypes: dict[str, torch.dtype] = {}
+        self._autocast_dtype: torch.dtype | None = None
         self.lora = lora
         if gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
@@ -194,7 +209,9 @@ class FlowModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(unwrap(self.denoiser).parameters()).dtype
+        """The dtype the denoiser computes in (its weights' dtype; the 16-bit one when float32 master weights
+        are kept: :meth:`keep_float32_master_weights`)."""
+        return self._autocast_dtype or next(unwrap(self.denoiser).parameters()).dtype
 
     def set_prompt_cache(self, size: int = DEFAULT_PROMPT_CACHE_SIZE, device: str = "cpu") -> None:
         """Bound the prompt cache to ``size`` prompts (0: no cache), kept on ``device`` (``"cpu"``, or
@@ -238,7 +255,8 @@ class FlowModel(nn.Module):
         missing = list(first.values())
         if missing:
             texts = [prompts[i] for i in missing]
-            encoded = self._encode(texts) if sources is None else self._encode(texts, [sources[i] for i in missing])
+            with self._text_encoders_on_device():
+                encoded = self._encode(texts) if sources is None else self._encode(texts, [sources[i] for i in missing])
             keep = self.device if self.prompt_cache_device == "model" else torch.device("cpu")
             for j, i in enumerate(missing):
                 # clone: a row must not keep the whole batch's storage alive in the cache
@@ -248,6 +266,11 @@ class FlowModel(nn.Module):
             self._evict()
         device = self.device
         return {k: v.to(device, non_blocking=True) for k, v in cond_cat([rows[key] for key in keys]).items()}
+
+    def _text_encoders_on_device(self) -> contextlib.AbstractContextManager:
+        """The context in which ``_encode`` runs: a no-op here; adapters whose text encoders are offloaded to the CPU
+        (:meth:`flowrl.models.pipeline_model.PipelineModel.set_text_encoder_offload`) lend them to the device."""
+        return contextlib.nullcontext()
 
     def uncond(self, batch_size: int = 1) -> Cond:
         """The empty-prompt Cond repeated ``batch_size`` times (for classifier-free guidance)."""
@@ -261,7 +284,8 @@ class FlowModel(nn.Module):
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
         """Conditional velocity of the current policy, float32 ``[B, C, H, W]``."""
         sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
-        return self._predict(self.denoiser, x, sigma, cond).float()
+        with self._master_autocast(x):
+            return self._predict(self.denoiser, x, sigma, cond).float()
 
     def velocity_fn(self, guidance_scale: float | None = None, *, detach_uncond: bool = False) -> VelocityFn:
         """``velocity_fn(x, sigma, cond)`` with classifier-free guidance applied when the model uses it.
@@ -349,10 +373,14 @@ class FlowModel(nn.Module):
     def reference(self) -> Iterator[None]:
         """Inside this context the adapter predicts with the reference model.
 
-        LoRA: the same network with its adapters disabled. Full fine-tuning: a frozen copy of the
-        weights taken when the reference was first needed (call :meth:`freeze_reference` before
-        training starts). Re-entrant: a nested ``reference()`` (the base model's tail steps of a base-model
-        drawing, flowrl/rl/base_tail.py) leaves the outer one in force.
+        LoRA: the same network with its adapters disabled (always available, no copy). Full fine-tuning: the
+        frozen copy that :meth:`freeze_reference` took before training started; a full fine-tune without one
+        raises :class:`ReferenceUnavailableError` rather than predicting with the live weights. Re-entrant: a
+        nested ``reference()`` (the base model's tail steps of a base-model drawing, flowrl/rl/base_tail.py)
+        leaves the outer one in force.
+
+        Raises:
+            ReferenceUnavailableError: full fine-tuning and no reference copy was kept.
         """
         if self.__dict__.get("_in_reference", False):
             yield
@@ -363,6 +391,11 @@ class FlowModel(nn.Module):
                 yield
         finally:
             self.__dict__["_in_reference"] = False
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether :meth:`reference` can be entered: always with LoRA, after :meth:`freeze_reference` otherwise."""
+        return self.lora is not None or self._reference is not None
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -375,7 +408,12 @@ class FlowModel(nn.Module):
                 module.enable_adapters()
             return
         if self._reference is None:
-            self.freeze_reference()
+            raise ReferenceUnavailableError(
+                f"{type(self).__name__} is fully fine-tuned and keeps no reference copy: the run declared that nothing "
+                "uses the reference (e.g. train.kl_coef = 0, no base_last_steps, no evaluation of the base model), so "
+                "the copy was skipped to save memory; a recipe whose objective uses the reference declares it "
+                "(OnlineLoop(..., reference=True)), and code outside a recipe calls model.freeze_reference() before "
+                "training")
         trained = self.denoiser
         self.denoiser = self._reference
         try:
@@ -384,12 +422,61 @@ class FlowModel(nn.Module):
             self.denoiser = trained
 
     def freeze_reference(self) -> None:
-        """Keep a frozen copy of the current weights as the reference (full fine-tuning only)."""
-        if self.lora is None and self._reference is None:
-            reference = copy.deepcopy(unwrap(self.denoiser))
-            reference.requires_grad_(False).eval()
-            # A plain attribute (not a registered submodule) so it never enters state_dict / DDP.
-            object.__setattr__(self, "_reference", reference)
+        """Keep a frozen copy of the current weights as the reference (full fine-tuning only; LoRA's reference is
+        the network with its adapters off, and this is a no-op).
+
+        The copy is in the weights' original dtype even after :meth:`keep_float32_master_weights` (the loaded
+        16-bit values, exactly), and parameters are copied one by one in that dtype, so no float32 copy of the
+        whole denoiser is ever made. Costs one denoiser's weights of device memory (24 GB for FLUX.1 in
+        bfloat16): call it only when the run uses the reference (:class:`flowrl.rl.online.OnlineLoop` decides).
+        """
+        if self.lora is not None or self._reference is not None:
+            return
+        module = unwrap(self.denoiser)
+        # deepcopy with the parameters pre-copied: each in its original dtype, never requiring grad
+        memo = {id(p): nn.Parameter(p.detach().to(dtype=self._master_dtypes.get(name, p.dtype), copy=True),
+                                    requires_grad=False)
+                for name, p in module.named_parameters()}
+        reference = copy.deepcopy(module, memo)
+        reference.requires_grad_(False).eval()
+        # A plain attribute (not a registered submodule) so it never enters state_dict / DDP.
+        object.__setattr__(self, "_reference", reference)
+
+    def keep_float32_master_weights(self) -> None:
+        """Full fine-tuning of a bfloat16 / float16 denoiser: keep its trained weights in float32 and compute in
+        the 16-bit dtype under autocast, as diffusers' training scripts do (the trained model in float32, the
+        frozen parts in the low precision, the forward under ``--mixed_precision``), and as LoRA weights are
+        kept in float32 (:func:`flowrl.models.loading.upcast_trainable_`). AdamW stepping bfloat16 weights
+        rounds away every update smaller than 1/256 of a weight (8 mantissa bits): a fine-tune at a typical
+        learning rate would barely move.
+
+        Only the parameters stored in 16 bits are upcast (diffusers keeps some modules in float32 on purpose, e.g.
+        Wan's time embedder); the forward pass runs under ``torch.autocast(dtype=<the 16-bit dtype>)``, so matmuls
+        keep their 16-bit speed. Costs 2 more bytes per trained parameter for the weights and for their
+        gradients (the gradient follows the weight's dtype). A no-op for LoRA (its weights are float32 already)
+        and for float32 models. Call it before the optimizer is built (OnlineLoop does, for training only: the
+        inference commands keep the loaded dtype).
+        """
+        if self.lora is not None or self._autocast_dtype is not None:
+            return
+        module = unwrap(self.denoiser)
+        low = {name: p.dtype for name, p in module.named_parameters()
+               if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)}
+        if not low:
+            return
+        dtypes = set(low.values())
+        if len(dtypes) > 1:
+            raise ValueError(f"the denoiser mixes {sorted(map(str, dtypes))} weights; cannot pick one compute dtype")
+        for name, p in module.named_parameters():
+            if name in low:
+                p.data = p.data.float()
+        self._master_dtypes, self._autocast_dtype = low, dtypes.pop()
+
+    def _master_autocast(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The 16-bit autocast of :meth:`keep_float32_master_weights` on ``x``'s device (a no-op otherwise)."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(x.device.type, dtype=self._autocast_dtype)
 
 
 def _reshard(module: nn.Module) -> None:

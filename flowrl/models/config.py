@@ -32,6 +32,9 @@ class ModelConfig:
     name: Literal["shapes", "sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux2", "flux_kontext",
                   "qwen_image_edit", "wan"] = "shapes"  # flowrl.models.families
     path: str | None = None  # local dir or hub id; None = the shipped shapes model
+    # The weights' dtype (the VAE stays float32). Full fine-tuning in bfloat16 / float16 trains float32 master weights
+    # and computes in this dtype under autocast, as diffusers' training scripts do (FlowModel.keep_float32_master_weights);
+    # LoRA weights are float32 whatever this is. Inference (sample, eval, export) keeps this dtype.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None  # None: full fine-tuning
     gradient_checkpointing: bool = False
@@ -49,6 +52,15 @@ class ModelConfig:
     # the model's device.
     prompt_cache_size: int = field(default=1024, metadata=bounds(ge=0, le=1_000_000))
     prompt_cache_device: Literal["cpu", "model"] = "cpu"
+    # Diffusers families (not shapes): keep the frozen text encoders on the CPU and lend them to the device only to
+    # encode prompts the cache lacks, so T5-XXL (9.5 GB in bf16) is not resident beside training
+    # (flowrl/models/pipeline_model.py; false: resident, no copy per encode call).
+    offload_text_encoders: bool = True
+    # Diffusers families: the VAE decodes (and encodes) a batch one image at a time (the same images, a batch's worth
+    # less memory), and with vae_tiling images larger than its tile size in overlapping tiles (diffusers' threshold:
+    # above 1024 px for the SD3 / FLUX.1 VAE, 256 px for Wan's and Qwen-Image's; seams change the images slightly).
+    vae_slicing: bool = True
+    vae_tiling: bool = False
 
     def check(self) -> None:
         from flowrl.config import fail
@@ -71,9 +83,14 @@ def build_model(cfg: ModelConfig, device: torch.device | str):
     """
     from flowrl.models.base import check_attention_backend
 
+    from flowrl.models.pipeline_model import PipelineModel
+
     check_attention_backend(cfg.attention_backend, device)  # before any weights load
     model = _build(cfg, device)
     model.set_prompt_cache(cfg.prompt_cache_size, cfg.prompt_cache_device)
+    if isinstance(model, PipelineModel):  # the shapes model's 4M-parameter text encoder and VAE stay as they are
+        model.set_text_encoder_offload(cfg.offload_text_encoders)
+        model.set_vae_memory(slicing=cfg.vae_slicing, tiling=cfg.vae_tiling)
     if cfg.attention_backend != "native":
         model.set_attention_backend(cfg.attention_backend)
     return model

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 __all__ = ["KNOWN_MODELS", "TWO_EXPERTS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate",
-           "weights_status", "format_gib"]
+           "reward_memory", "REWARD_PARAMS", "text_encoder_params", "weights_status", "format_gib"]
 
 SD35_MEDIUM_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
                 "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
@@ -349,31 +349,123 @@ def _shapes_footprint(cfg) -> Footprint:
     return Footprint(str(directory), params, trainable)
 
 
-def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool) -> dict[str, float]:
+#: Parameters of the bundled reward models' default architectures (their ``__init__`` defaults), for the estimate:
+#: PickScore is a transformers CLIPModel of CLIP-ViT-H-14 (laion2B), HPSv2 an open_clip ViT-H-14, clip_score,
+#: aesthetic and clip_directional an open_clip ViT-L-14 (OpenAI's; the aesthetic MLP's 0.9M is left out).
+#: Counted on the ``meta`` device from those configs.
+REWARD_PARAMS = {"pickscore": 986_109_441, "hpsv2": 986_109_441, "clip_score": 427_616_513,
+                 "aesthetic": 427_616_513, "clip_directional": 427_616_513}
+# The keyword naming another architecture than the default, per reward (its estimate is then unknown).
+_REWARD_ARCH_KWARG = {"pickscore": "model", "hpsv2": "model_name", "clip_score": "model_name",
+                      "aesthetic": "model_name", "clip_directional": "model_name"}
+# The keyword of each reward's precision and its value's bytes per parameter ("auto": bf16 on a GPU).
+_REWARD_PRECISION = {"pickscore": ("dtype", "auto"), "hpsv2": ("precision", "auto"), "clip_score": ("precision", "auto"),
+                     "aesthetic": ("precision", "fp32"), "clip_directional": ("precision", "fp32")}
+_PRECISION_BYTES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+def text_encoder_params(fp: Footprint) -> int:
+    """Parameters of the footprint's text encoders (the parts named ``text_encoder*``)."""
+    return sum(v for k, v in fp.params.items() if k.startswith("text_encoder"))
+
+
+def reward_memory(reward_cfg) -> dict[str, int]:
+    """Bytes of device memory of every reward model a training process holds, one entry per built copy
+    (``"pickscore (train, bf16)"``): the training reward's terms, each evaluation reward and each held-out reward
+    are built separately (``rewards.config.RewardConfig``), so a reward named in two of them is held twice.
+
+    Sized from :data:`REWARD_PARAMS` at the reward's precision on a GPU (its default ``"auto"`` is bfloat16 there:
+    ``rewards._loading.auto_precision``); a reward whose kwargs place it on the CPU, name another architecture, or
+    that has no weights here (shapes, jpeg, ocr, a remote server, ...) is left out.
+    """
+    out: dict[str, int] = {}
+
+    def add(name: str, entry, role: str) -> None:
+        if name == "gated" and isinstance(entry, dict):
+            for side in ("alignment", "quality"):
+                walk(entry.get(side), role)
+            return
+        options = entry if isinstance(entry, dict) else {}
+        registered = options.get("reward", name)
+        kwargs = options.get("kwargs") or {}
+        if registered not in REWARD_PARAMS or str(kwargs.get("device", "")).startswith("cpu"):
+            return
+        if _REWARD_ARCH_KWARG[registered] in kwargs:
+            return  # another architecture than the table's
+        key, default = _REWARD_PRECISION[registered]
+        precision = str(kwargs.get(key, default))
+        bytes_per = _PRECISION_BYTES.get(precision, 4)
+        label = f"{name} ({role}, {'bf16' if precision == 'auto' else precision})"
+        out[label] = out.get(label, 0) + REWARD_PARAMS[registered] * bytes_per
+
+    def walk(spec, role: str) -> None:
+        if isinstance(spec, str):
+            for name in spec.split(","):
+                add(name.split(":")[0].strip(), 1.0, role)
+        elif isinstance(spec, (list, tuple)):
+            for item in spec:
+                walk(item, role)
+        elif isinstance(spec, dict):
+            for name, entry in spec.items():
+                add(str(name), entry, role)
+
+    train = getattr(reward_cfg, "train", None) or {}
+    walk(train, "train")
+    for name in getattr(reward_cfg, "eval", None) or []:
+        add(name, train.get(name, 1.0) if isinstance(train, dict) else 1.0, "eval")
+    for item in getattr(reward_cfg, "heldout", None) or []:
+        walk(item, "held out")
+    return out
+
+
+def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool, reference: bool = True,
+                    snapshots: int = 0, rewards: float = 0.0) -> dict[str, float]:
     """A rough GiB budget of one training process (one GPU under DDP; FSDP2 divides the weights and
     training state by the number of processes, ZeRO-2 the optimizer state and gradients).
 
-    - weights: the denoiser and text encoders in ``model.dtype``, the VAE in float32 (flowrl's default);
-    - training state: trained tensors (LoRA weights are kept in float32), their gradients, AdamW's two moments,
-      the EMA, and for full fine-tuning the frozen reference copy;
+    - weights: the denoiser in ``model.dtype`` (LoRA), or in float32 for full fine-tuning (float32 master
+      weights, :meth:`flowrl.models.base.FlowModel.keep_float32_master_weights`); the text encoders in
+      ``model.dtype`` unless ``model.offload_text_encoders`` keeps them on the CPU (diffusers families); the VAE in
+      float32 (flowrl's default);
+    - training state: gradients and AdamW's two moments of the trained tensors, all float32 (LoRA weights are kept
+      in float32 and counted here too);
+    - reference copy (full fine-tuning, when the run uses the reference: ``reference``): the denoiser in
+      ``model.dtype``; a LoRA's reference is its adapters off, free;
+    - EMA (``train.ema_decay``): a float32 copy of the trained tensors (diffusers' ``EMAModel`` of the float32
+      trained weights); snapshots: ``snapshots`` more float32 copies (``flowrl.rl.snapshots.ParamSnapshot``: NFT's
+      old model, CRD's two, DGPO's and AWM's EMA snapshot, elastic reset's two);
+    - rewards: ``rewards`` bytes of reward models (:func:`reward_memory`);
     - activations of one training micro-batch (two rows per sample with classifier-free guidance): about
       ``34 tokens x hidden`` bytes per 16-bit block (Korthikanti et al. 2022, with memory-efficient attention),
       every block's with full activations, one block's plus every block's input with gradient checkpointing.
+
+    - text encoders lent to encode: with ``model.offload_text_encoders``, the text encoders in ``model.dtype``,
+      on the device only while new prompts are encoded.
+
+    ``total`` is every resident part plus the larger of the activations and the lent text encoders (never on the
+    device together: prompts are encoded between training steps), so it is less than the sum of the entries when
+    both are present.
     """
     gib = 2 ** 30
     b = _BYTES[cfg.dtype]
-    denoiser = next(iter(fp.params.values()))
-    frozen_rest = sum(v for k, v in fp.params.items() if k not in ("transformer", "unet", "vae"))
-    out = {"weights": (denoiser * b + frozen_rest * b + fp.params.get("vae", 0) * 4) / gib}
+    denoiser = fp.params.get("transformer", 0) + fp.params.get("transformer_2", 0) + fp.params.get("unet", 0)
+    text = text_encoder_params(fp)
+    offloaded = bool(getattr(cfg, "offload_text_encoders", False)) and cfg.name != "shapes"
     lora = cfg.lora is not None
-    tb = 4 if lora else b
-    if lora:
-        state = fp.trainable * tb * 4  # the float32 LoRA weights, their gradients, AdamW's two moments
-    else:
-        state = fp.trainable * b * 3 + denoiser * b  # gradients, two moments, the frozen reference copy
+    out = {"weights": (denoiser * (b if lora else 4) + (0 if offloaded else text * b)
+                       + fp.params.get("vae", 0) * 4) / gib}
+    # LoRA: its float32 weights, their gradients, AdamW's two moments; full fine-tuning: float32 gradients and moments
+    out["training state"] = fp.trainable * 4 * (4 if lora else 3) / gib
+    if reference and not lora:
+        out["reference copy"] = denoiser * b / gib
     if ema:
-        state += fp.trainable * tb
-    out["training state"] = state / gib
+        out["EMA"] = fp.trainable * 4 / gib
+    if snapshots:
+        out["snapshots"] = snapshots * fp.trainable * 4 / gib
+    if rewards:
+        out["rewards"] = rewards / gib
+    resident = sum(out.values())
+    acts = 0.0
     if fp.hidden and fp.layers and fp.tokens:
         rows = micro_batch * (2 if guidance else 1)
         per_block = 34 * fp.tokens * fp.hidden * (b / 2) * rows
@@ -382,7 +474,11 @@ def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema
         else:
             acts = per_block * fp.layers
         out["activations"] = acts / gib
-    out["total"] = sum(out.values())
+    if offloaded and text:
+        out["text encoders lent to encode"] = text * b / gib
+    # the text encoders are lent between training steps (rollout batches with new prompts): never beside the
+    # training step's activations
+    out["total"] = resident + max(acts / gib, out.get("text encoders lent to encode", 0.0))
     return out
 
 

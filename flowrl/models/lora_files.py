@@ -13,6 +13,8 @@ FLUX run holds the diffusers folder). Library code: no command-line handling her
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,7 @@ __all__ = [
 ADAPTER_NAME = "default"
 
 
-class ExportError(ValueError):
+class ExportError(FlowrlError, ValueError):
     """The run cannot be exported as asked; the message says why and what works instead."""
 
 

@@ -12,6 +12,8 @@ which other samples share its batch or process.
 
 from __future__ import annotations
 
+from flowrl.errors import FlowrlError
+
 import contextlib
 import copy
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from .inputs import PolicyInputs, Turn, build_inputs
 __all__ = ["TokenPolicy", "Generation", "PolicyLoadError", "LoraSpec"]
 
 
-class PolicyLoadError(RuntimeError):
+class PolicyLoadError(FlowrlError, RuntimeError):
     """A policy cannot be loaded (missing folder, missing weights, unsupported model); the message says the fix."""
 
 

@@ -101,6 +101,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
     online = OnlineLoop(cfg, "awm", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        reference=cfg.train.kl_coef > 0,  # the KL term (ema_kl_coef's anchor is a snapshot)
                         plot_groups={"awm": ["train/policy_loss", "train/kl_ref", "train/kl_ema"]})
     run, model = online.run, online.model
     ema_snapshot = ParamSnapshot(model, cfg.train.ema_snapshot.schedule()) if cfg.train.ema_kl_coef > 0 else None

@@ -112,6 +112,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
     online = OnlineLoop(cfg, "crd", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        reference=cfg.train.kl_coef > 0,  # v_ref enters only the KL anchor
                         plot_groups={"crd": ["train/policy_loss", "train/implicit_reward", "train/old_decay",
                                              "train/rollout_snapshot_decay"]})
     run, model = online.run, online.model

@@ -155,6 +155,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.online import OnlineLoop
 
     online = OnlineLoop(cfg, "d3po", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        reference=True,  # the reference's log-probs are in the DPO loss itself
                         plot_groups={"d3po": ["train/log_ratio_chosen", "train/log_ratio_rejected",
                                               "train/implicit_acc"]})
     run, model = online.run, online.model

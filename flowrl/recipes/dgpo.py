@@ -117,6 +117,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
     online = OnlineLoop(cfg, "dgpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        reference=True,  # err_ref is in the DPO loss itself
                         plot_groups={"dgpo": ["train/policy_loss", "train/group_weight", "train/implicit_acc"]})
     run, model = online.run, online.model
     groups_stay_local(cfg, online.dist)

@@ -229,6 +229,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.online import OnlineLoop
 
     online = OnlineLoop(cfg, "dpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, rollouts=False,
+                        reference=True,  # err_ref is in the DPO loss itself
                         plot_groups={"dpo": ["train/loss", "train/implicit_acc", "train/reward_margin"]})
     run, model = online.run, online.model
     if cfg.pairs.pairs_per_epoch % online.dist.world_size:

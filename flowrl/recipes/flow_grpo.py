@@ -13,9 +13,10 @@ recorded at rollout. One epoch (docs/architecture.md, "One RL step"):
 3. ``compute_advantages``: rewards are gathered, the configured estimator (outcome, tp_grpo, cosine) runs
    on whole groups, and each process keeps its slice;
 4. :func:`train_epoch`: for each inner epoch, minibatch and trained step, the rollout's own step function
-   re-scores the stored transition under the current policy (``Trajectory.score_step``); clipped policy
-   loss + Gaussian KL to the reference (LoRA adapters off, or a frozen copy); one optimizer step per
-   minibatch, with gradient clipping and an EMA of the trained weights.
+   re-scores the stored transition under the current policy (``Trajectory.step`` with ``x_next``, on the
+   minibatch's states staged on the device once); clipped policy loss + Gaussian KL to the reference (LoRA
+   adapters off, or a frozen copy); one optimizer step per minibatch, with gradient clipping and an EMA of the
+   trained weights.
 
 Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
 
@@ -137,26 +138,28 @@ def reward_adaptive_kl_scale(train: TrainConfig, advantages: torch.Tensor) -> to
     return reward_adaptive_kl_weight(r, kl_coef=1.0, kl_floor=train.kl_floor / train.kl_coef)
 
 
-def _policy_loss(train: TrainConfig, out, traj, rows, t: int, advantages: torch.Tensor, reduction: str):
-    """The policy term of one pass (rows ``rows`` at trained step ``t``) and, for RatioNorm and Flow-DPPO, the
-    exact KL between the rollout's and the current transition (``train/kl_old``; None otherwise).
+def _policy_loss(train: TrainConfig, out, old_logp: torch.Tensor, old_mean: torch.Tensor | None,
+                 advantages: torch.Tensor, dt: float, reduction: str):
+    """The policy term of one pass (its rows at one trained step) and, for RatioNorm and Flow-DPPO, the exact KL
+    between the rollout's and the current transition (``train/kl_old``; None otherwise).
 
-    ``out`` is the current policy's ``StepOutput`` of the stored transitions; ``advantages`` ``[b]``."""
+    Args:
+        out: the current policy's ``StepOutput`` of the stored transitions (``[b]`` log-probs, ``[b, ...]`` means).
+        old_logp: ``[b]`` the rollout's log-probs; ``old_mean``: ``[b, ...]`` its transition means (RatioNorm and
+            Flow-DPPO only, else None); ``advantages``: ``[b]``; all on ``out``'s device.
+        dt: the step's length ``sigma_t - sigma_{t+1}`` (RatioNorm).
+    """
     from flowrl.core.losses import clipped_policy_loss, dppo_policy_loss, gaussian_kl, ratio_norm_policy_loss
 
-    device = out.log_prob.device
-    old_logp = traj.log_probs[rows, t].to(device)
     if not train.needs_old_means:
         return clipped_policy_loss(out.log_prob[:, None], old_logp[:, None], advantages[:, None], None,
                                    clip_range=train.clip_range, clip_range_high=train.clip_range_high,
                                    dual_clip=train.dual_clip, aggregation="token_mean"), None
-    old_mean = traj.means[rows, t].to(device)
     with torch.no_grad():
         kl_old = gaussian_kl(out.mean, old_mean, out.std, reduction=reduction).mean()
     if train.trust_region == "dppo":
         return dppo_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std,
                                 threshold=train.dppo_threshold, reduction=reduction), kl_old
-    dt = float(traj.sigmas[t] - traj.sigmas[t + 1])
     return ratio_norm_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std, dt,
                                   clip_range=train.clip_range, clip_range_high=train.clip_range_high, dual_clip=train.dual_clip,
                                   reduction=reduction), kl_old
@@ -166,6 +169,13 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                 epoch: int, *, ema=None, health=None, progress=None) -> dict[str, float]:
     """Clipped policy loss (or its RatioNorm / Flow-DPPO variant) + KL over the trained steps; one optimizer step
     per minibatch.
+
+    Host/device traffic (benchmarks/syncs.py counts it): a minibatch's data (the states its passes read, the
+    rollout's log-probs and means, the advantages, the conditioning) is gathered on the CPU in the order of its
+    passes and moved to the device in one copy per tensor; a pass reads contiguous slices of it, and its
+    statistics stay on the device until the optimizer step (:class:`flowrl.rl.passes.MetricMeans`). A training
+    pass thus makes no host/device copy and no blocking read; an optimizer step makes the staging copies, the
+    gathers of the counts, one read of the statistics and the read of the gradient norm that guards the update.
 
     Args:
         rollouts: the epoch's :class:`flowrl.rl.collect.EpochRollouts` (this process's samples; with
@@ -179,8 +189,8 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
         Means over the epoch of the loss statistics (``train/...``).
     """
     from flowrl.core.losses import gaussian_kl
-    from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_scale,
-                                  training_passes)
+    from flowrl.rl.passes import (MetricMeans, global_count, minibatch_rows, optimizer_step, pass_layout,
+                                  pass_scale, stage_rows, training_passes)
 
     train = cfg.train
     traj = rollouts.trajectory
@@ -192,6 +202,12 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
     if train.needs_old_means and traj.means is None:
         raise ValueError("train.ratio_norm / trust_region=dppo need the rollout's transition means: collect the "
                          "epoch with store_means=True")
+    # The schedule on the device once: a pass's per-row sigma is a view of it.
+    sigmas = traj.sigmas.to(device)
+    # The states the passes read (each trained step's and the one after it), and where each sits in the staging.
+    states = sorted(set(steps) | {t + 1 for t in steps})
+    state_at = {s: i for i, s in enumerate(states)}
+    step_at = {t: i for i, t in enumerate(steps)}
     take_part = valid.clone()
     if train.drop_zero_advantage and steps:
         take_part &= (advantages[:, steps] != 0).any(dim=1)
@@ -204,34 +220,47 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
             if n_global == 0 or not steps:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            for p in training_passes(rows, steps, train.micro_batch_size, dist):
+            passes = training_passes(rows, steps, train.micro_batch_size, dist)
+            # The minibatch's data on the device, laid out so that each pass reads slices (see the docstring);
+            # per step ([steps or states, k, ...]) where a pass reads one step, so its slice is contiguous.
+            order, slices = pass_layout(passes)
+            x_staged = stage_rows(traj.latents, order, device, dim1=states, transpose=True)
+            old_logp_staged = stage_rows(traj.log_probs, order, device, transpose=True)  # [T, k]
+            adv_staged = stage_rows(advantages, order, device, transpose=True)  # [T, k]
+            old_mean_staged = (stage_rows(traj.means, order, device, dim1=steps, transpose=True)
+                               if train.needs_old_means else None)
+            cond_staged = {k: stage_rows(v, order, device) for k, v in rollouts.cond.items()}
+            for p, sl in zip(passes, slices):
                 m, t = p.rows, p.unit
-                x = traj.state(t, m).to(device)
-                sigma, cond = traj.sigmas[t].to(device).expand(len(m)), rollouts.cond_rows(m, device)
-                out = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m)
-                policy, kl_old = _policy_loss(train, out, traj, m, t, advantages[m, t].to(device),
-                                              cfg.sampling.reduction)
+                x, x_next = x_staged[state_at[t], sl], x_staged[state_at[t + 1], sl]
+                sigma, cond = sigmas[t].expand(len(m)), {k: v[sl] for k, v in cond_staged.items()}
+                adv = adv_staged[t, sl]
+                out = traj.step(velocity(x.to(model.dtype), sigma, cond), x, t, x_next=x_next)
+                policy, kl_old = _policy_loss(train, out, old_logp_staged[t, sl],
+                                              None if old_mean_staged is None else old_mean_staged[step_at[t], sl],
+                                              adv, float(traj.sigmas[t] - traj.sigmas[t + 1]), cfg.sampling.reduction)
                 loss, kl, extra = policy.loss, torch.zeros((), device=device), {}
                 if train.kl_coef > 0:
                     with torch.no_grad(), model.reference():
-                        ref_mean = traj.score_step(velocity(x.to(model.dtype), sigma, cond), t, m).mean
+                        ref_mean = traj.step(velocity(x.to(model.dtype), sigma, cond), x, t, x_next=x_next).mean
                     kl_rows = gaussian_kl(out.mean, ref_mean, out.std, reduction=cfg.sampling.reduction)  # [b]
                     kl = kl_rows.mean()
                     if train.kl_reward_adaptive:
-                        scale = reward_adaptive_kl_scale(train, advantages[m, t].to(device)).to(kl_rows.dtype)
+                        scale = reward_adaptive_kl_scale(train, adv).to(kl_rows.dtype)
                         loss = loss + float(kl_weights[t]) * (scale * kl_rows).mean()
-                        extra["train/kl_scale"] = float(scale.mean())
+                        extra["train/kl_scale"] = scale.mean()
                     else:
                         loss = loss + float(kl_weights[t]) * kl
                 units = len(steps) if train.aggregation == "token_mean" else 1
                 dist.backward(loss * pass_scale(p, n_global, dist, units), model.denoiser, sync=p.sync)
-                if p.weight:
-                    stats.add(len(m), **{"train/loss": float(loss.detach()), "train/ratio_mean": float(policy.ratio_mean),
-                                         "train/clip_frac": float(policy.clip_frac),
-                                         "train/approx_kl": float(policy.approx_kl), "train/kl_ref": float(kl.detach()),
-                                         **({} if kl_old is None else {"train/kl_old": float(kl_old)}), **extra})
+                if p.weight:  # device tensors: read at the optimizer step, all at once
+                    stats.add(len(m), **{"train/loss": loss, "train/ratio_mean": policy.ratio_mean,
+                                         "train/clip_frac": policy.clip_frac, "train/approx_kl": policy.approx_kl,
+                                         "train/kl_ref": kl, **({} if kl_old is None else {"train/kl_old": kl_old}),
+                                         **extra})
                     if progress is not None:
                         progress.update(len(m))
+            stats.flush()  # the step's one read of its statistics, before the gradient norm's
             grad_norms.add(1.0, **{"train/grad_norm": optimizer_step(optimizer, params, dist,
                                                                      grad_clip=cfg.optim.grad_clip, ema=ema,
                                                                      health=health)})
@@ -246,7 +275,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Flow-GRPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.online import OnlineLoop
 
-    online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
+    online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, reference=cfg.train.kl_coef > 0)
     run, model = online.run, online.model
     elastic = None
     if cfg.train.elastic_reset is not None:

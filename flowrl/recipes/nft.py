@@ -97,6 +97,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
 
     online = OnlineLoop(cfg, "nft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        reference=cfg.train.kl_coef > 0,  # v_ref enters only the KL term
                         plot_groups={"nft": ["train/policy_loss", "train/old_deviation", "train/old_decay"]})
     run, model = online.run, online.model
     old = ParamSnapshot(model, cfg.train.old.schedule())  # the sampler, and v_old of the loss

@@ -142,6 +142,11 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
     _save_grid(images[:64], [r[0] for r in rows[:64]], summary, output_dir / "samples" / f"epoch_{epoch:04d}.png")
     metrics = {"eval/shapes/accuracy": summary["overall"], "eval/shapes/mean": summary["score_mean"]}
     metrics.update({f"eval/shapes/{k}": v["accuracy"] for k, v in summary["kinds"].items()})
+    # Beside the gold, as an RL run's evaluation reports them: the lenient rule and the extra-object rate.
+    if "lenient" in summary:
+        metrics["eval/shapes/lenient_accuracy"] = summary["lenient"]
+    if "extra" in summary:
+        metrics["hack/extra_object_rate"] = summary["extra"]
     return metrics
 
 

@@ -114,6 +114,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     from flowrl.rl.online import OnlineLoop
 
     online = OnlineLoop(cfg, "raft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+                        reference=cfg.train.kl_coef > 0,  # the KL term
                         plot_groups={"raft": ["train/fm_loss", "train/kept_frac"]})
     run, model = online.run, online.model
 

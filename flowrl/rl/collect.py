@@ -3,12 +3,14 @@
 ``collect_epoch`` is the first half of every online trainer's epoch (docs/architecture.md, "One RL
 step"): for this process's shard of the prompt groups' batch it rolls out with the configured step and
 window (recording a ``samplers.Trajectory``), decodes, and hands the images to the reward in a background
-thread while the next rollout batch samples. The result, :class:`EpochRollouts`, is the one record that
+thread while the next rollout batch samples (on CUDA on its own stream, so that the reward's kernels run beside
+the sampler's instead of queueing behind them). The result, :class:`EpochRollouts`, is the one record that
 advantages, credit and the training pass read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,6 +65,40 @@ class EpochRollouts:
         return {k: v[rows].to(device) for k, v in self.cond.items()}
 
 
+def _reward_stream(device: torch.device | str) -> "torch.cuda.Stream | None":
+    """The reward thread's own CUDA stream (None off CUDA, where there are no streams to overlap).
+
+    On the sampling thread's stream the reward's kernels would queue behind the next rollout's (and its copies
+    would wait for them); on its own stream they run beside them. The new stream first waits for everything
+    queued so far on the current one (the reward model's weights were moved there).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+@contextlib.contextmanager
+def _on_stream(stream, ready, images: torch.Tensor):
+    """Run the block on ``stream`` once ``ready`` (an event recorded on the sampling stream after the decode) has
+    passed; a no-op for ``stream=None``.
+
+    An event rather than ``stream.wait_stream(sampling stream)``: by the time this thread runs, the sampling thread
+    has queued the next rollout's kernels, and waiting for the whole stream would wait for them too.
+    ``record_stream`` tells the caching allocator that ``images`` is used on ``stream``, so its memory is not
+    handed to the sampling stream while the reward stream still reads it.
+    """
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        images.record_stream(stream)
+        yield
+
+
 def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: Callable, guidance: float,
                   batch_size: int, store_x0: bool = False, store_means: bool = False, velocity_fn=None,
                   progress=None) -> EpochRollouts:
@@ -93,16 +129,20 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
     n = len(batch.prompts)
     parts: list[Trajectory] = []
     conds: list[dict[str, torch.Tensor]] = []
-    images: list[torch.Tensor] = []
     futures: list[Future] = []
     score_seconds = [0.0]
+    stream = _reward_stream(model.device)
 
-    def score(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        start = time.perf_counter()
-        try:
-            return checked_reward(reward, images, prompts, metadata)
-        finally:
-            score_seconds[0] += time.perf_counter() - start
+    def score(decoded: torch.Tensor, ready, prompts: list[str], metadata: list[dict]):
+        """In the reward thread: the decoded images to the CPU (the reward sees CPU images, as every caller gives
+        them), then the reward. Returns ``(RewardOutput, images [b, 3, H, W] on the CPU)``."""
+        with _on_stream(stream, ready, decoded):
+            images = decoded.cpu()
+            start = time.perf_counter()
+            try:
+                return checked_reward(reward, images, prompts, metadata), images
+            finally:
+                score_seconds[0] += time.perf_counter() - start
 
     t_start = time.perf_counter()
     was_training = model.training
@@ -117,15 +157,18 @@ def collect_epoch(model, batch, *, step, window, epoch: int, seed: int, reward: 
                 traj = rollout(velocity, x_init, step.sigmas, cond=cond, step=step, window=window, iteration=epoch,
                                seed=seed, sample_seeds=batch.sample_seeds[rows], store_x0=store_x0,
                                store_means=store_means, model_dtype=model.dtype)
-                decoded = model.decode(traj.x0).cpu()
-                futures.append(pool.submit(score, decoded, prompts, batch.metadata[rows]))
+                decoded = model.decode(traj.x0)
+                ready = None
+                if stream is not None:  # the decode's point on the sampling stream, for the reward stream to wait on
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(model.device))
+                futures.append(pool.submit(score, decoded, ready, prompts, batch.metadata[rows]))
                 parts.append(traj.to("cpu"))
                 conds.append({k: v.cpu() for k, v in cond.items()})
-                images.append(decoded)
                 if progress is not None:
                     progress.update(rows.stop - rows.start)
             sampling_done = time.perf_counter()
-            outputs = [f.result() for f in futures]
+            outputs, images = zip(*[f.result() for f in futures])
     finally:
         if was_training:
             model.train()

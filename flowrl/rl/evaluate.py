@@ -3,7 +3,6 @@ scored by every eval reward, with per-task accuracy and a sample grid."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -74,23 +73,25 @@ class Evaluator:
 
         dist, prompt_set = self.dist, self.prompt_set
         n = len(prompt_set)
-        per_process = math.ceil(n / dist.world_size)
-        rows = list(range(dist.rank * per_process, min((dist.rank + 1) * per_process, n)))
-        seeds = [int(prompt_set.metadata[i].get("seed", i)) for i in rows]
-        prompts = [prompt_set.prompts[i] for i in rows]
+        # Every process draws the same number of rows (FSDP2: the same forwards); padded rows are dropped below.
+        drawn, real = dist.even_shard(n)
+        per_process = len(drawn)
+        seeds = [int(prompt_set.metadata[i].get("seed", i)) for i in drawn]
+        prompts = [prompt_set.prompts[i] for i in drawn]
         params = model.trainable_parameters()
         if ema is not None:
             ema.store(params)
             ema.copy_to(params)
         model.eval()
-        bar = tqdm(total=len(rows), desc=f"eval (epoch {epoch})", leave=False, disable=not dist.is_main,
+        bar = tqdm(total=len(drawn), desc=f"eval (epoch {epoch})", leave=False, disable=not dist.is_main,
                    dynamic_ncols=True)
         panel: dict[str, float] = {}
         try:
             with self._precision(model):
-                images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
-                                  batch_size=self.cfg.batch_size, progress=bar.update, should_stop=should_stop,
-                                  metadata=[prompt_set.metadata[i] for i in rows]) if rows else None
+                drawn_images = generate(model, prompts, seeds, steps=self.steps, guidance=self.guidance,
+                                        batch_size=self.cfg.batch_size, progress=bar.update, should_stop=should_stop,
+                                        metadata=[prompt_set.metadata[i] for i in drawn]) if drawn else None
+                images = drawn_images[:real] if real else None
                 if self.panel is not None:  # with the evaluated (EMA) weights still in place
                     every = gather_images(dist, images, n, per_process)
                     all_seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]
@@ -100,10 +101,12 @@ class Evaluator:
             if ema is not None:
                 ema.restore(params)
             model.train()
+        rows = drawn[:real]
+        seeds, prompts = seeds[:real], prompts[:real]
         metrics: dict[str, float] = {}
         local_scores: dict[str, torch.Tensor] = {}
-        pad = per_process - len(rows)  # equal shapes for the gather; padded rows are dropped after it
-        keep = dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
+        pad = per_process - real  # equal shapes for the gather; padded rows are dropped after it
+        keep = dist.gather(torch.cat([torch.ones(real), torch.zeros(pad)])) > 0
         kinds = [m.get("kind") for m in prompt_set.metadata]
 
         def gathered(values: torch.Tensor | None) -> torch.Tensor:
@@ -128,10 +131,17 @@ class Evaluator:
             if "lenient" in details or name == "shapes":  # the shapes reward's proxy, beside the gold
                 accuracies(f"eval/{name}/lenient_", gathered(details.get("lenient")), f"eval/{name}/lenient/")
         metrics.update(panel)
-        if dist.is_main and images is not None and self.cfg.grid_size:
-            k = min(self.cfg.grid_size, len(rows))
-            self._save_grid(model, epoch, images[:k], prompts[:k], seeds[:k],
-                            {name: s[:k] for name, s in local_scores.items()}, [prompt_set.metadata[i] for i in rows[:k]])
+        k = min(self.cfg.grid_size, per_process, n)  # the grid: the first rows, which the main process holds
+        if k:
+            # Every process draws the grid's base images (FSDP2: the same forwards); the main process saves it.
+            grid = list(range(k))
+            grid_prompts = [prompt_set.prompts[i] for i in grid]
+            grid_seeds = [int(prompt_set.metadata[i].get("seed", i)) for i in grid]
+            grid_metadata = [prompt_set.metadata[i] for i in grid]
+            base = self._base_images(model, epoch, drawn_images[:k], grid_prompts, grid_seeds, grid_metadata)
+            if dist.is_main:
+                self._save_grid(epoch, images[:k], grid_prompts, grid_seeds,
+                                {name: s[:k] for name, s in local_scores.items()}, base)
         return metrics
 
     def _precision(self, model):
@@ -161,14 +171,14 @@ class Evaluator:
             self._base = (base, scores)
         return self._base
 
-    def _save_grid(self, model, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
-                   scores: dict[str, torch.Tensor], metadata: list[dict]) -> None:
-        """``samples/epoch_<N>.png``: each grid prompt drawn by the base model and by the model at this epoch from
-        the same noise, side by side under the whole prompt, four prompts to a row, captioned with every eval
-        reward; also sent to TensorBoard / wandb."""
+    def _save_grid(self, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
+                   scores: dict[str, torch.Tensor], base: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        """``samples/epoch_<N>.png``: each grid prompt drawn by the base model (``base``: images and scores) and by
+        the model at this epoch from the same noise, side by side under the whole prompt, four prompts to a row,
+        captioned with every eval reward; also sent to TensorBoard / wandb."""
         from flowrl.grid import prompt_grid
 
-        base, base_scores = self._base_images(model, epoch, images, prompts, seeds, metadata)
+        base, base_scores = base
 
         def captions(values: dict[str, torch.Tensor]) -> list[str]:
             return ["\n".join(f"{name} {float(v[i]):.2f}" for name, v in values.items()) for i in range(len(prompts))]

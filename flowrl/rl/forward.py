@@ -206,16 +206,39 @@ class ForwardBatch:
     training_pass: object = None
 
 
-def _noised_batch(data: ForwardData, rows: torch.Tensor, times: torch.Tensor, unit: int, cfg: TimesConfig, *,
-                  seed: int, epoch: int, inner: int, device) -> ForwardBatch:
-    x0 = data.x0[rows].to(device=device, dtype=torch.float32)
-    t = times[rows, unit].to(device)
-    ids = data.sample_ids[rows] if cfg.noise == "sample" else data.group_ids[rows]
-    eps = forward_noise(tuple(x0.shape[1:]), ids, seed=seed, epoch=epoch, inner=inner, unit=unit, device=device)
-    tt = t.view(-1, *([1] * (x0.ndim - 1)))
-    return ForwardBatch(rows=rows, t=t, x0=x0, eps=eps, x_t=(1 - tt) * x0 + tt * eps, target=eps - x0,
-                        cond={k: v[rows].to(device) for k, v in data.cond.items()},
-                        advantages=data.advantages[rows].to(device), group_ids=data.group_ids[rows])
+class _StagedMinibatch:
+    """One minibatch's per-row data on the device, laid out so that every pass reads contiguous slices.
+
+    Gathered on the CPU in the order of :func:`flowrl.rl.passes.pass_layout` and moved in one copy per tensor (the
+    clean samples, the training times, the noise of every training time, the conditioning, the advantages): a
+    pass then makes no host-to-device copy, where building each pass's noised points on the host would make it
+    wait for five or six. The noise of each (row, time) is :func:`forward_noise`'s, so the points are the same.
+    """
+
+    def __init__(self, data: ForwardData, passes, times: torch.Tensor, cfg: TimesConfig, *, seed: int, epoch: int,
+                 inner: int, device):
+        from flowrl.rl.passes import pass_layout, stage_rows
+
+        self.data = data
+        order, self.slices = pass_layout(passes)
+        self.x0 = stage_rows(data.x0, order, device).to(torch.float32)  # [k, *S]
+        self.t = stage_rows(times, order, device, transpose=True)  # [count, k]
+        ids = (data.sample_ids if cfg.noise == "sample" else data.group_ids)[order]
+        units = sorted({p.unit for p in passes})
+        self.unit_at = {u: i for i, u in enumerate(units)}
+        # [units, k, *S]: drawn on the CPU (as forward_noise always is) and moved in one copy.
+        self.eps = torch.stack([forward_noise(tuple(data.x0.shape[1:]), ids, seed=seed, epoch=epoch, inner=inner,
+                                              unit=u) for u in units]).to(device)
+        self.cond = {k: stage_rows(v, order, device) for k, v in data.cond.items()}
+        self.advantages = stage_rows(data.advantages, order, device)
+
+    def batch(self, p, sl: slice) -> ForwardBatch:
+        """The noised points of pass ``p`` (its rows are ``sl`` of the staging)."""
+        x0, t, eps = self.x0[sl], self.t[p.unit, sl], self.eps[self.unit_at[p.unit], sl]
+        tt = t.view(-1, *([1] * (x0.ndim - 1)))
+        return ForwardBatch(rows=p.rows, t=t, x0=x0, eps=eps, x_t=(1 - tt) * x0 + tt * eps, target=eps - x0,
+                            cond={k: v[sl] for k, v in self.cond.items()}, advantages=self.advantages[sl],
+                            group_ids=self.data.group_ids[p.rows], training_pass=p)
 
 
 def training_guidance(model, sampling) -> float:
@@ -242,7 +265,10 @@ class ForwardEpoch:
     For each inner epoch the training times are drawn (:func:`draw_times`), minibatches partition global ids
     (of groups with ``whole_groups``, for objectives that compare a group's samples: a group must not span
     processes), and a minibatch's passes are its micro-batches times its training times, padded so that every
-    process makes the same number of backward calls (:func:`flowrl.rl.passes.training_passes`).
+    process makes the same number of backward calls (:func:`flowrl.rl.passes.training_passes`). A minibatch's
+    clean samples, times, noise, conditioning and advantages go to the device once, when its first pass is built
+    (:class:`_StagedMinibatch`), and the statistics of :meth:`backward` stay there until :meth:`step` reads them
+    in one go: a pass makes no host/device copy and no blocking read of its own.
 
     Args:
         model / optimizer: the policy adapter and its (prepared) optimizer.
@@ -286,13 +312,14 @@ class ForwardEpoch:
                 self.optimizer.zero_grad(set_to_none=True)
                 passes = training_passes(rows, self.units, t.micro_batch_size, self.dist,
                                          groups=data.group_ids if self.whole_groups else None)
-                yield (self._noised(p, times, inner) for p in passes)
+                yield self._noised(passes, times, inner)
 
-    def _noised(self, p, times: torch.Tensor, inner: int) -> ForwardBatch:
-        batch = _noised_batch(self.data, p.rows, times, p.unit, self.cfg.train.times, seed=self.cfg.run.seed,
-                              epoch=self.epoch, inner=inner, device=self.model.device)
-        batch.training_pass = p
-        return batch
+    def _noised(self, passes, times: torch.Tensor, inner: int) -> Iterator[ForwardBatch]:
+        """The passes' noised points, one at a time; the minibatch is staged on the device at the first."""
+        staged = _StagedMinibatch(self.data, passes, times, self.cfg.train.times, seed=self.cfg.run.seed,
+                                  epoch=self.epoch, inner=inner, device=self.model.device)
+        for p, sl in zip(passes, staged.slices):
+            yield staged.batch(p, sl)
 
     def velocity(self, batch: ForwardBatch, *, snapshot=None, reference: bool | float = False) -> torch.Tensor:
         """``[m, *S]`` float32 velocity at ``batch.x_t``: the policy's at the training guidance; with ``snapshot``
@@ -320,8 +347,10 @@ class ForwardEpoch:
         self.dist.backward(loss * pass_scale(p, self._n_global, self.dist, len(self.units)), self.model.denoiser,
                            sync=p.sync)
         if p.weight:  # a padding pass's numbers do not count
-            values = {f"train/{k}": float(torch.as_tensor(v).detach()) for k, v in stats.items()}
-            self.stats.add(len(p.rows), **values, **{"train/loss": float(loss.detach())})
+            # Device tensors stay on the device until the optimizer step reads them all at once (MetricMeans);
+            # numbers become CPU tensors first, as they always did (a float is logged at float32 precision).
+            values = {f"train/{k}": torch.as_tensor(v) for k, v in stats.items()}
+            self.stats.add(len(p.rows), **values, **{"train/loss": loss})
             if self.progress is not None:
                 self.progress.update(len(p.rows))
 
@@ -329,6 +358,7 @@ class ForwardEpoch:
         """The minibatch's optimizer step (:func:`flowrl.updates.optimizer_step`); returns the gradient norm."""
         from flowrl.updates import optimizer_step
 
+        self.stats.flush()  # the step's one read of its statistics, before the gradient norm's
         norm = optimizer_step(self.optimizer, self.params, self.dist, grad_clip=self.cfg.optim.grad_clip,
                               ema=self.ema, health=self.health)
         self.grad_norms.add(1.0, **{"train/grad_norm": norm})

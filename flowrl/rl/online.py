@@ -42,7 +42,8 @@ from flowrl.rl.sampling import SamplingConfig
 from flowrl.run import CheckpointConfig, LogConfig
 from rewards.config import RewardConfig
 
-__all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "OnlineLoop", "IMAGE_PLOTS", "IMAGE_PLOT_UNITS"]
+__all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "OnlineLoop", "IMAGE_PLOTS", "IMAGE_PLOT_UNITS",
+           "reference_uses", "recorded_reference_declarations"]
 
 
 @dataclass
@@ -131,6 +132,10 @@ class OnlineLoop:
         per_sample: advantages are one per sample (``[n]``; trainers without denoising-step credit).
         rollouts: False for offline trainers (no training reward, prompt groups or advantage tracker; the
             config then needs no ``advantage`` section and no training prompts).
+        reference: whether the recipe's objective uses the reference model with this config (e.g.
+            ``cfg.train.kl_coef > 0``; DGPO, Diffusion-DPO and D3PO always). With the evaluation's and sampling's
+            uses (:func:`reference_uses`) it decides whether a full fine-tune keeps a frozen copy of the denoiser;
+            without one, ``model.reference()`` raises. Default True: a recipe that does not say keeps the copy.
 
     Attributes:
         run, dist, model, reward, prompt_groups, evaluator, optimizer, scheduler, ema, tracker; and, for online
@@ -139,7 +144,8 @@ class OnlineLoop:
     """
 
     def __init__(self, cfg, recipe: str, *, model=None, dist=None, ema_decay: float | None = None,
-                 plot_groups: dict[str, list[str]] | None = None, per_sample: bool = False, rollouts: bool = True):
+                 plot_groups: dict[str, list[str]] | None = None, per_sample: bool = False, rollouts: bool = True,
+                 reference: bool = True):
         from flowrl.core.advantages import PerPromptStatTracker
         from flowrl.data.prompt_groups import PromptGroups
         from flowrl.data.prompts import load_prompts
@@ -149,6 +155,9 @@ class OnlineLoop:
         from flowrl.run import Run, TrainableWeights
 
         self.cfg, self.recipe, self.per_sample = cfg, recipe, per_sample
+        self.reference_uses = reference_uses(cfg, reference)  # why the reference is needed (empty: it is not)
+        for declared in _RECORDERS:
+            declared.append(reference)
         self.run = run = Run(cfg, recipe, dist=dist, plots={**IMAGE_PLOTS, **(plot_groups or {})},
                              units=IMAGE_PLOT_UNITS, counters=("images_sampled",))
         self.dist, s = run.dist, cfg.sampling
@@ -209,8 +218,9 @@ class OnlineLoop:
             return self.evaluator(self.model, epoch, self.ema, should_stop)
 
     def _prepare_model(self, model=None):
-        """Build the model of ``cfg.model`` (unless one is given), move it to this process's device and
-        freeze the reference weights (full fine-tuning)."""
+        """Build the model of ``cfg.model`` (unless one is given), move it to this process's device, keep the
+        reference weights of a full fine-tune only when something uses them (:attr:`reference_uses`), and keep
+        float32 master weights for a full fine-tune of a 16-bit model (before the optimizer sees them)."""
         model_cfg = getattr(self.cfg, "model", None)
         if isinstance(getattr(model_cfg, "dtype", None), str):
             self.dist.check_model_dtype(model_cfg.dtype)  # the launch config's mixed precision must agree
@@ -220,7 +230,9 @@ class OnlineLoop:
             self._check_device(self.cfg.model)
             model = build_model(self.cfg.model, self.dist.device)
         model.to(self.dist.device)
-        model.freeze_reference()
+        if self.reference_uses:
+            model.freeze_reference()  # full fine-tuning: a copy in the loaded dtype (LoRA: adapters off, no copy)
+        model.keep_float32_master_weights()  # full fine-tuning in bf16 / fp16 only
         return model
 
     def _check_device(self, model_cfg) -> None:
@@ -317,3 +329,49 @@ class OnlineLoop:
                             "time/scoring_wait_s": rollouts.timings["scoring_wait"]})
         metrics["time/training_s"] = time.perf_counter() - self._train_start
         self.run.end_epoch(metrics, images_sampled=self.cfg.sampling.samples_per_epoch if images is None else images)
+
+
+# Active recorders of the reference declarations of the OnlineLoops built inside them (the dry run's).
+_RECORDERS: list[list[bool]] = []
+
+
+@contextlib.contextmanager
+def recorded_reference_declarations() -> Iterator[list[bool]]:
+    """The ``reference`` argument of every :class:`OnlineLoop` built inside the block, in order (the dry run reads
+    what the recipe declared for its config, to size the real run's memory)."""
+    declared: list[bool] = []
+    _RECORDERS.append(declared)
+    try:
+        yield declared
+    finally:
+        _RECORDERS.remove(declared)
+
+
+def reference_uses(cfg, objective: bool) -> list[str]:
+    """What uses the reference (base) model in a run of ``cfg``; empty when nothing does, and then a full fine-tune
+    keeps no frozen copy of its denoiser (a LoRA's reference is free: its adapters off).
+
+    Args:
+        cfg: the recipe's config (its ``sampling`` and ``eval`` sections are read where present).
+        objective: the recipe's declaration: its objective uses the reference with this config.
+
+    Returns:
+        One short phrase per use: the objective; ``sampling.base_last_steps`` (the base takes the last steps of
+        every rollout); the evaluation's hacking panel (the base model's images for ``hack/drift_*``, and
+        ``hack/kl_to_base`` / ``hack/fm_to_base``); the sample grid's base-model column (``eval.grid_size``),
+        drawn by the reference weights whenever the first evaluation of a process comes after training started
+        (``eval.at_start: false``, or a resumed run). The run evaluates at least at its last epoch, so these
+        count whenever they are enabled.
+    """
+    uses = ["the objective"] if objective else []
+    sampling = getattr(cfg, "sampling", None)
+    if getattr(sampling, "base_last_steps", None):
+        uses.append("sampling.base_last_steps")
+    ev = getattr(cfg, "eval", None)
+    if ev is not None:
+        hacking = getattr(ev, "hacking", None)
+        if hacking is not None and hacking.enabled:
+            uses.append("eval.hacking (the base model's images and hack/*_to_base)")
+        if getattr(ev, "grid_size", 0):
+            uses.append("eval.grid_size (the base model's column of the sample grid)")
+    return uses

@@ -9,7 +9,7 @@ loop adds the images and the base model):
 - diversity within a prompt: ``eval.hacking.diversity_prompts`` eval prompts drawn with
   ``eval.hacking.diversity_seeds`` seeds each, ``hack/diversity``;
 - for the shapes world: ``hack/extra_object_rate``, ``hack/extra_objects``, ``hack/bg_shift``,
-  ``hack/bg_r/g/b``, ``hack/accuracy_strict[/kind]``;
+  ``hack/bg_r/g/b``, ``hack/accuracy[/kind]`` (the gold, strict accuracy) and ``hack/lenient_accuracy``;
 - ``hack/kl_to_base``: the KL between the policy's and the base model's transitions of the training rollout
   step, along the policy's ODE path of ``eval.hacking.kl_prompts`` eval prompts (measured even when the loss
   has no KL term; same units as ``train/kl_ref``: the per-step Gaussian KL, averaged over the stochastic steps);
@@ -231,12 +231,11 @@ class HackingPanel:
 
         dist = self.dist
         n = len(prompts)
-        per = -(-n // dist.world_size)
-        rows = list(range(dist.rank * per, min((dist.rank + 1) * per, n)))
+        rows, real = dist.even_shard(n)  # the same forwards on every process (FSDP2)
         local = generate(model, [prompts[i] for i in rows], [seeds[i] for i in rows], steps=self.steps,
                          guidance=self.guidance, batch_size=self.batch_size, should_stop=should_stop,
                          metadata=None if metadata is None else [metadata[i] for i in rows]) if rows else None
-        return gather_images(dist, local, n, per)
+        return gather_images(dist, local[:real] if real else None, n, len(rows))
 
     def __call__(self, model, epoch: int, images: torch.Tensor, seeds: list[int], should_stop=None) -> dict[str, float]:
         """The panel for ``images`` (``[n, 3, H, W]`` in [0, 1]: every eval row, gathered, in order) drawn by
@@ -279,12 +278,10 @@ class HackingPanel:
         """The mean of ``measure(prompts, seeds, metadata) -> [b]`` over the first ``count`` eval prompts, split over
         the processes and gathered."""
         k = min(count, len(self.prompts))
-        per = -(-k // self.dist.world_size)
-        rows = list(range(self.dist.rank * per, min((self.dist.rank + 1) * per, k)))
+        rows, real = self.dist.even_shard(k)  # the same forwards on every process (FSDP2); padding dropped
         values = measure([self.prompts[i] for i in rows], [seeds[i] for i in rows], [self.metadata[i] for i in rows])
-        pad = per - len(rows)
-        keep = self.dist.gather(torch.cat([torch.ones(len(rows)), torch.zeros(pad)])) > 0
-        return float(self.dist.gather(torch.cat([values, torch.zeros(pad)]))[keep].mean())
+        keep = self.dist.gather(torch.cat([torch.ones(real), torch.zeros(len(rows) - real)])) > 0
+        return float(self.dist.gather(values.float().cpu())[keep].mean())
 
 
 def with_reference(model, draw: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 
 from flowrl.updates import UpdateHealth, optimizer_step  # noqa: F401  (re-exported: the trainers' loop)
 
-__all__ = ["minibatch_rows", "TrainingPass", "training_passes", "global_count", "pass_scale", "UpdateHealth",
-           "optimizer_step", "MetricMeans"]
+__all__ = ["minibatch_rows", "TrainingPass", "training_passes", "pass_layout", "stage_rows", "global_count",
+           "pass_scale", "UpdateHealth", "optimizer_step", "MetricMeans"]
 
 
 def minibatch_rows(sample_ids: torch.Tensor, minibatches: int, *, seed: int, epoch: int,
@@ -116,6 +116,64 @@ def training_passes(rows: torch.Tensor, units: Sequence[Any], micro_batch_size: 
                          sync=i == count - 1) for i in range(count)]
 
 
+def pass_layout(passes: Sequence[TrainingPass]) -> tuple[torch.Tensor, list[slice]]:
+    """The rows of ``passes`` laid out so that every pass reads a contiguous slice.
+
+    A trainer gathers its per-row data of a minibatch in this order and moves it to the device once (one copy per
+    tensor, :func:`stage_rows`); each pass then reads ``staged[slice]``, a view: no index tensor and no
+    host-to-device copy per pass, which on a GPU would make every pass wait for the copy. Passes over the same
+    rows (one micro-batch at several steps or times), and a padding pass over a prefix of one, share a slice.
+
+    Args:
+        passes: the passes of one optimizer step (:func:`training_passes`).
+
+    Returns:
+        ``(order, slices)``: ``order`` a CPU long tensor ``[k]`` of local rows (a row may appear twice when two
+        passes overlap without being equal), ``slices[i]`` the positions in ``order`` of ``passes[i].rows``.
+    """
+    order: list[int] = []
+    first: dict[int, int] = {}  # row -> its first position in order
+    seen: dict[tuple[int, ...], slice] = {}
+    slices: list[slice] = []
+    for p in passes:
+        rows = tuple(int(r) for r in p.rows.tolist())
+        if rows in seen:
+            slices.append(seen[rows])
+            continue
+        start = first.get(rows[0], -1) if rows else 0
+        if start < 0 or any(first.get(r) != start + i for i, r in enumerate(rows)):
+            start = len(order)
+            order.extend(rows)
+            for i, r in enumerate(rows):
+                first.setdefault(r, start + i)
+        seen[rows] = slices_i = slice(start, start + len(rows))
+        slices.append(slices_i)
+    return torch.tensor(order, dtype=torch.long), slices
+
+
+def stage_rows(tensor: torch.Tensor, order: torch.Tensor, device: torch.device | str, *,
+               dim1: Sequence[int] | None = None, transpose: bool = False) -> torch.Tensor:
+    """``tensor[order]`` (rows first) on ``device``, gathered where ``tensor`` lives and moved in one copy.
+
+    Args:
+        tensor: ``[n, ...]`` per-row data (usually on the CPU).
+        order: ``[k]`` local rows (:func:`pass_layout`).
+        device: where the passes run.
+        dim1: keep only these positions of dimension 1 (e.g. the trained steps of ``[n, T, ...]``).
+        transpose: return ``[d1, k, ...]`` instead of ``[k, d1, ...]``, so that ``staged[j, slice]`` is contiguous
+            (what a pass reads for one step is then laid out as the unstaged gather was).
+
+    Returns:
+        ``[k, ...]`` (or ``[k, len(dim1), ...]``, or transposed), contiguous, on ``device``.
+    """
+    out = tensor[order.to(tensor.device)]
+    if dim1 is not None:
+        out = out[:, torch.as_tensor(list(dim1), dtype=torch.long, device=out.device)]
+    if transpose:
+        out = out.transpose(0, 1)
+    return out.contiguous().to(device)
+
+
 def pass_scale(p: TrainingPass, n_global: int, dist, units_per_sample: int = 1) -> float:
     """The factor of a pass's mean loss such that the all-reduced gradient is the minibatch's mean.
 
@@ -126,16 +184,43 @@ def pass_scale(p: TrainingPass, n_global: int, dist, units_per_sample: int = 1) 
 
 
 class MetricMeans:
-    """Weighted means of per-pass statistics (e.g. weighted by the samples of each pass)."""
+    """Weighted means of per-pass statistics (e.g. weighted by the samples of each pass).
+
+    A value may be a number or a one-element tensor. A tensor on an accelerator is not read when it is added:
+    reading it (``float(t)``) would block the host until the device has caught up, once per statistic per pass.
+    Its weighted sum is kept on the device, in float64, and :meth:`flush` reads every pending sum in one
+    ``torch.stack(...).tolist()`` (the trainers flush once per optimizer step). float64 arithmetic on the device
+    is the same IEEE arithmetic as Python's floats, in the same order, so the means equal those of reading each
+    value at once, bit for bit. (MPS has no float64: its values are read at once.)
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.weights: dict[str, float] = {}
 
-    def add(self, weight: float, **values: float) -> None:
+    def add(self, weight: float, **values: float | torch.Tensor) -> None:
         for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+            if isinstance(value, torch.Tensor):
+                value = value.detach().reshape(())  # one element, as float(value) requires
+                if value.device.type in ("cpu", "mps"):  # a CPU read costs nothing; MPS has no float64
+                    term = float(value) * weight
+                else:
+                    term = value.double() * weight
+            else:
+                term = float(value) * weight
+            self.sums[key] = self.sums.get(key, 0.0) + term
             self.weights[key] = self.weights.get(key, 0.0) + weight
 
+    def flush(self) -> None:
+        """Read the sums still on a device: one ``tolist()`` per device (a blocking read; call it where the host
+        waits for the device anyway, e.g. at the optimizer step)."""
+        pending: dict[torch.device, list[str]] = {}
+        for key, value in self.sums.items():
+            if isinstance(value, torch.Tensor):
+                pending.setdefault(value.device, []).append(key)
+        for keys in pending.values():
+            self.sums.update(zip(keys, torch.stack([self.sums[k] for k in keys]).tolist()))
+
     def means(self) -> dict[str, float]:
+        self.flush()
         return {k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}

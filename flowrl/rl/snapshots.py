@@ -50,6 +50,12 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0
 
 
+def _is_sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s trained parameters are FSDP2 shards (DTensors; duck-typed: only flowrl/dist.py imports
+    torch.distributed)."""
+    return any(type(p).__name__ == "DTensor" for p in module.parameters() if p.requires_grad)
+
+
 class _SnapshotDenoiser(nn.Module):
     """The denoiser run with the snapshot's tensors in place of its trained parameters."""
 
@@ -112,9 +118,19 @@ class ParamSnapshot:
 
     @contextlib.contextmanager
     def active(self, model) -> Iterator[None]:
-        """Inside this context the model predicts with the snapshot's weights (no gradient reaches them)."""
+        """Inside this context the model predicts with the snapshot's weights (no gradient reaches them).
+
+        Under FSDP2 (sharded parameters) the swap is made in the sharded parameters themselves: FSDP2 gathers a
+        module's shards in its forward pre-hook and registers the gathered tensors, which would overwrite what
+        ``functional_call`` swaps in (the "snapshot" would silently predict with the live weights). Each process
+        copies its shard of the snapshot into the live shards, runs the forward, and copies the live shards back,
+        so the forward must be gradient-free there (as every recipe's snapshot forward is)."""
         from flowrl.models.base import unwrap
 
+        if _is_sharded(unwrap(model.denoiser)):
+            with self._swapped_in(model):
+                yield
+            return
         trained = model.denoiser
         first = next(iter(self.tensors.values()))
         tensors = self.tensors
@@ -126,6 +142,29 @@ class ParamSnapshot:
             yield
         finally:
             model.denoiser = trained
+
+    @contextlib.contextmanager
+    def _swapped_in(self, model) -> Iterator[None]:
+        """The snapshot's shards in the live (FSDP2) parameters for the duration, the live ones restored after."""
+        from flowrl.models.base import _reshard, unwrap
+
+        if torch.is_grad_enabled():
+            raise RuntimeError("a parameter snapshot under FSDP2 predicts by swapping the sharded weights, so its "
+                               "forward pass must run under torch.no_grad()")
+        module = unwrap(model.denoiser)
+        _reshard(module)  # the shards registered again (a forward leaves the root's gathered), and read next forward
+        params = self._params(model)
+        with torch.no_grad():
+            live = [p.detach().clone() for p in params]  # this process's shards: 1/N of the trained weights
+            for param, tensor in zip(params, self.tensors.values()):
+                param.copy_(tensor.to(dtype=param.dtype))
+        try:
+            yield
+        finally:
+            _reshard(module)
+            with torch.no_grad():
+                for param, tensor in zip(self._params(model), live):
+                    param.copy_(tensor)
 
     def velocity_fn(self, model, guidance: float | None = None):
         """``velocity_fn(x, sigma, cond)`` of the snapshot (e.g. for ``collect_epoch(velocity_fn=...)``)."""

@@ -40,7 +40,7 @@ def test_compare_returns_a_grid_and_scores(client):
     assert len(rows) == 3 * 2 * 3
     assert "18 images" in status and not clips  # an image model has no clips
     headers, rows = _table(hacking)
-    assert headers[0] == "model" and {"drift_pixel", "extra_object_rate", "bg_shift", "accuracy_strict",
+    assert headers[0] == "model" and {"drift_pixel", "extra_object_rate", "bg_shift", "accuracy", "lenient_accuracy",
                                       "diversity", "color_entropy", "color_hist_shift", "dark_frac",
                                       "saturated_frac", "hf_energy"} <= set(headers)
     assert [r[0] for r in rows] == ["base", "flow_grpo", "lora"]

@@ -1,20 +1,12 @@
 """The fake-accelerator tier (``pytest -m device``, part of ``make test``): flowrl's device paths run on a CPU-backed
 fake accelerator (flowrl/testing/fake_accelerator.py) that raises on mixed devices as CUDA does, so a user's GPU run
-is never the first execution of a device path. Every test in this folder is marked ``device``."""
+is never the first execution of a device path. Every test module here is marked ``device`` (``pytestmark``); ``make
+test`` runs them in a pytest process of their own (after CPU backward passes in the same process, the fake device
+trips an internal assert of torch)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if HERE in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.device)
 
 
 @pytest.fixture(scope="session")

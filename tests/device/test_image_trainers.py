@@ -18,7 +18,7 @@ from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("one_thread")]
 
 #: (config, family, overrides): the shipped SD3 / FLUX configs where they exist, every other trainer through its
 #: shapes config with the model swapped.

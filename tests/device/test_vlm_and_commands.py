@@ -16,7 +16,7 @@ from flowrl.testing import build_tiny
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = r"reward.answer={format: {weight: 1.0, kwargs: {pattern: '.*\b(red|blue|green|yellow|purple|cyan)\b.*'}}}"
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -232,3 +232,78 @@ def test_vlm_judge_local_edit_sees_the_source(llava_dir, images, prompts):
     assert abs(a[0].item() - expected.item()) < 1e-4
     with pytest.raises(RewardError, match="have no metadata"):
         reward(images, prompts)
+
+
+# ---------------------------------------------------------------------------------------- precision defaults
+
+
+def test_auto_precision_is_bf16_on_cuda_only():
+    from rewards._loading import auto_precision, resolve_dtype
+
+    assert auto_precision(torch.device("cuda", 1)) == "bf16" and auto_precision(torch.device("cpu")) == "fp32"
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == resolve_dtype("auto") == torch.float32
+    assert resolve_dtype("float32", torch.device("cuda")) == torch.float32  # an explicit dtype is kept
+    with pytest.raises(RewardError, match="valid: auto, float32"):
+        resolve_dtype("fp64")
+
+
+def test_reward_defaults_keep_float32_on_the_cpu(hf_clip_dirs, open_clip_dir, hps_files):
+    model_dir, processor_dir = hf_clip_dirs
+    assert rewards.load("pickscore", model=model_dir, processor=processor_dir).model.dtype == torch.float32
+    bf16 = rewards.load("pickscore", model=model_dir, processor=processor_dir, dtype="bfloat16")
+    assert bf16.model.dtype == torch.bfloat16  # the user's explicit dtype
+    assert rewards.load("clip_score", model_name=open_clip_dir, pretrained=None).dtype == torch.float32
+    model_name, checkpoint = hps_files
+    assert rewards.load("hpsv2", checkpoint=checkpoint, model_name=model_name).dtype == torch.float32
+
+
+@pytest.mark.parametrize("module, name, kwargs", [
+    ("rewards.clip_score", "clip_score", {"model_name": "ViT-L-14"}),
+    ("rewards.hpsv2", "hpsv2", {"checkpoint": "HPS_v2.1_compressed.pt"}),
+])
+@pytest.mark.parametrize("given, expected", [(None, "bf16"), ("fp32", "fp32"), ("fp16", "fp16")])
+def test_open_clip_rewards_default_to_bf16_on_cuda(monkeypatch, module, name, kwargs, given, expected, tmp_path):
+    """On a CUDA device the default precision reaches open_clip as bf16, an explicit one unchanged (the model load is
+    stopped there: no GPU here)."""
+    import importlib
+
+    target = importlib.import_module(module)
+
+    class Loaded(Exception):
+        pass
+
+    def load_open_clip(*args, precision, **rest):
+        raise Loaded(precision)
+
+    monkeypatch.setattr(target, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(target, "load_open_clip", load_open_clip)
+    if name == "hpsv2":  # a checkpoint that loads, so that the model build is reached
+        path = tmp_path / kwargs["checkpoint"]
+        torch.save({"state_dict": {"w": torch.zeros(1)}}, path)
+        kwargs = {"checkpoint": str(path)}
+    options = {} if given is None else {"precision": given}
+    with pytest.raises(Loaded) as info:
+        rewards.load(name, device="cuda", **kwargs, **options)
+    assert info.value.args[0] == expected
+
+
+@pytest.mark.parametrize("given, expected", [(None, torch.bfloat16), ("float32", torch.float32)])
+def test_pickscore_defaults_to_bf16_on_cuda(monkeypatch, hf_clip_dirs, given, expected):
+    import transformers
+
+    import rewards.pickscore as pickscore
+
+    class Loaded(Exception):
+        pass
+
+    def from_pretrained(*args, dtype, **kwargs):
+        raise Loaded(dtype)
+
+    monkeypatch.setattr(pickscore, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(transformers.CLIPModel, "from_pretrained", from_pretrained)
+    model_dir, processor_dir = hf_clip_dirs
+    options = {} if given is None else {"dtype": given}
+    with pytest.raises(RewardError) as info:  # load_errors wraps the stop: its cause carries the dtype
+        rewards.load("pickscore", model=model_dir, processor=processor_dir, device="cuda", **options)
+    assert isinstance(info.value.__cause__, Loaded) and info.value.__cause__.args[0] == expected

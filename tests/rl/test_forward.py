@@ -6,7 +6,7 @@ import torch
 
 from flowrl.config import ConfigError, from_dict
 from flowrl.rl.forward import TimesConfig, draw_times, forward_noise, schedule_positions
-from flowrl.rl.passes import minibatch_rows, training_passes
+from flowrl.rl.passes import MetricMeans, minibatch_rows, pass_layout, stage_rows, training_passes
 
 SIGMAS = torch.linspace(1.0, 0.0, 11)  # a 10-step schedule: positions 0..9 are 1.0, 0.9, ..., 0.1
 GROUPS = torch.arange(12) // 4  # 3 groups of 4
@@ -77,6 +77,42 @@ def test_whole_group_micro_batches_and_padding():
     # An empty minibatch makes no pass of zero rows (an empty tensor splits into one empty chunk).
     empty = training_passes(torch.zeros(0, dtype=torch.long), [0], 4, OneProcess())
     assert len(empty) == 0
+
+
+def test_each_pass_reads_a_contiguous_slice_of_the_staged_minibatch():
+    """A minibatch is staged on the device once, in pass_layout's order; every pass (a micro-batch at each unit,
+    whole groups, a padding pass) reads a slice of it that holds exactly its rows."""
+    data = torch.arange(12.0)[:, None] * torch.tensor([1.0, 10.0])  # [n, 2]: row r holds (r, 10 r)
+    rows = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 10, 11])
+    for passes in (training_passes(rows, [0, 1], 6, OneProcess(), groups=GROUPS),
+                   training_passes(rows[torch.randperm(10, generator=torch.Generator().manual_seed(0))], [0, 1, 2],
+                                   3, OneProcess())):
+        order, slices = pass_layout(passes)
+        staged = stage_rows(data, order, "cpu")
+        assert len(slices) == len(passes) and staged.is_contiguous()
+        for p, sl in zip(passes, slices):
+            assert torch.equal(staged[sl], data[p.rows])
+        assert len(order) == len(rows)  # each row staged once: the units of a micro-batch share its slice
+    padding = [*passes, type(passes[0])(rows=passes[0].rows[:1], unit=0, weight=0.0, sync=True)]
+    order, slices = pass_layout(padding)
+    assert slices[-1] == slice(0, 1) and len(order) == len(rows)  # a prefix of the first micro-batch
+    overlap = [type(passes[0])(rows=torch.tensor(r), unit=0, weight=1.0, sync=False) for r in ([3, 4], [4, 5], [3, 4])]
+    order, slices = pass_layout(overlap)
+    assert order.tolist() == [3, 4, 4, 5] and slices == [slice(0, 2), slice(2, 4), slice(0, 2)]
+    steps = stage_rows(torch.arange(24.0).reshape(12, 2), order, "cpu", transpose=True)  # [units, k]
+    assert steps.is_contiguous() and torch.equal(steps[1, 0:2], torch.tensor([7.0, 9.0]))
+    picked = stage_rows(torch.arange(36.0).reshape(12, 3), torch.tensor([2, 0]), "cpu", dim1=[2, 0], transpose=True)
+    assert torch.equal(picked, torch.tensor([[8.0, 2.0], [6.0, 0.0]]))
+
+
+def test_metric_means_weigh_numbers_and_cpu_tensors_alike():
+    means = MetricMeans()
+    means.add(2, loss=torch.tensor(1.5), ratio=1.0)
+    means.add(1, loss=3.0, ratio=torch.tensor([4.0]))
+    assert means.means() == {"loss": (2 * 1.5 + 3.0) / 3, "ratio": (2 * 1.0 + 4.0) / 3}
+    assert all(isinstance(v, float) for v in means.sums.values())  # CPU values are read at once (free)
+    with pytest.raises(RuntimeError):
+        means.add(1, loss=torch.ones(2))  # one value per statistic
 
 
 def test_minibatch_partition_over_the_global_count_agrees_across_processes():

@@ -37,7 +37,7 @@ def scripted_run(out: Path, *extra: str, max_epochs: int = 8, resume: bool = Fal
             weight.update(state)
 
     run.track(weights=Weights())
-    run.evaluation(lambda epoch, should_stop: {"hack/accuracy_strict": SCRIPT[epoch][1], "eval/shapes/accuracy": 0.7})
+    run.evaluation(lambda epoch, should_stop: {"hack/accuracy": SCRIPT[epoch][1], "eval/shapes/accuracy": 0.7})
     trained = []
     with run:
         while run.next_epoch():
@@ -49,10 +49,10 @@ def scripted_run(out: Path, *extra: str, max_epochs: int = 8, resume: bool = Fal
 
 
 def test_stops_when_the_gold_falls_while_the_reward_rises_and_keeps_the_best(tmp_path):
-    stop = ["run.stop_on={metric: hack/accuracy_strict, patience: 3}"]
+    stop = ["run.stop_on={metric: hack/accuracy, patience: 3}"]
     run, trained = scripted_run(tmp_path / "run", *stop)
     assert trained == [1, 2, 3, 4, 5, 6]  # best at 3; 4, 5, 6 did not improve: stop after the third
-    assert run.status.startswith("early stop: hack/accuracy_strict has not improved for 3 evaluations (best 0.6 at "
+    assert run.status.startswith("early stop: hack/accuracy has not improved for 3 evaluations (best 0.6 at "
                                  "epoch 3, while the training reward rose)")
     best = load_state(tmp_path / "run" / "checkpoints" / "best")
     assert best["epoch"] == 3 and float(best["weights"]["w"]) == 3.0
@@ -61,7 +61,7 @@ def test_stops_when_the_gold_falls_while_the_reward_rises_and_keeps_the_best(tmp
 
 def test_no_stop_while_the_reward_falls_too_and_off_by_default(tmp_path):
     # Patience 1, but the reward must rise: with while_reward_rises off it stops at once after the peak.
-    run, trained = scripted_run(tmp_path / "a", "run.stop_on={metric: hack/accuracy_strict, patience: 1, "
+    run, trained = scripted_run(tmp_path / "a", "run.stop_on={metric: hack/accuracy, patience: 1, "
                                                "while_reward_rises: false}")
     assert trained == [1, 2, 3, 4]
     run, trained = scripted_run(tmp_path / "b")  # no stop_on: every epoch
@@ -69,7 +69,7 @@ def test_no_stop_while_the_reward_falls_too_and_off_by_default(tmp_path):
 
 
 def test_the_rule_resumes_exactly(tmp_path):
-    stop = ["run.stop_on={metric: hack/accuracy_strict, patience: 3}", "checkpoint.every_epochs=1"]
+    stop = ["run.stop_on={metric: hack/accuracy, patience: 3}", "checkpoint.every_epochs=1"]
     scripted_run(tmp_path / "run", *stop, max_epochs=4)  # best at 3, one evaluation without improvement
     run, trained = scripted_run(tmp_path / "run", *stop, max_epochs=8, resume=True)
     assert trained == [5, 6]  # two more without improvement, as if it had never stopped
@@ -81,7 +81,7 @@ def test_a_metric_the_evaluation_lacks_is_one_line(tmp_path):
     from flowrl.errors import RunError
 
     with pytest.raises(RunError, match="run.stop_on.metric 'hack/nothing' is not among the evaluation's metrics "
-                                       r"\(eval/shapes/accuracy, hack/accuracy_strict\)"):
+                                       r"\(eval/shapes/accuracy, hack/accuracy\)"):
         scripted_run(tmp_path / "x", "run.stop_on={metric: hack/nothing}")
     with pytest.raises(ConfigError, match="is not a held-out measure"):
         load_recipe_config(str(CONFIG), ["run.stop_on={metric: train/reward_mean}"])

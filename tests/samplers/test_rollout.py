@@ -13,6 +13,7 @@ from samplers import (
     rollout,
     shifted_sigmas,
     step_noise,
+    steps_noise,
     train_mask,
     window_start,
 )
@@ -157,6 +158,17 @@ def test_initial_and_step_noise_are_per_sample():
     assert derive_seed(1, 2) != derive_seed(2, 1) and 0 <= derive_seed(-1, 2**70) < 2**63
     big = initial_noise((4000,), make_sample_seeds(1, 0, range(4)))
     assert abs(big.mean().item()) < 0.05 and abs(big.std().item() - 1) < 0.05
+
+
+def test_the_noise_of_several_steps_drawn_at_once_is_each_steps_noise():
+    """A rollout draws its SDE steps' noise before the first step (one copy to the device instead of one per step):
+    bit for bit the noise it drew step by step."""
+    seeds = make_sample_seeds(0, 3, range(5))
+    several = steps_noise(SHAPE, seeds, [1, 4, 2])
+    assert several.shape == (3, 5) + SHAPE
+    for k, t in enumerate([1, 4, 2]):
+        assert torch.equal(several[k], step_noise(SHAPE, seeds, t))
+    assert steps_noise(SHAPE, seeds, []).shape == (0, 5) + SHAPE
 
 
 @pytest.mark.parametrize("step_name", ["flow_sde", "cps"])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from flowrl.testing import fake_accelerator as fa
 
 pytestmark = [
+    pytest.mark.device,
     pytest.mark.skipif(torch.cuda.is_available(),
                        reason="installing a PrivateUse1 backend breaks CUDA backward passes in this process"),
     pytest.mark.usefixtures("one_thread"),
