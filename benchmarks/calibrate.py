@@ -1,4 +1,4 @@
-"""The benchmarks' budget clock: reference CPU-minutes (``run.clock=reference``, :mod:`flowrl.calibration`).
+"""The benchmarks' budget clock: reference CPU-minutes (``run.clock=reference``, :mod:`flowrl.run.calibration`).
 
 A CPU-minute budget (``run.clock=cpu``) depends on the CPU: one core of another machine may run the shapes UNet
 10-40% faster or slower (measured: the trainers' records were made on an AMD EPYC core whose bfloat16 Flow-GRPO
@@ -9,7 +9,7 @@ counts its budget on the reference clock, which probes the CPU's speed every 5 C
 CPU time by it: budgets are in *reference CPU-minutes*, the same training on any CPU and any load.
 ``FLOWRL_BENCH_CLOCK_SCALE=S`` instead counts plain CPU time times ``S`` (no probes; 1 = as measured).
 
-``flowrl.calibration.PROBE_REFERENCE_SECONDS`` (the bf16 probe) and ``PROBE_REFERENCE_SECONDS_FLOAT32`` (the
+``flowrl.run.calibration.PROBE_REFERENCE_SECONDS`` (the bf16 probe) and ``PROBE_REFERENCE_SECONDS_FLOAT32`` (the
 float32 probe, used on CPUs without bf16 hardware), the probe's time on the reference machine, were derived, not
 measured there (that machine was gone): ``--derive RECORD`` reruns a committed record's command here for
 epochs 2-16 on the reference clock and scales the constant by the ratio of the record's CPU seconds to the
@@ -46,7 +46,7 @@ def budget_clock() -> tuple[str, ...]:
 def speed_now(probes: int = 30) -> dict:
     """``probes`` probe times in a row here, and the reference clock's rate at their median (reference seconds
     per CPU-second: above 1 on a CPU faster than the reference machine's)."""
-    from flowrl import calibration
+    from flowrl.run import calibration
 
     times = [calibration.probe_seconds() for _ in range(probes)]
     median = statistics.median(times)
@@ -80,7 +80,7 @@ def derive(record: Path, epochs: range = range(2, 17)) -> dict:
     import subprocess
     import tempfile
 
-    from flowrl.calibration import probe_precision, reference_seconds
+    from flowrl.run.calibration import probe_precision, reference_seconds
 
     precision = probe_precision()
     used = reference_seconds(precision)

@@ -1,7 +1,7 @@
 """Credit assignment on the shapes model: outcome (Flow-GRPO) vs TP-GRPO vs dense cosine credit.
 
 Trains each method with the same seeds and the same compute budget (``run.max_minutes`` of training time,
-evaluation excluded, see ``flowrl.runtime.Deadline``), one run after another, by launching
+evaluation excluded, see ``flowrl.run.runtime.Deadline``), one run after another, by launching
 
     python -m flowrl train configs/shapes/<config>.yaml run.output_dir=benchmarks/out/credit/<method>_s<seed>
         run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null ...

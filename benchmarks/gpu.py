@@ -140,12 +140,12 @@ def run_config(name: str, s: dict, repeats: int, smoke: bool, dist, workdir: Pat
     from flowrl.core.advantages import PerPromptStatTracker
     from flowrl.data.prompt_groups import PromptGroups
     from flowrl.recipes.flow_grpo import train_epoch
-    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.epoch_advantages import compute_advantages
     from flowrl.rl.collect import collect_epoch
     from flowrl.rl.optim import build_optimizer
     from flowrl.rl.passes import UpdateHealth
     from flowrl.rl.sampling import rollout_step, rollout_window
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
     from rewards import RewardOutput
 
     kind, backend = name.split("/")

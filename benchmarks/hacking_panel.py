@@ -1,10 +1,10 @@
-"""The hacking panel (``flowrl/hacking.py``) of a tuned shapes model against its base model.
+"""The hacking panel (``flowrl/eval/hacking.py``) of a tuned shapes model against its base model.
 
 Generates, with the deterministic Euler ODE and the same per-sample seeds for both models,
 
 - the held-out evaluation set (``flowrl.data.shapes.eval_prompt_set``: 600 eval-split prompts, one fixed
   seed each): drift, extra objects, background shift and (strict) accuracy per task kind;
-- a diversity set (``flowrl.hacking.diversity_rows``: 16 eval-split prompts x 8 seeds): diversity,
+- a diversity set (``flowrl.eval.hacking.diversity_rows``: 16 eval-split prompts x 8 seeds): diversity,
 
 and writes both models' panels (the base model's drift is 0 by definition and left out) as JSON and a
 Markdown table::
@@ -44,8 +44,8 @@ def load(spec: str, device: str = "cpu"):
 def panel(model, rows, group_rows, features, *, steps: int, base=None, artifact=None) -> tuple[dict, dict]:
     """The panel of ``model`` and its images ``{"eval": [N, 3, H, W], "groups": [M, 3, H, W]}``; with an
     ``artifact`` reward also ``hack/p_artifact``, its mean P(artifact) on the held-out images."""
-    from flowrl.hacking import group_diversity, hacking_panel
-    from flowrl.generate import generate
+    from flowrl.eval.hacking import group_diversity, hacking_panel
+    from flowrl.eval.generate import generate
 
     images = generate(model, [r[0] for r in rows], [r[2] for r in rows], steps=steps)
     group_images = generate(model, [r[0] for r in group_rows], [r[2] for r in group_rows], steps=steps)
@@ -66,7 +66,7 @@ def adversarial_probe(tuned_model, base_images, tuned_images, prompts, *, update
     the held-out images of both models."""
     import rewards
     from flowrl.data.shapes import prompt_rows
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     rows = prompt_rows("train", pool, seed=97)
     fakes = generate(tuned_model, [r[0] for r in rows], [r[2] for r in rows], steps=steps)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
 
     from flowrl.data.shapes import eval_prompt_set
-    from flowrl.hacking import diversity_rows, shapes_feature_fn
+    from flowrl.eval.hacking import diversity_rows, shapes_feature_fn
 
     start = time.time()
     rows = eval_prompt_set(args.n)

@@ -54,7 +54,7 @@ def pass_at(n: int, c: int, j: int) -> float:
 def score(images: torch.Tensor, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Per image: lenient correctness (every constraint of the prompt met, as ``eval/shapes/accuracy``) and strict
     (counts exact, no other object, as ``hack/accuracy_strict``). ``images``: ``[B, 3, H, W]`` in [0, 1]."""
-    from flowrl.hacking import judge_shapes_image
+    from flowrl.eval.hacking import judge_shapes_image
 
     judgements = [judge_shapes_image(prompt, image)
                   for prompt, image in zip(prompts, images.permute(0, 2, 3, 1).numpy())]
@@ -86,7 +86,7 @@ def headroom(model, rows: list[tuple[str, str, int]], *, k: int, steps: int, pre
              batch_size: int = 64) -> dict:
     """Best-of-``k`` of ``model`` on ``rows`` (prompt, kind, seed): the lenient and strict summaries and the raw
     per-sample correctness (``[N][k]`` lists of 0 / 1)."""
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     prompts = [r[0] for r in rows for _ in range(k)]
     seeds = [r[2] + j * SEED_STRIDE for r in rows for j in range(k)]

@@ -3,7 +3,7 @@ training run as a subprocess on a training-time budget, read its evaluations bac
 seeds (interpolation at equal images / equal minutes, mean and spread).
 
 A run is ``python -m flowrl train CONFIG run.output_dir=DIR run.seed=S run.max_minutes=M eval.every_minutes=E
-eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flowrl.runtime.Deadline`` excludes
+eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flowrl.run.runtime.Deadline`` excludes
 it from the budget), so every method gets held-out points at the same minutes whatever its epoch length.
 
 Budgets are in reference CPU-minutes at one thread (``run.clock=reference run.threads=1``, which every run gets
@@ -146,7 +146,7 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
     a machine that went away) resumes from its last checkpoint with ``run.resume=true``: a benchmark that spans
     sessions is started again with the same command. Without it, or with nothing to resume, the run starts
     fresh. Returns ``{"status": ok | failed | reused, "returncode", "seconds"}``."""
-    from flowrl.checkpoint import checkpoints
+    from flowrl.run.checkpoint_files import checkpoints
 
     if reuse and (out / DONE).is_file():
         print(f"{label}: reusing {out}", flush=True)
@@ -166,7 +166,7 @@ def train_run(config: Path, out: Path, overrides: dict, extra: list[str] = (), *
     env = {**os.environ, "PYTHONPATH": path}
     with open(out / "train.log", "a" if resume else "w") as log:
         proc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    # Exit 3 (flowrl.run.NO_USABLE_REWARD): the run ran to its end but no epoch had a usable reward; its curve
+    # Exit 3 (flowrl.run.harness.NO_USABLE_REWARD): the run ran to its end but no epoch had a usable reward; its curve
     # is a result (it learned nothing), so it is analysed like any finished run and flagged.
     status = "ok" if proc.returncode in (0, 3) else "failed"
     if proc.returncode == 3:
@@ -257,7 +257,7 @@ def read_curve(directory: Path, metric: str, *, initial: dict | None = None) -> 
         ``epochs``, ``final_images``, ``final_minutes``, the medians over training epochs after the first of
         ``epoch_s``, ``sampling_s``, ``training_s``, ``advantages_s``, and ``rows`` (the training rows).
     """
-    from flowrl.logging import read_metrics
+    from flowrl.run.metrics import read_metrics
 
     path = directory / "metrics.jsonl"
     if not path.is_file():

@@ -75,8 +75,8 @@ def unet_numbers(model, repeats: int, batch: int = 64) -> dict:
 
 def epoch_numbers(trainer: str, precision: str, epochs: int) -> dict:
     """Median sampling / training seconds per epoch of a short run of the shipped config (one thread)."""
-    from flowrl.logging import read_metrics
-    from flowrl.train import load_recipe_config
+    from flowrl.run.metrics import read_metrics
+    from flowrl.commands.train import load_recipe_config
 
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"run.output_dir={tmp}/run", "run.max_minutes=null", f"run.max_epochs={epochs}", "run.threads=1",
@@ -95,7 +95,7 @@ def evaluation_numbers(steps_precision: list[tuple[int, str]], prompts: int) -> 
     import rewards
     from flowrl.data.prompts import load_prompts
     from flowrl.models.config import ModelConfig, build_model
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     prompt_set = load_prompts("shapes:eval", prompts)
     seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]

@@ -133,7 +133,7 @@ def _epoch(model, cfg, dist, *, per_sample: bool):
     """One epoch of rollouts and advantages (``[n]`` with ``per_sample``, else ``[n, T]``), as the recipes' loops
     produce them (not counted)."""
     from flowrl.data.prompt_groups import PromptGroups
-    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.epoch_advantages import compute_advantages
     from flowrl.rl.collect import collect_epoch
     from flowrl.rl.sampling import rollout_step, rollout_window
 
@@ -177,7 +177,7 @@ def measure_dgpo(model, dist) -> dict:
     from flowrl.recipes.dgpo import Config, train_epoch
     from flowrl.rl.forward import ForwardData
     from flowrl.rl.optim import build_optimizer
-    from flowrl.rl.snapshots import ParamSnapshot
+    from flowrl.rl.param_snapshots import ParamSnapshot
 
     n = GROUPS * GROUP_SIZE
     cfg = _config(Config, "dgpo_pickscore", ["train.times.high=1.0"])

@@ -135,7 +135,7 @@ def make_pairs(out: Path, *, prompts: int, per_prompt: int = 16, pairs_per_promp
     from flowrl.data.prompts import load_prompts
     from flowrl.data.webdataset_io import write_pair_shards
     from flowrl.models.shapes import ShapesModel
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     train = load_prompts("shapes:train")
     generator = torch.Generator().manual_seed(seed)

@@ -8,12 +8,12 @@ import sys
 
 # subcommand -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("flowrl.train:main", "run a training recipe: flowrl train CONFIG [a.b=c ...]"),
-    "sample": ("flowrl.sample:sample_main", "sample a labelled image grid from a model"),
-    "eval": ("flowrl.sample:eval_main", "GenEval-style evaluation of a model with a reward"),
-    "export": ("flowrl.export:main", "a run's LoRA for diffusers / peft, or merged: flowrl export RUN --format F"),
-    "doctor": ("flowrl.doctor:main", "check a GPU machine in ten minutes: flowrl doctor [--device cuda]"),
-    "data": ("flowrl.data.cli:main", "write datasets (e.g. flowrl data shapes --split train --n N --out DIR)"),
+    "train": ("flowrl.commands.train:main", "run a training recipe: flowrl train CONFIG [a.b=c ...]"),
+    "sample": ("flowrl.commands.sample:sample_main", "sample a labelled image grid from a model"),
+    "eval": ("flowrl.commands.sample:eval_main", "GenEval-style evaluation of a model with a reward"),
+    "export": ("flowrl.commands.export:main", "a run's LoRA for diffusers / peft, or merged: flowrl export RUN --format F"),
+    "doctor": ("flowrl.commands.doctor:main", "check a GPU machine in ten minutes: flowrl doctor [--device cuda]"),
+    "data": ("flowrl.commands.data:main", "write datasets (e.g. flowrl data shapes --split train --n N --out DIR)"),
     "score": ("rewards.cli:score_main", "score images with reward models"),
     "serve-reward": ("rewards.server:serve_main", "serve reward models over HTTP"),
     "train-reward": ("rewards.train_reward:main", "train a learned reward (artifact classifier, shapes encoder)"),

@@ -116,7 +116,7 @@ class RunConfig:
     max_minutes: float | None = dataclasses.field(default=None, metadata=bounds(gt=0))
     # What max_minutes, eval.every_minutes and time/train_min count: wall-clock time; this process's CPU
     # time (all its threads), which hardly depends on what else a physical machine runs; or reference CPU time,
-    # the CPU time valued by a probe of the CPU's speed every 5 CPU-seconds (flowrl/calibration.py), the same
+    # the CPU time valued by a probe of the CPU's speed every 5 CPU-seconds (flowrl/run/calibration.py), the same
     # training on any CPU and on a virtual machine whose cores slow down when their neighbours are busy.
     clock: Literal["wall", "cpu", "reference"] = "wall"
     # Multiplies the measured time before it meets max_minutes, eval.every_minutes and time/train_min, so a

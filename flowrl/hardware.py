@@ -4,7 +4,7 @@ fast, for settings that only pay with hardware support.
 
 :func:`native_bfloat16` tells whether bfloat16 dot products run in hardware; :func:`check_bfloat16` turns a
 bfloat16 setting on a CPU without it into a config error naming the setting and the fix (training, ``flowrl
-sample`` / ``eval``); :mod:`flowrl.calibration` probes in float32 there and :mod:`flowrl.dryrun` switches its tiny
+sample`` / ``eval``); :mod:`flowrl.run.calibration` probes in float32 there and :mod:`flowrl.commands.dryrun` switches its tiny
 epoch to float32.
 """
 
@@ -16,7 +16,8 @@ import os
 
 import torch
 
-__all__ = ["native_bfloat16", "check_bfloat16", "DeviceError", "usable_device", "run_device", "no_cuda_reason",
+__all__ = ["native_bfloat16", "check_bfloat16", "DeviceError", "usable_device", "run_device", "resolve_device",
+           "no_cuda_reason",
            "check_not_silently_cpu", "REAL_SIZE_PARAMETERS", "CUDA_DRIVER_FLOOR"]
 
 #: The oldest NVIDIA driver each CUDA major version runs on (Linux; NVIDIA's CUDA toolkit release notes).
@@ -146,3 +147,16 @@ def check_bfloat16(precision: str, device: torch.device | str, key: str) -> None
         raise ConfigError(key, f"bfloat16 on this CPU ({capability}, no AVX512-BF16 or AMX) is emulated and runs "
                           f"about 30x slower than float32; set {key}=float32 (bfloat16 pays on CPUs with bf16 "
                           "dot products and on GPUs)")
+
+
+def resolve_device(text: str | None) -> torch.device:
+    """A ``--device`` argument: None means cuda when available, else cpu; otherwise
+    :func:`flowrl.hardware.usable_device` (``cpu``, ``cuda[:N]`` with that GPU present, ``mps`` where Metal is
+    available, the tests' fake accelerator).
+
+    Raises:
+        ValueError: not a usable device here (a :class:`flowrl.hardware.DeviceError`; the message says the fix).
+    """
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return usable_device(text, "--device")

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from flowrl.cli_args import OneLineParser, UsageError, device_arg, one_line, output_file, read_text_file
+from flowrl.commands.args import OneLineParser, UsageError, device_arg, one_line, output_file, read_text_file
 from flowrl.untrusted import same_path
 
 __all__ = ["score_main", "OneLineParser", "ArgumentError", "build_from_args", "parse_reward_args",

@@ -603,7 +603,7 @@ def serve_main(argv: list[str]) -> int:
         if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
             raise ArgumentError("--ssl-certfile and --ssl-keyfile go together; give both or neither")
         if args.device not in (None, "auto"):
-            from flowrl.cli_args import device_arg
+            from flowrl.commands.args import device_arg
 
             device_arg(args.device)  # meta, mps without Metal, missing GPUs: one line, before any model loads
         api_key = read_api_key(args.api_key_file)

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from flowrl.cli_args import OneLineParser, UsageError, positive_int
+from flowrl.commands.args import OneLineParser, UsageError, positive_int
 
 __all__ = ["main"]
 

@@ -35,7 +35,7 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _denormals_kept_after_each_test():
-    """A run flushes float32 denormals for its process (``run.flush_denormal``, flowrl.runtime.prepare_run); put
+    """A run flushes float32 denormals for its process (``run.flush_denormal``, flowrl.run.runtime.prepare_run); put
     torch's default back after each test, so no test's numbers depend on which tests ran before it."""
     yield
     import torch

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_export_that_fails_half_way_leaves_nothing_and_the_retry_succeeds(tiny_shapes_dir, tmp_path, capsys,
                                                                            monkeypatch):
     from flowrl.models.shapes import ShapesModel
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     settings = {"model.path": str(tiny_shapes_dir), "run.output_dir": str(tmp_path / "run"), "run.max_minutes": "null",
                 "run.max_epochs": 1, "data.num_eval_prompts": 2, "sampling.num_steps": 3,

@@ -12,8 +12,8 @@ from flowrl.cli import main
 from flowrl.data.shapes import Scene, eval_prompt_set, sample_examples, split_prompts
 from flowrl.data.webdataset_io import ShardError, iter_shards
 from flowrl.data.shapes import prompt_rows
-from flowrl.grid import HEADER, LINE_HEIGHT, PAD
-from flowrl.sample import parse_seeds
+from flowrl.eval.grid import HEADER, LINE_HEIGHT, PAD
+from flowrl.commands.sample import parse_seeds
 
 TINY = dict(block_out_channels=[32, 32], head_dim=16, text_hidden_size=32, text_layers=1, text_heads=2)
 
@@ -122,7 +122,7 @@ def test_bfloat16_generation_is_close_to_float32_and_recorded(model_dir, tmp_pat
     is really used), float32 output, and the setting in the eval JSON (on every CPU: where bf16 is emulated the
     command would refuse it, tests/test_cli_errors.py)."""
     from flowrl import hardware
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     monkeypatch.setattr(hardware, "native_bfloat16", lambda: True)
     from flowrl.models.shapes import ShapesModel

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from flowrl.train import load_recipe_config
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fragments that configs compose (`base:`): model bases under <family>/base/, task bases under tasks/.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name not in ("accelerate", "base", "tasks"))
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def dry(path, tmp_path, *overrides):
-    from flowrl.dryrun import dry_run
+    from flowrl.commands.dryrun import dry_run
 
     lines: list[str] = []
     result = dry_run(str(path), list(overrides), out=lines.append, workdir=tmp_path)
@@ -42,7 +42,7 @@ def test_every_shipped_config_passes_the_dry_run(path, tmp_path):
     assert "The real run needs:" in report
     assert "cannot read the architecture" not in report  # every shipped config's architecture is read (or skipped)
     from flowrl.models.footprint import KNOWN_MODELS
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(path), [])
     model = getattr(cfg, "model", None)
@@ -90,7 +90,7 @@ def test_stand_ins_only_where_weights_are_missing(tmp_path):
 
 
 def test_the_command_line_and_a_bad_config(tmp_path, capsys):
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     code = main(["configs/shapes/flow_grpo.yaml", "--dry-run", "sampling.num_steps=4",
                  "sampling.window.max_start=null"])
@@ -172,9 +172,9 @@ def test_reward_memory_counts_each_built_copy_at_its_precision():
 
 
 def _sd3_memory(objective, *overrides):
-    from flowrl.dryrun import _memory
+    from flowrl.commands.dryrun import _memory
     from flowrl.models.footprint import footprint, memory_estimate
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(ROOT / "configs/sd3/flow_grpo_pickscore.yaml"), list(overrides))
     return cfg, footprint(cfg.model), _memory(cfg, objective)
@@ -200,7 +200,7 @@ def test_the_report_counts_the_reference_only_when_used():
 
 
 def test_the_dry_run_reads_the_recipes_declaration(tmp_path):
-    """Through the whole dry run: the recipe's ``OnlineLoop(reference=...)`` of the tiny epoch sizes the real run."""
+    """Through the whole dry run: the recipe's ``ImageTraining(reference=...)`` of the tiny epoch sizes the real run."""
     result, report = dry(ROOT / "configs/sd3/flow_grpo_pickscore.yaml", tmp_path, "model.lora=null", "train.kl_coef=0",
                          "eval.hacking.enabled=false", "eval.grid_size=0")
     assert result["exit_code"] == 0, report

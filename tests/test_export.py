@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def train_lora_run(kind: str, out: Path, prompt_file: Path, **extra) -> Path:
     """One Flow-GRPO epoch with LoRA r 4, alpha 8 at a high learning rate, so the adapter moves the images."""
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     path = build_tiny_sd3() if kind == "sd3" else build_tiny_flux()
     settings = {
@@ -65,7 +65,7 @@ def pipeline_class(kind):
 def flowrl_images(run: Path, **kwargs) -> torch.Tensor:
     """Images of flowrl's own model at the run's checkpoint (``load_finetuned``, EMA when kept)."""
     from flowrl.models.resolve import load_finetuned
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     model = load_finetuned(run, **kwargs)
     return generate(model, PROMPTS, SEEDS, steps=STEPS, guidance=GUIDANCE[_kind(run)])
@@ -99,7 +99,7 @@ def base_pipeline(kind: str):
 def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, kind, tmp_path):
     from peft import PeftModel
 
-    from flowrl.export import main as export_main
+    from flowrl.commands.export import main as export_main
 
     run = runs[kind]
     ours = flowrl_images(run)
@@ -129,7 +129,7 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, kind, t
 @pytest.mark.slow
 def test_ema_and_raw_weights_are_exported_as_asked(runs, tmp_path):
     """The SD3 run kept an EMA: the default export is the EMA (as load_finetuned), --no-ema the raw weights."""
-    from flowrl.export import main as export_main
+    from flowrl.commands.export import main as export_main
 
     run = runs["sd3"]
     raw = flowrl_images(run, use_ema=False)
@@ -154,7 +154,7 @@ def test_lora_layers_bake_alpha_over_rank_into_b_only():
 
 def shapes_run(model_dir: Path, out: Path, **extra) -> Path:
     """One epoch of Flow-GRPO on the tiny shapes model (tests/conftest.py)."""
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     settings = {"model.path": str(model_dir), "run.output_dir": str(out), "run.max_minutes": "null",
                 "run.max_epochs": 1, "data.num_eval_prompts": 2, "sampling.num_steps": 3,
@@ -169,7 +169,7 @@ def shapes_run(model_dir: Path, out: Path, **extra) -> Path:
 
 
 def test_bad_exports_are_one_line_errors(tiny_shapes_dir, tmp_path, capsys):
-    from flowrl.export import main as export_main
+    from flowrl.commands.export import main as export_main
 
     assert export_main([str(tmp_path / "nowhere"), "--format", "peft", "--out", str(tmp_path / "o")]) == 2
     assert "no run at" in capsys.readouterr().err

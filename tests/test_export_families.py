@@ -46,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def train_lora_run(family: str, out: Path, prompt_file: Path) -> Path:
     """One Flow-GRPO epoch with LoRA r 4, alpha 8 at a high learning rate, so the adapter moves the images."""
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     settings = {
         "model.name": model_name(family), "model.path": str(build_tiny(family)), "model.resolution": TINY_RESOLUTION,
@@ -123,7 +123,7 @@ def diffusers_images(pipe, family: str) -> torch.Tensor:
 
 def flowrl_images(run: Path, family: str) -> torch.Tensor:
     from flowrl.models.resolve import load_finetuned
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     return generate(load_finetuned(run), PROMPTS, SEEDS, steps=STEPS, guidance=GUIDANCE[family])
 
@@ -133,7 +133,7 @@ def flowrl_images(run: Path, family: str) -> torch.Tensor:
 def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family, tmp_path):
     from peft import PeftModel
 
-    from flowrl.export import main as export_main
+    from flowrl.commands.export import main as export_main
     from flowrl.models.families import pipeline_class
 
     run = runs[family]
@@ -176,7 +176,7 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family,
 
 @pytest.fixture(scope="module")
 def exported(runs, tmp_path_factory):
-    from flowrl.export import main as export_main
+    from flowrl.commands.export import main as export_main
 
     def export(family: str) -> dict[str, Path]:
         run, root = runs[family], tmp_path_factory.mktemp(f"{family}_exports")
@@ -205,7 +205,7 @@ def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike
 
     from flowrl.demo import engine
     from flowrl.demo.cli import make_state
-    from flowrl.sample import eval_main, sample_main
+    from flowrl.commands.sample import eval_main, sample_main
 
     run, tiny = runs[family], build_tiny(family)
     grids = {}
@@ -251,7 +251,7 @@ def test_sample_draws_the_run_its_lora_and_its_merged_pipeline_as_the_same_frame
     import numpy as np
     from PIL import Image
 
-    from flowrl.sample import sample_main
+    from flowrl.commands.sample import sample_main
 
     run, tiny = runs[family], build_tiny(family)
     grids = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.data.shapes import Scene, SceneObject, render
-from flowrl.hacking import (background_stats, feature_drift, group_diversity, hacking_panel, pixel_drift,
+from flowrl.eval.hacking import (background_stats, feature_drift, group_diversity, hacking_panel, pixel_drift,
                             judge_shapes_image, shapes_metrics)
 
 
@@ -138,7 +138,7 @@ def test_panel_rejects_bad_input():
 
 
 def test_shapes_feature_fn_gives_encoder_global_tokens():
-    from flowrl.hacking import shapes_feature_fn
+    from flowrl.eval.hacking import shapes_feature_fn
 
     images = torch.stack([scene_image(("circle", "red", 10.0, 10.0, 10.0)), scene_image()])
     features = shapes_feature_fn()(images)

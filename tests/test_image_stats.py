@@ -1,4 +1,4 @@
-"""The image statistics of the hacking panel (flowrl/image_stats.py) on constructed images: a flat colour, a
+"""The image statistics of the hacking panel (flowrl/eval/image_stats.py) on constructed images: a flat colour, a
 checkerboard, a two-colour split, dark and saturated patches; and their entries in the panel."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from flowrl.hacking import hacking_panel
-from flowrl.image_stats import (color_entropy, dark_fraction, high_frequency_energy, histogram_shift, image_stats,
+from flowrl.eval.hacking import hacking_panel
+from flowrl.eval.image_stats import (color_entropy, dark_fraction, high_frequency_energy, histogram_shift, image_stats,
                                 saturated_fraction)
 
 

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def walk(tmp_path_factory):
     """The README's first steps: a tiny SD3 pipeline, `flowrl train configs/sd3/tiny.yaml` (shortened to two epochs
     and a higher learning rate so the LoRA moves the images), `flowrl export` as diffusers and merged."""
-    from flowrl.export import main as export_main
-    from flowrl.train import main as train_main
+    from flowrl.commands.export import main as export_main
+    from flowrl.commands.train import main as train_main
 
     root = tmp_path_factory.mktemp("walk")
     tiny = build_tiny_sd3(root / "tiny_sd3")
@@ -48,7 +48,7 @@ def grid(path: Path) -> np.ndarray:
 
 
 def sample(capsys, *args) -> str:
-    from flowrl.sample import sample_main
+    from flowrl.commands.sample import sample_main
 
     code = sample_main([*args, "--prompt", "a red cat", "--prompt", "a blue square", "--seeds", "0-1", "--steps", "4",
                         "--no-progress"])
@@ -78,7 +78,7 @@ def test_sample_a_run_its_lora_and_its_merged_pipeline_alike(walk, tmp_path, cap
 
 @pytest.mark.slow
 def test_eval_a_geneval_style_jsonl_hands_metadata_to_the_reward(walk, tmp_path, capsys):
-    from flowrl.sample import eval_main
+    from flowrl.commands.sample import eval_main
     from rewards import RewardOutput
     from rewards.base import Reward
     from rewards.registry import REWARDS
@@ -120,7 +120,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_eval_through_the_reward_server_equals_the_local_reward(walk, tmp_path, capsys):
-    from flowrl.sample import eval_main
+    from flowrl.commands.sample import eval_main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a red circle", "tag": "colors"}\n{"prompt": "a green square", "tag": "colors"}\n')
@@ -149,7 +149,7 @@ def test_eval_through_the_reward_server_equals_the_local_reward(walk, tmp_path, 
 
 
 def test_model_options_mistakes_are_one_line(walk, capsys):
-    from flowrl.sample import sample_main
+    from flowrl.commands.sample import sample_main
 
     w = walk
     cases = [

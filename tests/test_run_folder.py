@@ -1,4 +1,4 @@
-"""The run-folder contract every recipe shares (flowrl/run_folder.py, flowrl/checkpoint.py): each case was a way a
+"""The run-folder contract every recipe shares (flowrl/run/folder.py, flowrl/run/checkpoint_files.py): each case was a way a
 user's work got lost or mixed up before it (the security review's findings), reproduced here."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import checkpoints, save_checkpoint
+from flowrl.run.checkpoint_files import checkpoints, save_checkpoint
 from flowrl.config import ConfigError, RunConfig
-from flowrl.run_folder import MARKER, prepare_output_dir
+from flowrl.run.folder import MARKER, prepare_output_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_a_second_job_on_the_same_folder_is_refused_naming_the_holder(tmp_path):
     checkpoints and appended to the same metrics."""
     _, lock = prepare_output_dir(RunConfig(output_dir=str(tmp_path / "run")), OneProcess())
     try:
-        code = ("from flowrl.config import RunConfig; from flowrl.run_folder import prepare_output_dir\n"
+        code = ("from flowrl.config import RunConfig; from flowrl.run.folder import prepare_output_dir\n"
                 "class D:\n is_main=True; world_size=1; rank=0\n def barrier(self): pass\n"
                 " def any(self, f): return bool(f)\n"
                 f"prepare_output_dir(RunConfig(output_dir={str(tmp_path / 'run')!r}, resume=False), D())")
@@ -118,8 +118,8 @@ SUPERVISED = {
 def test_supervised_recipes_keep_the_folder_contract(recipe, tmp_path, capsys):
     """Before: pretrain and vlm_sft skipped the guard: a fresh run into a used folder deleted its metrics and
     overwrote its config and model; run.overwrite was accepted and ignored."""
-    from flowrl.logging import read_metrics
-    from flowrl.train import main
+    from flowrl.run.metrics import read_metrics
+    from flowrl.commands.train import main
 
     config, tiny = SUPERVISED[recipe]
     out = tmp_path / recipe
@@ -139,8 +139,8 @@ def test_supervised_recipes_keep_the_folder_contract(recipe, tmp_path, capsys):
 def test_resume_refuses_when_processes_see_different_checkpoint_names(tmp_path):
     """Two processes that each see one checkpoint, but not the same one (a folder that is not shared, or a
     copy out of date), must not resume from different epochs: the count agrees (1 and 1), the names do not."""
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.run_checkpoints import RunCheckpoints
+    from flowrl.run.checkpoint_files import CheckpointError
+    from flowrl.run.checkpoints import RunCheckpoints
 
     class TwoProcesses(OneProcess):
         world_size = 2
@@ -162,8 +162,8 @@ def test_after_a_failure_the_other_processes_wait_for_the_main_process_checkpoin
     import threading
     import time
 
-    from flowrl.checkpoint import CheckpointError
-    from flowrl.run_checkpoints import RunCheckpoints
+    from flowrl.run.checkpoint_files import CheckpointError
+    from flowrl.run.checkpoints import RunCheckpoints
 
     class SecondProcess(OneProcess):
         is_main, world_size, rank, shards_weights = False, 2, 1, False
@@ -190,7 +190,7 @@ def test_a_start_that_fails_leaves_nothing_that_blocks_the_corrected_command(tin
     """Before 2026-12-07 a run locked its folder and wrote config.yaml before the model loaded: a mistyped model path
     (a VLM's was even a traceback) left a folder that refused the corrected command ("holds an earlier run")."""
     from flowrl.policies.shapes_vlm import ShapesVLMConfig, build_model
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     out = tmp_path / "run"
     vlm = [str(ROOT / "configs/vlm/shapes_vqa_grpo.yaml"), f"run.output_dir={out}", "run.max_epochs=0",

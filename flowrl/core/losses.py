@@ -277,7 +277,7 @@ def _positive(x: Tensor, message: str) -> Tensor:
 
     On the CPU a non-positive entry raises ``ValueError(message)``. On an accelerator the check would be a blocking
     device-to-host read per call (per training pass), so it is made on the device instead: non-positive entries
-    become NaN, the loss is NaN, and the guarded optimizer step (:func:`flowrl.updates.optimizer_step`) skips
+    become NaN, the loss is NaN, and the guarded optimizer step (:func:`flowrl.run.updates.optimizer_step`) skips
     the update and counts it. Positive entries are returned unchanged.
     """
     if x.device.type == "cpu":

@@ -36,7 +36,7 @@ import os
 import sys
 from pathlib import Path
 
-from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
+from flowrl.commands.args import OneLineParser, UsageError, device_arg, positive_int
 from flowrl.demo.limits import Limits
 
 __all__ = ["parse_args", "make_state", "launch", "main"]
@@ -106,7 +106,7 @@ def read_auth_file(path: str) -> list[tuple[str, str]]:
     Raises:
         UsageError: the file is missing, unreadable, not text, holds no pair or a line without ``:``.
     """
-    from flowrl.cli_args import read_text_file
+    from flowrl.commands.args import read_text_file
 
     text = read_text_file(path, what=f"--auth {path!r}", fix="give a text file of user:password lines")
     pairs = []
@@ -137,7 +137,7 @@ def _default_name(path: Path) -> str:
     if path.name == "state.pt":
         path = path.parent
     if path.parent.name == "checkpoints":  # runs/<run>/checkpoints/epoch_<N> (or step_<N>)
-        from flowrl.checkpoint import checkpoint_number
+        from flowrl.run.checkpoint_files import checkpoint_number
 
         number = checkpoint_number(path)
         return f"{path.parent.parent.name}@{number if number is not None else path.name}"

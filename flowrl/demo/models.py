@@ -81,7 +81,7 @@ def discover_runs(runs_dir: str | Path | None) -> list[RunInfo]:
     """Runs under ``runs_dir`` (one level deep) that hold an image model: fine-tuning runs with at least one
     checkpoint, and pretraining runs with a saved ``model/``. Unreadable directories and the runs of token
     policies (``vlm_*`` recipes: the Agent tab loads those) are skipped."""
-    from flowrl.checkpoint import latest_checkpoint
+    from flowrl.run.checkpoint_files import latest_checkpoint
 
     if not runs_dir:
         return []

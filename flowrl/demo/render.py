@@ -8,8 +8,8 @@ from typing import Sequence
 
 import torch
 
-from flowrl.grid import BACKGROUND, PAD, TEXT, _cut, _font, _tile, to_pil
-from flowrl.grid import image_grid as grid_image  # the one grid, shared with flowrl sample and the runs
+from flowrl.eval.grid import BACKGROUND, PAD, TEXT, _cut, _font, _tile, to_pil
+from flowrl.eval.grid import image_grid as grid_image  # the one grid, shared with flowrl sample and the runs
 
 __all__ = ["grid_image", "strip_image", "trajectory_plot", "to_pil"]
 

@@ -283,13 +283,13 @@ def _compare_grid(result, grid_image):
 
 
 def _write_clips(state: DemoState, result) -> list[tuple[str, str]]:
-    """Each clip of ``result`` as a looping GIF (16 fps, Wan's frame rate; ``flowrl.grid.save_gif``, as ``flowrl
+    """Each clip of ``result`` as a looping GIF (16 fps, Wan's frame rate; ``flowrl.eval.grid.save_gif``, as ``flowrl
     sample`` writes them) in a fresh folder of the state's media directory; returns ``(path, caption)`` in the
     grid's order (prompt, then model, then seed). Folders older than ``Limits.cache_seconds`` are removed first
     (Gradio has copied each request's files into its own cache, which it cleans itself)."""
     import tempfile
 
-    from flowrl.grid import save_gif
+    from flowrl.eval.grid import save_gif
 
     root = state.media_root()
     folder = Path(tempfile.mkdtemp(prefix="compare-", dir=root))
@@ -306,13 +306,13 @@ def _write_clips(state: DemoState, result) -> list[tuple[str, str]]:
 
 
 def _hacking_table(result, prompts: list[str], seeds: list[int]):
-    """The reward-hacking panel (flowrl/hacking.py) of each model's images: drift against the first model's
+    """The reward-hacking panel (flowrl/eval/hacking.py) of each model's images: drift against the first model's
     images of the same noise, diversity across the seeds of a prompt, the image statistics of any world
-    (flowrl/image_stats.py: colour entropy and histogram shift, dark / saturated pixel fractions, high-frequency
+    (flowrl/eval/image_stats.py: colour entropy and histogram shift, dark / saturated pixel fractions, high-frequency
     energy), and for the shapes world extra objects, background shift from white and strict-count accuracy."""
     import pandas as pd
 
-    from flowrl.hacking import hacking_panel, is_shapes_world, shapes_feature_fn
+    from flowrl.eval.hacking import hacking_panel, is_shapes_world, shapes_feature_fn
 
     labels = [p for p in prompts for _ in seeds]
     features = shapes_feature_fn() if is_shapes_world(prompts) else None

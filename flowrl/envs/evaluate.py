@@ -179,7 +179,7 @@ def vqa_eval_main(argv: list[str]) -> int:
     import time
     from pathlib import Path
 
-    from flowrl.cli_args import OneLineParser, UsageError, device_arg, positive_int
+    from flowrl.commands.args import OneLineParser, UsageError, device_arg, positive_int
 
     parser = OneLineParser(prog="flowrl eval --task", description="Held-out accuracy of a VLM policy on Shapes-VQA "
                                                                   "(or the zoom environment), per question kind.")

@@ -412,7 +412,7 @@ class FlowModel(nn.Module):
                 f"{type(self).__name__} is fully fine-tuned and keeps no reference copy: the run declared that nothing "
                 "uses the reference (e.g. train.kl_coef = 0, no base_last_steps, no evaluation of the base model), so "
                 "the copy was skipped to save memory; a recipe whose objective uses the reference declares it "
-                "(OnlineLoop(..., reference=True)), and code outside a recipe calls model.freeze_reference() before "
+                "(ImageTraining(..., reference=True)), and code outside a recipe calls model.freeze_reference() before "
                 "training")
         trained = self.denoiser
         self.denoiser = self._reference
@@ -428,7 +428,7 @@ class FlowModel(nn.Module):
         The copy is in the weights' original dtype even after :meth:`keep_float32_master_weights` (the loaded
         16-bit values, exactly), and parameters are copied one by one in that dtype, so no float32 copy of the
         whole denoiser is ever made. Costs one denoiser's weights of device memory (24 GB for FLUX.1 in
-        bfloat16): call it only when the run uses the reference (:class:`flowrl.rl.online.OnlineLoop` decides).
+        bfloat16): call it only when the run uses the reference (:class:`flowrl.rl.setup.ImageTraining` decides).
         """
         if self.lora is not None or self._reference is not None:
             return
@@ -454,7 +454,7 @@ class FlowModel(nn.Module):
         Wan's time embedder); the forward pass runs under ``torch.autocast(dtype=<the 16-bit dtype>)``, so matmuls
         keep their 16-bit speed. Costs 2 more bytes per trained parameter for the weights and for their
         gradients (the gradient follows the weight's dtype). A no-op for LoRA (its weights are float32 already)
-        and for float32 models. Call it before the optimizer is built (OnlineLoop does, for training only: the
+        and for float32 models. Call it before the optimizer is built (ImageTraining does, for training only: the
         inference commands keep the loaded dtype).
         """
         if self.lora is not None or self._autocast_dtype is not None:

@@ -432,7 +432,7 @@ def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema
     - reference copy (full fine-tuning, when the run uses the reference: ``reference``): the denoiser in
       ``model.dtype``; a LoRA's reference is its adapters off, free;
     - EMA (``train.ema_decay``): a float32 copy of the trained tensors (diffusers' ``EMAModel`` of the float32
-      trained weights); snapshots: ``snapshots`` more float32 copies (``flowrl.rl.snapshots.ParamSnapshot``: NFT's
+      trained weights); snapshots: ``snapshots`` more float32 copies (``flowrl.rl.param_snapshots.ParamSnapshot``: NFT's
       old model, CRD's two, DGPO's and AWM's EMA snapshot, elastic reset's two);
     - rewards: ``rewards`` bytes of reward models (:func:`reward_memory`);
     - activations of one training micro-batch (two rows per sample with classifier-free guidance): about

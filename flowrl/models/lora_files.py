@@ -7,7 +7,7 @@ checkpoint (its EMA when kept), and the two LoRA folder formats other tools read
   :data:`EXPERT_2_WEIGHTS` (``load_lora_weights(DIR, weight_name=..., load_into_transformer_2=True)``);
 - PEFT (``adapter_config.json`` + ``adapter_model.safetensors``, unscaled, the run's own ``r`` / ``lora_alpha``).
 
-Used by ``flowrl export`` (:mod:`flowrl.export`) and by the run's checkpoints (each LoRA checkpoint of an SD3 /
+Used by ``flowrl export`` (:mod:`flowrl.commands.export`) and by the run's checkpoints (each LoRA checkpoint of an SD3 /
 FLUX run holds the diffusers folder). Library code: no command-line handling here.
 """
 

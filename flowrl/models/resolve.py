@@ -221,7 +221,7 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
         ModelLoadError: no such path, no config or checkpoint, a base model that does not load, or weights
             that do not match the rebuilt model; the message names the cause and the fix.
     """
-    from flowrl.checkpoint import CheckpointError, latest_checkpoint, load_state
+    from flowrl.run.checkpoint_files import CheckpointError, latest_checkpoint, load_state
     from flowrl.config import ConfigError, from_dict
     from flowrl.models.config import ModelConfig, build_model
 

@@ -13,7 +13,7 @@
         [--dtype float32|bfloat16|float16] [--resolution PX] [--num-frames N (video models)] [--no-ema]
 
 Mistakes (a path that is not a model, a LoRA of another model, --run with --lora) are one-line
-:class:`~flowrl.cli_args.UsageError` / :class:`~flowrl.models.base.ModelLoadError`, never tracebacks.
+:class:`~flowrl.commands.args.UsageError` / :class:`~flowrl.models.base.ModelLoadError`, never tracebacks.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def model_from_args(args: argparse.Namespace, device: torch.device | str) -> Flo
         UsageError: contradictory options.
         ModelLoadError: nothing loadable where the options point.
     """
-    from flowrl.cli_args import UsageError
+    from flowrl.commands.args import UsageError
 
     spec = getattr(args, "model", "shapes")
     if args.run:

@@ -32,9 +32,9 @@ from typing import ClassVar, Literal
 
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
+from flowrl.rl.epoch_advantages import AdvantageConfig
 from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
-from flowrl.rl.snapshots import SnapshotConfig
+from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -68,7 +68,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     Args:
         data: the epoch's :class:`flowrl.rl.forward.ForwardData`.
         sigmas: the rollout schedule (training times are drawn from it).
-        ema_snapshot: the fast EMA :class:`flowrl.rl.snapshots.ParamSnapshot` (needed when ``ema_kl_coef > 0``).
+        ema_snapshot: the fast EMA :class:`flowrl.rl.param_snapshots.ParamSnapshot` (needed when ``ema_kl_coef > 0``).
 
     Returns:
         ``train/...`` means: ``loss``, ``policy_loss``, ``kl_loss``, ``kl_ref``, ``kl_ema``, ``ratio``,
@@ -97,27 +97,27 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run AWM as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import collect_forward, forward_rows
-    from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+    from flowrl.rl.setup import ImageTraining
+    from flowrl.rl.param_snapshots import ParamSnapshot, optimizer_steps
 
-    online = OnlineLoop(cfg, "awm", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, "awm", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         reference=cfg.train.kl_coef > 0,  # the KL term (ema_kl_coef's anchor is a snapshot)
                         plot_groups={"awm": ["train/policy_loss", "train/kl_ref", "train/kl_ema"]})
-    run, model = online.run, online.model
+    run, model = setup.run, setup.model
     ema_snapshot = ParamSnapshot(model, cfg.train.ema_snapshot.schedule()) if cfg.train.ema_kl_coef > 0 else None
     run.track(ema_snapshot=ema_snapshot)
 
     with run:
         while run.next_epoch():
-            rollouts, data, metrics = collect_forward(online)
+            rollouts, data, metrics = collect_forward(setup)
             if data is not None:
-                with online.training(forward_rows(data, cfg)) as bar:
-                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
-                                               run.epoch, ema_snapshot=ema_snapshot, ema=online.ema,
+                with setup.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
+                                               run.epoch, ema_snapshot=ema_snapshot, ema=setup.ema,
                                                health=run.health, progress=bar))
             if ema_snapshot is not None:
-                metrics["train/ema_decay"] = ema_snapshot.update(model, optimizer_steps(online.optimizer))
-            online.end_epoch(metrics, rollouts)
+                metrics["train/ema_decay"] = ema_snapshot.update(model, optimizer_steps(setup.optimizer))
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 RECIPE = Recipe(Config, main)

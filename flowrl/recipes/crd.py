@@ -34,7 +34,7 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
 from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
-from flowrl.rl.snapshots import SnapshotConfig
+from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -79,7 +79,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     Args:
         data: the epoch's :class:`flowrl.rl.forward.ForwardData`; every group on this process is whole.
         sigmas: the rollout schedule (training times are drawn from it).
-        old: the old :class:`flowrl.rl.snapshots.ParamSnapshot` (the implicit reward's baseline).
+        old: the old :class:`flowrl.rl.param_snapshots.ParamSnapshot` (the implicit reward's baseline).
 
     Returns:
         ``train/...`` means: ``loss``, ``policy_loss``, ``kl_loss``, ``implicit_reward``, ``kl_ref``,
@@ -108,15 +108,15 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run CRD as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import collect_forward, forward_rows, groups_stay_local
-    from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+    from flowrl.rl.setup import ImageTraining
+    from flowrl.rl.param_snapshots import ParamSnapshot, optimizer_steps
 
-    online = OnlineLoop(cfg, "crd", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, "crd", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         reference=cfg.train.kl_coef > 0,  # v_ref enters only the KL anchor
                         plot_groups={"crd": ["train/policy_loss", "train/implicit_reward", "train/old_decay",
                                              "train/rollout_snapshot_decay"]})
-    run, model = online.run, online.model
-    groups_stay_local(cfg, online.dist)
+    run, model = setup.run, setup.model
+    groups_stay_local(cfg, setup.dist)
     old = ParamSnapshot(model, cfg.train.old.schedule())  # the implicit reward's baseline
     rollout_snapshot = ParamSnapshot(model, cfg.train.rollout_snapshot.schedule())  # the weights that roll out
     run.track(old=old, rollout_snapshot=rollout_snapshot)
@@ -124,15 +124,15 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     with run:
         while run.next_epoch():
             sample_with = rollout_snapshot.velocity_fn(model, cfg.sampling.guidance)
-            rollouts, data, metrics = collect_forward(online, velocity_fn=sample_with)
+            rollouts, data, metrics = collect_forward(setup, velocity_fn=sample_with)
             if data is not None:
-                with online.training(forward_rows(data, cfg)) as bar:
-                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
-                                               run.epoch, old=old, ema=online.ema, health=run.health, progress=bar))
-            steps = optimizer_steps(online.optimizer)
+                with setup.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
+                                               run.epoch, old=old, ema=setup.ema, health=run.health, progress=bar))
+            steps = optimizer_steps(setup.optimizer)
             metrics["train/old_decay"] = old.update(model, steps)
             metrics["train/rollout_snapshot_decay"] = rollout_snapshot.update(model, steps)
-            online.end_epoch(metrics, rollouts)
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 RECIPE = Recipe(Config, main)

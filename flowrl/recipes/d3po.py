@@ -29,7 +29,7 @@ import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
-from flowrl.rl.online import OnlineConfig, UpdateConfig
+from flowrl.rl.setup import OnlineConfig, UpdateConfig
 
 __all__ = ["TrainConfig", "Config", "group_pairs", "train_epoch", "main", "RECIPE"]
 
@@ -152,25 +152,25 @@ def train_epoch(model, optimizer, rollouts, pairs: tuple[torch.Tensor, torch.Ten
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run D3PO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import groups_stay_local
-    from flowrl.rl.online import OnlineLoop
+    from flowrl.rl.setup import ImageTraining
 
-    online = OnlineLoop(cfg, "d3po", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, "d3po", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         reference=True,  # the reference's log-probs are in the DPO loss itself
                         plot_groups={"d3po": ["train/log_ratio_chosen", "train/log_ratio_rejected",
                                               "train/implicit_acc"]})
-    run, model = online.run, online.model
-    groups_stay_local(cfg, online.dist)
+    run, model = setup.run, setup.model
+    groups_stay_local(cfg, setup.dist)
 
     with run:
         while run.next_epoch():
-            rollouts, _, valid, metrics = online.collect(run.epoch)
-            if online.updates_policy(metrics):
+            rollouts, _, valid, metrics = setup.collect(run.epoch)
+            if setup.updates_policy(metrics):
                 pairs = group_pairs(torch.where(valid, rollouts.rewards, torch.nan), rollouts.group_ids)
                 passes = 2 * pairs[0].numel() * len(rollouts.trained_steps) * cfg.train.inner_epochs
-                with online.training(passes) as bar:
-                    metrics.update(train_epoch(model, online.optimizer, rollouts, pairs, cfg, online.dist, run.epoch,
-                                               ema=online.ema, health=run.health, progress=bar))
-            online.end_epoch(metrics, rollouts)
+                with setup.training(passes) as bar:
+                    metrics.update(train_epoch(model, setup.optimizer, rollouts, pairs, cfg, setup.dist, run.epoch,
+                                               ema=setup.ema, health=run.health, progress=bar))
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 

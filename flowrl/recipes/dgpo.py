@@ -32,9 +32,9 @@ import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
+from flowrl.rl.epoch_advantages import AdvantageConfig
 from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
-from flowrl.rl.snapshots import SnapshotConfig
+from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -74,7 +74,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     Args:
         data: the epoch's :class:`flowrl.rl.forward.ForwardData`; every group on this process is whole.
         sigmas: the rollout schedule (training times are drawn from it).
-        ema_snapshot: the EMA :class:`flowrl.rl.snapshots.ParamSnapshot` (clip baseline, optional sampler).
+        ema_snapshot: the EMA :class:`flowrl.rl.param_snapshots.ParamSnapshot` (clip baseline, optional sampler).
 
     Returns:
         ``train/...`` means: ``loss``, ``policy_loss``, ``kl_ref``, ``group_weight``, ``clip_frac``,
@@ -83,7 +83,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.core.diffusion_preference import dgpo_loss
     from flowrl.core.forward_losses import velocity_error
     from flowrl.rl.forward import ForwardEpoch
-    from flowrl.rl.snapshots import optimizer_steps
+    from flowrl.rl.param_snapshots import optimizer_steps
 
     train = cfg.train
     training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
@@ -113,30 +113,30 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run DGPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import collect_forward, forward_rows, groups_stay_local
-    from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+    from flowrl.rl.setup import ImageTraining
+    from flowrl.rl.param_snapshots import ParamSnapshot, optimizer_steps
 
-    online = OnlineLoop(cfg, "dgpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, "dgpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         reference=True,  # err_ref is in the DPO loss itself
                         plot_groups={"dgpo": ["train/policy_loss", "train/group_weight", "train/implicit_acc"]})
-    run, model = online.run, online.model
-    groups_stay_local(cfg, online.dist)
+    run, model = setup.run, setup.model
+    groups_stay_local(cfg, setup.dist)
     ema_snapshot = ParamSnapshot(model, cfg.train.ema_snapshot.schedule())  # updated after every optimizer step
     run.track(ema_snapshot=ema_snapshot)
     after = cfg.train.sample_from_ema_after
 
     with run:
         while run.next_epoch():
-            from_ema = after is not None and optimizer_steps(online.optimizer) >= after
+            from_ema = after is not None and optimizer_steps(setup.optimizer) >= after
             rollout_velocity = ema_snapshot.velocity_fn(model, cfg.sampling.guidance) if from_ema else None
-            rollouts, data, metrics = collect_forward(online, velocity_fn=rollout_velocity)
+            rollouts, data, metrics = collect_forward(setup, velocity_fn=rollout_velocity)
             if data is not None:
-                with online.training(forward_rows(data, cfg)) as bar:
-                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
-                                               run.epoch, ema_snapshot=ema_snapshot, ema=online.ema,
+                with setup.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
+                                               run.epoch, ema_snapshot=ema_snapshot, ema=setup.ema,
                                                health=run.health, progress=bar))
             metrics["train/sampled_from_ema"] = int(from_ema)
-            online.end_epoch(metrics, rollouts)
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 RECIPE = Recipe(Config, main)

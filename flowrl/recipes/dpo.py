@@ -27,11 +27,11 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.models.config import ModelConfig
 from flowrl.recipes import Recipe
-from flowrl.rl.evaluate import EvalConfig
+from flowrl.eval.evaluate import EvalConfig
 from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
 from flowrl.rl.optim import OptimConfig
-from flowrl.rl.online import DataConfig
-from flowrl.run import CheckpointConfig, LogConfig
+from flowrl.rl.setup import DataConfig
+from flowrl.run.harness import CheckpointConfig, LogConfig
 from flowrl.rl.sampling import SamplingConfig
 from rewards.config import RewardConfig
 
@@ -226,28 +226,28 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Diffusion-DPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.config import ConfigError
     from flowrl.rl.forward import forward_rows
-    from flowrl.rl.online import OnlineLoop
+    from flowrl.rl.setup import ImageTraining
 
-    online = OnlineLoop(cfg, "dpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, rollouts=False,
+    setup = ImageTraining(cfg, "dpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, rollouts=False,
                         reference=True,  # err_ref is in the DPO loss itself
                         plot_groups={"dpo": ["train/loss", "train/implicit_acc", "train/reward_margin"]})
-    run, model = online.run, online.model
-    if cfg.pairs.pairs_per_epoch % online.dist.world_size:
+    run, model = setup.run, setup.model
+    if cfg.pairs.pairs_per_epoch % setup.dist.world_size:
         raise ConfigError("pairs.pairs_per_epoch", f"{cfg.pairs.pairs_per_epoch} pairs do not split over "
-                          f"{online.dist.world_size} processes; make it a multiple of {online.dist.world_size}")
+                          f"{setup.dist.world_size} processes; make it a multiple of {setup.dist.world_size}")
     pairs = PairSet(cfg.pairs.path, cfg.pairs.pairs_per_epoch, cfg.run.seed)
     pairs.check(model)
     sigmas = model.sigmas(cfg.sampling.num_steps)
 
     with run:
         while run.next_epoch():
-            with online.precision():
-                data = pairs.epoch(model, run.epoch, online.dist)
+            with setup.precision():
+                data = pairs.epoch(model, run.epoch, setup.dist)
             metrics = {"train/pairs_seen": (run.epoch + 1) * cfg.pairs.pairs_per_epoch, "train/pair_set": len(pairs)}
-            with online.training(forward_rows(data, cfg)) as bar:
-                metrics.update(train_epoch(model, online.optimizer, data, sigmas, cfg, online.dist, run.epoch,
-                                           ema=online.ema, health=run.health, progress=bar))
-            online.end_epoch(metrics, images=0)
+            with setup.training(forward_rows(data, cfg)) as bar:
+                metrics.update(train_epoch(model, setup.optimizer, data, sigmas, cfg, setup.dist, run.epoch,
+                                           ema=setup.ema, health=run.health, progress=bar))
+            setup.end_epoch(metrics, images=0)
     return run.finish()
 
 RECIPE = Recipe(Config, main)

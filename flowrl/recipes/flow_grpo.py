@@ -49,7 +49,7 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
 from flowrl.rl.elastic_reset import ElasticResetConfig
-from flowrl.rl.online import OnlineConfig
+from flowrl.rl.setup import OnlineConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "reward_adaptive_kl_scale", "main", "RECIPE"]
 
@@ -273,10 +273,10 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Flow-GRPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
-    from flowrl.rl.online import OnlineLoop
+    from flowrl.rl.setup import ImageTraining
 
-    online = OnlineLoop(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, reference=cfg.train.kl_coef > 0)
-    run, model = online.run, online.model
+    setup = ImageTraining(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, reference=cfg.train.kl_coef > 0)
+    run, model = setup.run, setup.model
     elastic = None
     if cfg.train.elastic_reset is not None:
         from flowrl.rl.elastic_reset import ElasticReset
@@ -287,17 +287,17 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     with run:
         while run.next_epoch():
             epoch = run.epoch
-            rollouts, advantages, valid, metrics = online.collect(epoch, store_x0="step_weights" in cfg.advantage.needs,
+            rollouts, advantages, valid, metrics = setup.collect(epoch, store_x0="step_weights" in cfg.advantage.needs,
                                                                   store_means=cfg.train.needs_old_means)
-            if online.updates_policy(metrics):  # False: every reward NaN, or a discriminator-only epoch
+            if setup.updates_policy(metrics):  # False: every reward NaN, or a discriminator-only epoch
                 # One tick per (sample, trained step) forward-backward pass.
                 passes = int(valid.sum()) * len(rollouts.trained_steps) * cfg.train.inner_epochs
-                with online.training(passes) as bar:
-                    metrics.update(train_epoch(model, online.optimizer, rollouts, advantages, valid, cfg, online.dist,
-                                               epoch, ema=online.ema, health=run.health, progress=bar))
+                with setup.training(passes) as bar:
+                    metrics.update(train_epoch(model, setup.optimizer, rollouts, advantages, valid, cfg, setup.dist,
+                                               epoch, ema=setup.ema, health=run.health, progress=bar))
             if elastic is not None:
                 metrics.update(elastic.end_epoch(model, epoch))
-            online.end_epoch(metrics, rollouts)
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 

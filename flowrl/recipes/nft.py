@@ -23,7 +23,7 @@ Where flowrl departs from the authors' code:
   noise, and the loss is averaged over the epoch's (sample, time) pairs with flowrl's global normalisation
   (one process with accumulation ``2a`` = two with ``a``);
 - the old snapshot is a copy of the trained tensors evaluated with ``torch.func.functional_call``
-  (``flowrl.rl.snapshots``) rather than a second LoRA adapter;
+  (``flowrl.rl.param_snapshots``) rather than a second LoRA adapter;
 - samples whose reward is NaN are left out of the update and counted.
 """
 
@@ -35,9 +35,9 @@ import torch
 
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
-from flowrl.rl.advantages import AdvantageConfig
+from flowrl.rl.epoch_advantages import AdvantageConfig
 from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig
-from flowrl.rl.snapshots import SnapshotConfig
+from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 
@@ -66,7 +66,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     Args:
         data: the epoch's :class:`flowrl.rl.forward.ForwardData` (clean samples, advantages ``[n]``).
         sigmas: the rollout schedule (training times are drawn from it).
-        old: the old :class:`flowrl.rl.snapshots.ParamSnapshot` (``v_old``).
+        old: the old :class:`flowrl.rl.param_snapshots.ParamSnapshot` (``v_old``).
 
     Returns:
         ``train/...`` means: ``loss``, ``policy_loss``, ``kl_loss``, ``kl_ref``, ``old_deviation``,
@@ -93,26 +93,26 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run DiffusionNFT as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import collect_forward, forward_rows
-    from flowrl.rl.online import OnlineLoop
-    from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+    from flowrl.rl.setup import ImageTraining
+    from flowrl.rl.param_snapshots import ParamSnapshot, optimizer_steps
 
-    online = OnlineLoop(cfg, "nft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, "nft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         reference=cfg.train.kl_coef > 0,  # v_ref enters only the KL term
                         plot_groups={"nft": ["train/policy_loss", "train/old_deviation", "train/old_decay"]})
-    run, model = online.run, online.model
+    run, model = setup.run, setup.model
     old = ParamSnapshot(model, cfg.train.old.schedule())  # the sampler, and v_old of the loss
     run.track(old=old)
 
     with run:
         while run.next_epoch():
             sample_with = old.velocity_fn(model, cfg.sampling.guidance)  # the old snapshot samples
-            rollouts, data, metrics = collect_forward(online, velocity_fn=sample_with)
+            rollouts, data, metrics = collect_forward(setup, velocity_fn=sample_with)
             if data is not None:
-                with online.training(forward_rows(data, cfg)) as bar:
-                    metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
-                                               run.epoch, old=old, ema=online.ema, health=run.health, progress=bar))
-            metrics["train/old_decay"] = old.update(model, optimizer_steps(online.optimizer))
-            online.end_epoch(metrics, rollouts)
+                with setup.training(forward_rows(data, cfg)) as bar:
+                    metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
+                                               run.epoch, old=old, ema=setup.ema, health=run.health, progress=bar))
+            metrics["train/old_decay"] = old.update(model, optimizer_steps(setup.optimizer))
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 RECIPE = Recipe(Config, main)

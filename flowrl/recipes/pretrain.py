@@ -21,7 +21,7 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
 from flowrl.recipes import Recipe
-from flowrl.run import CheckpointConfig
+from flowrl.run.harness import CheckpointConfig
 
 __all__ = ["Config", "main", "RECIPE"]
 
@@ -122,7 +122,7 @@ def flow_matching_loss(model: ShapesModel, x0: torch.Tensor, tokens: dict, noise
 
 def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int) -> dict:
     from flowrl.data.shapes import eval_prompt_set
-    from flowrl.generate import evaluate
+    from flowrl.eval.generate import evaluate
     from rewards import load as load_reward
 
     params = _trainable(model)
@@ -152,7 +152,7 @@ def _evaluate(cfg: Config, model: ShapesModel, ema, output_dir: Path, epoch: int
 
 def _save_grid(images: torch.Tensor, prompts: list[str], summary: dict, path: Path) -> None:
     """The evaluation's first images, eight prompts to a row, each under its whole prompt."""
-    from flowrl.grid import prompt_grid
+    from flowrl.eval.grid import prompt_grid
 
     path.parent.mkdir(parents=True, exist_ok=True)
     prompt_grid(prompts, {"EMA model": images}, per_row=8).save(path)
@@ -165,8 +165,8 @@ def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:
 def main(cfg: Config) -> int:
     from diffusers.training_utils import EMAModel
 
-    from flowrl.run import Run
-    from flowrl.updates import optimizer_step, warmup_cosine
+    from flowrl.run.harness import Run
+    from flowrl.run.updates import optimizer_step, warmup_cosine
 
     run = Run(cfg, "pretrain", plots={"loss": ["train/loss"], "eval": ["eval/shapes/"]},
               units={"loss": "flow-matching loss", "eval": "held-out accuracy"},

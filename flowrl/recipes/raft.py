@@ -111,18 +111,18 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run RAFT as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.forward import collect_forward, forward_rows
-    from flowrl.rl.online import OnlineLoop
+    from flowrl.rl.setup import ImageTraining
 
-    online = OnlineLoop(cfg, "raft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, "raft", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                         reference=cfg.train.kl_coef > 0,  # the KL term
                         plot_groups={"raft": ["train/fm_loss", "train/kept_frac"]})
-    run, model = online.run, online.model
+    run, model = setup.run, setup.model
 
     with run:
         while run.next_epoch():
-            rollouts, data, metrics = collect_forward(online)
+            rollouts, data, metrics = collect_forward(setup)
             if data is not None:
-                dist = online.dist
+                dist = setup.dist
                 local = slice(dist.rank * len(rollouts), (dist.rank + 1) * len(rollouts))
                 keep = selected(dist.gather(rollouts.rewards), dist.gather(rollouts.group_ids),
                                 {k: dist.gather(v) for k, v in rollouts.details.items()}, cfg.train.select,
@@ -130,10 +130,10 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                 data.valid = data.valid & keep[local]
                 metrics["train/kept_frac"] = float(keep.float().mean())
                 if int(keep.sum()):
-                    with online.training(forward_rows(data, cfg)) as bar:
-                        metrics.update(train_epoch(model, online.optimizer, data, online.sigmas, cfg, online.dist,
-                                                   run.epoch, ema=online.ema, health=run.health, progress=bar))
-            online.end_epoch(metrics, rollouts)
+                    with setup.training(forward_rows(data, cfg)) as bar:
+                        metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
+                                                   run.epoch, ema=setup.ema, health=run.health, progress=bar))
+            setup.end_epoch(metrics, rollouts)
     return run.finish()
 
 

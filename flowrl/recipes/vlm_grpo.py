@@ -48,7 +48,7 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.policies.config import PolicyConfig, build_policy
 from flowrl.recipes import Recipe
-from flowrl.run import CheckpointConfig, LogConfig
+from flowrl.run.harness import CheckpointConfig, LogConfig
 
 __all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "train_epoch", "build_policy"]
 
@@ -348,7 +348,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     from flowrl.envs.evaluate import evaluate_with_baselines
     from flowrl.envs.registry import get_env
     from flowrl.envs.rewards import AnswerRewards
-    from flowrl.run import PolicyWeights, Run
+    from flowrl.run.checkpoints import PolicyWeights
+    from flowrl.run.harness import Run
 
     short = cfg.env.name.removeprefix("shapes_")
     run = Run(cfg, "vlm_grpo", dist=dist, counters=("episodes_sampled",),

@@ -37,7 +37,7 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.policies.shapes_vlm import ShapesVLMConfig
 from flowrl.recipes import Recipe
-from flowrl.run import CheckpointConfig
+from flowrl.run.harness import CheckpointConfig
 
 __all__ = ["Config", "main", "RECIPE"]
 
@@ -190,8 +190,9 @@ def _evaluate(cfg: Config, policy, epoch: int, output_dir) -> dict[str, float]:
 def main(cfg: Config) -> int:
     from flowrl.policies import TokenPolicy
     from flowrl.policies.shapes_vlm import build_model
-    from flowrl.run import PolicyWeights, Run
-    from flowrl.updates import optimizer_step, warmup_cosine
+    from flowrl.run.checkpoints import PolicyWeights
+    from flowrl.run.harness import Run
+    from flowrl.run.updates import optimizer_step, warmup_cosine
 
     run = Run(cfg, "vlm_sft", plots={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/zoom/accuracy"]},
               units={"loss": "mean NLL of the answer tokens", "eval": "held-out accuracy"},

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowrl.config import bounds
-from flowrl.rl.snapshots import ParamSnapshot
+from flowrl.rl.param_snapshots import ParamSnapshot
 
 __all__ = ["ElasticResetConfig", "ElasticReset"]
 

@@ -29,7 +29,7 @@ from typing import Iterator, Literal
 import torch
 
 from flowrl.config import bounds, fail
-from flowrl.rl.online import OnlineConfig, UpdateConfig
+from flowrl.rl.setup import OnlineConfig, UpdateConfig
 from flowrl.rl.sampling import SamplingConfig
 
 __all__ = ["TimesConfig", "ForwardTrainConfig", "ForwardData", "ForwardBatch", "schedule_positions", "draw_times",
@@ -323,7 +323,7 @@ class ForwardEpoch:
 
     def velocity(self, batch: ForwardBatch, *, snapshot=None, reference: bool | float = False) -> torch.Tensor:
         """``[m, *S]`` float32 velocity at ``batch.x_t``: the policy's at the training guidance; with ``snapshot``
-        (a :class:`flowrl.rl.snapshots.ParamSnapshot`) that snapshot's; with ``reference`` the frozen reference's
+        (a :class:`flowrl.rl.param_snapshots.ParamSnapshot`) that snapshot's; with ``reference`` the frozen reference's
         (``True``: at the training guidance; a number: at that classifier-free guidance scale, CRD's teacher).
         Call the non-policy ones under ``torch.no_grad()``."""
         guidance = self.guidance if isinstance(reference, bool) else float(reference)
@@ -355,8 +355,8 @@ class ForwardEpoch:
                 self.progress.update(len(p.rows))
 
     def step(self) -> float:
-        """The minibatch's optimizer step (:func:`flowrl.updates.optimizer_step`); returns the gradient norm."""
-        from flowrl.updates import optimizer_step
+        """The minibatch's optimizer step (:func:`flowrl.run.updates.optimizer_step`); returns the gradient norm."""
+        from flowrl.run.updates import optimizer_step
 
         self.stats.flush()  # the step's one read of its statistics, before the gradient norm's
         norm = optimizer_step(self.optimizer, self.params, self.dist, grad_clip=self.cfg.optim.grad_clip,
@@ -410,15 +410,15 @@ def forward_rows(data: ForwardData, cfg) -> int:
     return int(data.valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
 
 
-def collect_forward(online, *, velocity_fn=None):
-    """A forward-process recipe's collection: roll out and score the epoch with :class:`flowrl.rl.online.OnlineLoop`
+def collect_forward(setup, *, velocity_fn=None):
+    """A forward-process recipe's collection: roll out and score the epoch with :class:`flowrl.rl.setup.ImageTraining`
     (``velocity_fn``: sample with e.g. a snapshot), one advantage per sample, and the clean samples the update
     trains on.
 
     Returns:
         ``(rollouts, data, metrics)``: ``data`` is the epoch's :class:`ForwardData`, or None when this epoch does
-        not update the policy (:meth:`flowrl.rl.online.OnlineLoop.updates_policy`).
+        not update the policy (:meth:`flowrl.rl.setup.ImageTraining.updates_policy`).
     """
-    rollouts, advantages, valid, metrics = online.collect(online.run.epoch, velocity_fn=velocity_fn)
-    data = ForwardData.from_rollouts(rollouts, advantages, valid) if online.updates_policy(metrics) else None
+    rollouts, advantages, valid, metrics = setup.collect(setup.run.epoch, velocity_fn=velocity_fn)
+    data = ForwardData.from_rollouts(rollouts, advantages, valid) if setup.updates_policy(metrics) else None
     return rollouts, data, metrics

@@ -31,7 +31,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig):
     """``(AdamW, LambdaLR)``: the learning rate ramps linearly over ``warmup_epochs`` scheduler steps
     (the recipes step the scheduler once per epoch), then stays constant or, with ``decay_epochs``, follows a
     cosine down to ``min_lr_ratio * lr``."""
-    from flowrl.updates import warmup_cosine
+    from flowrl.run.updates import warmup_cosine
 
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     warmup = cfg.warmup_epochs

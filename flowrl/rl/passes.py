@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl.updates import UpdateHealth, optimizer_step  # noqa: F401  (re-exported: the trainers' loop)
+from flowrl.run.updates import UpdateHealth, optimizer_step  # noqa: F401  (re-exported: the trainers' loop)
 
 __all__ = ["minibatch_rows", "TrainingPass", "training_passes", "pass_layout", "stage_rows", "global_count",
            "pass_scale", "UpdateHealth", "optimizer_step", "MetricMeans"]

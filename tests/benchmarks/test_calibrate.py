@@ -31,7 +31,7 @@ def test_epoch_cpu_seconds_are_differences_of_training_minutes(tmp_path):
 
 def test_speed_now_reports_the_probe_and_the_rate_at_its_median(monkeypatch):
     from benchmarks import calibrate
-    from flowrl import calibration
+    from flowrl.run import calibration
 
     times = iter([0.5, 0.3, 0.4])
     monkeypatch.setattr(calibration, "probe_seconds", lambda: next(times))
@@ -45,7 +45,8 @@ def test_speed_now_reports_the_probe_and_the_rate_at_its_median(monkeypatch):
 def test_the_probe_times_float32_where_the_cpu_has_no_bfloat16_hardware(monkeypatch):
     """Without bf16 hardware the clock probes in float32 against the float32 constant (a bf16 probe would time the
     emulation, ~30x slower, and undervalue every float32 epoch); with it, the records' bf16 probe and constant."""
-    from flowrl import calibration, hardware
+    from flowrl import hardware
+    from flowrl.run import calibration
 
     monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS", 0.3)
     monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS_FLOAT32", 0.45)
@@ -60,8 +61,9 @@ def test_the_reference_clock_probes_in_the_precision_the_run_computes_in(monkeyp
     """A float32 run on a CPU with bf16 hardware is valued by the float32 probe and its constant (the CPU's bf16
     speed against the reference machine's is not its float32 speed), a bf16 run by the bf16 ones; a run that names
     no precision gets the CPU's default."""
-    from flowrl import calibration, hardware
-    from flowrl.runtime import make_deadline
+    from flowrl import hardware
+    from flowrl.run import calibration
+    from flowrl.run.runtime import make_deadline
 
     monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS", 0.3)
     monkeypatch.setattr(calibration, "PROBE_REFERENCE_SECONDS_FLOAT32", 0.45)

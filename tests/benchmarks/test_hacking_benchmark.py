@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import hacking, hacking_report  # noqa: E402
-from flowrl.logging import read_metrics  # noqa: E402
+from flowrl.run.metrics import read_metrics  # noqa: E402
 
 TINY = ["--set", "sampling.num_steps=4", "--set", "sampling.group_size=2", "--set", "sampling.groups_per_epoch=2",
         "--set", "sampling.batch_size=4", "--set", "train.micro_batch_size=4", "--set", "eval.grid_size=0",
@@ -101,7 +101,7 @@ def test_each_variant_sets_its_regulariser():
     assert over["elastic_reset"] == "train.elastic_reset={every_epochs: 10, ema_decay: 0.9}"
     assert over["base_tail"] == "sampling.base_last_steps=4"
     # Every variant's config loads (the window of the main job ends before the base's 4 steps).
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     for variant in args.variants:
         if not variant.startswith("artifact_"):
@@ -117,7 +117,7 @@ def test_combined_variants_join_their_parts_and_refuse_a_shared_key(capsys):
         "sampling.base_last_steps=4", "train.elastic_reset={every_epochs: 10, ema_decay: 0.9}"]
     assert [job["out"].name for job in hacking.jobs_for(args)][1] == "artifact_1+kl_high_s0"
     assert hacking.uses_artifact("kl_high+artifact_0.5") and not hacking.uses_artifact("kl_high+base_tail")
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     _, config = load_recipe_config(str(ROOT / "configs" / "shapes" / "flow_grpo.yaml"),
                                    hacking.variant_overrides(args, "base_tail+elastic_reset"))

@@ -20,7 +20,7 @@ def _one_thread(one_thread):
 def run_flow_grpo(model_dir: Path, out: Path, **extra) -> Path:
     """One epoch of the real recipe on the tiny model. The training reward is JPEG compressibility, which
     varies between random images (the shapes reward is 0 for all of them), so the weights really move."""
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     settings = {
         "model.path": str(model_dir), "run.output_dir": str(out), "run.max_minutes": "null", "run.max_epochs": 1,
@@ -83,7 +83,7 @@ def fake_run(root: Path, name: str, model: dict, *, seed: int) -> Path:
     runs; training them is the recipes' tests' job)."""
     import yaml
 
-    from flowrl.checkpoint import save_checkpoint
+    from flowrl.run.checkpoint_files import save_checkpoint
     from flowrl.config import from_dict
     from flowrl.models.config import ModelConfig, build_model
 

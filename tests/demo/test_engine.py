@@ -8,7 +8,7 @@ import torch
 from flowrl.demo.engine import RewardSet, compare, sample_images, score_files, trajectory
 from flowrl.demo.limits import DemoInputError, Limits
 from flowrl.demo.render import grid_image, strip_image
-from flowrl.generate import generate
+from flowrl.eval.generate import generate
 
 PROMPTS = ["a red circle", "two blue squares"]
 

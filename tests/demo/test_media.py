@@ -16,8 +16,8 @@ from flowrl.demo.engine import compare, open_source, trajectory
 from flowrl.demo.limits import DemoInputError, Limits
 from flowrl.demo.render import grid_image
 from flowrl.demo.ui import handle_compare, handle_trajectory
-from flowrl.generate import generate
-from flowrl.grid import FRAME_GAP, HEADER, PAD
+from flowrl.eval.generate import generate
+from flowrl.eval.grid import FRAME_GAP, HEADER, PAD
 
 from .conftest import MEDIA_FRAMES
 
@@ -147,8 +147,8 @@ def test_the_trajectory_tab_says_it_is_for_image_models(media_state, bank):
 
 
 def test_runs_and_pipelines_of_both_kinds_load(media_state, media_dirs):
-    from flowrl.checkpoint import latest_checkpoint, load_state
-    from flowrl.cli_args import UsageError
+    from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+    from flowrl.commands.args import UsageError
     from flowrl.demo.cli import parse_args
     from flowrl.demo.models import discover_runs, load_base, load_finetuned
     from flowrl.models.base import ModelLoadError

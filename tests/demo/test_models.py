@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from flowrl.checkpoint import latest_checkpoint, load_state
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
 from flowrl.demo.models import ModelBank, discover_runs, load_finetuned
 from flowrl.models.base import ModelLoadError
 from flowrl.models.shapes import ShapesModel

@@ -17,7 +17,7 @@ from PIL import Image
 
 from flowrl.demo.headless import capture_compare, compare_in, find_chromedriver, find_chromium, open_page
 from flowrl.demo.render import grid_image
-from flowrl.grid import FRAME_GAP, HEADER, LINE_HEIGHT, PAD  # grid_image's geometry (HEADER: the column labels on top)
+from flowrl.eval.grid import FRAME_GAP, HEADER, LINE_HEIGHT, PAD  # grid_image's geometry (HEADER: the column labels on top)
 
 
 @pytest.fixture(scope="session")

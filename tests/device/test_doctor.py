@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.device, pytest.mark.usefixtures("one_thread")]
 
 
 def test_the_doctor_checks_every_stage_and_writes_its_report(device, tmp_path):
-    from flowrl.doctor import main
+    from flowrl.commands.doctor import main
 
     out = tmp_path / "doctor"
     assert main(["--device", "fakegpu", "--out", str(out), "--size", "tiny"]) == 0

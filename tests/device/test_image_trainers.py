@@ -3,7 +3,7 @@ Z-Image pipelines: the evaluation before training with the hacking panel, a rewa
 device (PickScore), checkpoints, a resume with an EMA of the weights, and the LoRA export of the result.
 
 Before the fixes they guard (2026-12-07) the first case failed twice, as every GPU user's SD3 / FLUX run did: the
-evaluation at epoch 0 (``torch.cat`` of device scores with CPU padding, flowrl/rl/evaluate.py) and, with the reward
+evaluation at epoch 0 (``torch.cat`` of device scores with CPU padding, flowrl/eval/evaluate.py) and, with the reward
 moved to the CPU, the first optimizer step after a resume (diffusers' EMA kept the checkpoint's CPU tensors)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def arguments(config: str, family: str, out: Path, prompts: Path, pairs: Path, p
 
 
 def run_ok(args: list[str], out: Path) -> list[dict]:
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     error = out / "error.log"
     assert main(args) == 0, error.read_text() if error.is_file() else "a config error (printed above)"
@@ -122,7 +122,7 @@ def test_a_tiny_epoch_evaluates_and_checkpoints_on_the_device(config, family, ex
 def test_a_resume_with_an_ema_trains_on_and_exports(config, family, device, tiny_pickscore, prompts, pairs, tmp_path):
     """The EMA of the weights (train.ema_decay) comes back from the checkpoint on the CPU; the resumed run's first
     optimizer step updates it against the device's weights. The LoRA export then reads the result."""
-    from flowrl.export import main as export
+    from flowrl.commands.export import main as export
 
     out = tmp_path / "run"
     args = arguments(config, family, out, prompts, pairs, tiny_pickscore, {"train.ema_decay": 0.9})

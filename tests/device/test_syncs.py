@@ -85,7 +85,7 @@ def collect(model, dist, cfg, *, per_sample: bool = False):
     """One epoch's rollouts and advantages (``[n]`` with ``per_sample``, else ``[n, T]``), as the recipes' loops
     make them."""
     from flowrl.data.prompt_groups import PromptGroups
-    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.epoch_advantages import compute_advantages
     from flowrl.rl.collect import collect_epoch
     from flowrl.rl.sampling import rollout_step, rollout_window
 
@@ -149,7 +149,7 @@ def test_a_forward_process_pass_makes_no_copy_in_flowrl_rl(sd3):
     from flowrl.recipes.dgpo import Config, train_epoch
     from flowrl.rl.forward import ForwardData
     from flowrl.rl.optim import build_optimizer
-    from flowrl.rl.snapshots import ParamSnapshot
+    from flowrl.rl.param_snapshots import ParamSnapshot
 
     model, dist = sd3
     rollouts, advantages, valid = collect(model, dist, config(Config, "dgpo_pickscore", "train.times.high=1.0"),

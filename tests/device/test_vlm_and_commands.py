@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from flowrl.testing import build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def tiny_vlm(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("config", ["configs/vlm/shapes_vqa_grpo.yaml", "configs/vlm/shapes_zoom_gigpo.yaml"])
 def test_a_vlm_grpo_epoch_evaluates_and_trains_on_the_device(config, device, tiny_vlm, tmp_path):
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     out = tmp_path / "run"
     args = [str(ROOT / config), f"model.path={tiny_vlm}", f"run.output_dir={out}", "run.max_epochs=1",

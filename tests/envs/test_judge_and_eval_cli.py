@@ -44,7 +44,7 @@ def tiny_run(tmp_path_factory):
 
 
 def test_flowrl_eval_task_vqa(tiny_run, tmp_path, capsys):
-    from flowrl.sample import eval_main
+    from flowrl.commands.sample import eval_main
 
     out = tmp_path / "eval.json"
     assert eval_main(["--task", "vqa", "--model", str(tiny_run), "--n", "10", "--out", str(out)]) == 0
@@ -58,7 +58,7 @@ def test_flowrl_eval_task_vqa(tiny_run, tmp_path, capsys):
 
 
 def test_flowrl_eval_task_errors_are_one_line(tmp_path, capsys):
-    from flowrl.sample import eval_main
+    from flowrl.commands.sample import eval_main
 
     assert eval_main(["--task", "vqa", "--model", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_save_round_trip(tmp_path):
 def test_cpu_clock_counts_this_processs_cpu_time_not_sleep():
     import time
 
-    from flowrl.runtime import CpuDeadline, Deadline, make_deadline
+    from flowrl.run.runtime import CpuDeadline, Deadline, make_deadline
 
     cpu, wall = make_deadline("cpu", 1.0), make_deadline("wall", 1.0)
     assert type(cpu) is CpuDeadline and type(wall) is Deadline
@@ -132,7 +132,7 @@ def test_cpu_clock_counts_this_processs_cpu_time_not_sleep():
 def test_clock_scale_turns_measured_time_into_reference_minutes():
     import time
 
-    from flowrl.runtime import make_deadline
+    from flowrl.run.runtime import make_deadline
 
     # A CPU at half the reference speed (scale 0.5) needs twice the CPU time for the same budget; earlier
     # sessions' minutes (already scaled) are not scaled again.
@@ -156,7 +156,7 @@ def _busy(seconds: float) -> None:
 
 
 def test_reference_clock_values_cpu_time_by_the_probe_and_does_not_count_the_probes():
-    from flowrl.runtime import ReferenceDeadline
+    from flowrl.run.runtime import ReferenceDeadline
 
     # A probe that reports 0.2 s, then 0.6 s twice (the CPU slowed to a third), and burns 0.1 CPU-s each time.
     reports = iter([0.2, 0.6, 0.6])
@@ -186,7 +186,7 @@ def test_reference_clock_values_cpu_time_by_the_probe_and_does_not_count_the_pro
 def test_the_reference_clock_probes_on_a_cpu_time_timer_but_not_while_evaluating():
     import signal
 
-    from flowrl.runtime import ReferenceDeadline
+    from flowrl.run.runtime import ReferenceDeadline
 
     clock = ReferenceDeadline(None, probe=lambda: 0.2, reference_seconds=0.2, probe_every=0.1)
     try:
@@ -208,7 +208,7 @@ def test_the_reference_clock_probes_on_a_cpu_time_timer_but_not_while_evaluating
 def test_the_reference_clock_probe_measures_the_shapes_model_without_touching_the_run():
     import torch
 
-    from flowrl.runtime import ReferenceDeadline, make_deadline
+    from flowrl.run.runtime import ReferenceDeadline, make_deadline
 
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -243,7 +243,7 @@ def test_vlm_grpo_old_clip_and_kl_keys_move_to_train_with_a_warning(capsys, tmp_
     from flowrl.recipes.vlm_grpo import Config
     from pathlib import Path
 
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     cfg = from_dict(Config, {"algorithm": {"kl": "k3", "kl_beta": 0.05, "clip_low": 0.1, "clip_high": 0.3}})
     assert (cfg.train.kl_coef, cfg.train.clip_range, cfg.train.clip_range_high) == (0.05, 0.1, 0.3)

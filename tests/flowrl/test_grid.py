@@ -4,7 +4,7 @@ where the layout says."""
 import pytest
 import torch
 
-from flowrl.grid import _font, _wrap, prompt_grid
+from flowrl.eval.grid import _font, _wrap, prompt_grid
 
 
 def test_wrap_keeps_every_word_and_fits_the_width():
@@ -39,7 +39,7 @@ def test_a_video_is_drawn_as_its_frame_strip_and_saved_as_a_gif(tmp_path):
     """Frames side by side, left to right, each at the cell size, 2 px apart; the GIF holds every frame."""
     from PIL import Image
 
-    from flowrl.grid import FRAME_GAP, frame_strip, image_grid, save_gif
+    from flowrl.eval.grid import FRAME_GAP, frame_strip, image_grid, save_gif
 
     video = torch.linspace(0, 1, 4)[:, None, None, None].expand(4, 3, 16, 16).clone()  # frame k: grey level k / 3
     video[:, 0] = 0  # no red: frames are distinct, not white like the gaps

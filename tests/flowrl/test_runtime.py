@@ -1,9 +1,9 @@
-"""The process settings a run applies before it trains (flowrl.runtime.prepare_run)."""
+"""The process settings a run applies before it trains (flowrl.run.runtime.prepare_run)."""
 import pytest
 import torch
 
 from flowrl.config import RunConfig
-from flowrl.runtime import prepare_run
+from flowrl.run.runtime import prepare_run
 
 
 def test_a_run_flushes_float32_denormals_unless_told_not_to(tmp_path):

@@ -123,7 +123,7 @@ def test_backends_reach_diffusers_the_way_each_model_needs(load, monkeypatch):
 
 
 def test_flowrl_train_with_xformers_on_cpu_is_one_line(tiny_shapes_dir, tmp_path, capsys):
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     code = main(["configs/shapes/flow_grpo.yaml", f"model.path={tiny_shapes_dir}", f"run.output_dir={tmp_path / 'r'}",
                  "model.attention_backend=xformers"])

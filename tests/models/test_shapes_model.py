@@ -9,7 +9,7 @@ import torch
 
 from flowrl.models.base import ModelLoadError
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
-from flowrl.generate import generate
+from flowrl.eval.generate import generate
 
 TINY = dict(block_out_channels=[32, 32], head_dim=16, text_hidden_size=32, text_layers=1, text_heads=2)
 

@@ -34,7 +34,7 @@ def fsdp2_dist():
 
 
 def main(argv: list[str]) -> int:
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     recipe, cfg = load_recipe_config(argv[0], argv[1:])
     dist = fsdp2_dist()

@@ -20,7 +20,7 @@ def velocities(model_dir: str, dist):
     import torch
 
     from flowrl.models.shapes import ShapesModel
-    from flowrl.rl.snapshots import ParamSnapshot
+    from flowrl.rl.param_snapshots import ParamSnapshot
 
     model = ShapesModel.from_pretrained(model_dir)
     model.denoiser.requires_grad_(True)

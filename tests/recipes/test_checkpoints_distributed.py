@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from flowrl.checkpoint import checkpoints, latest_checkpoint, load_state
-from flowrl.logging import read_metrics
+from flowrl.run.checkpoint_files import checkpoints, latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
 
 
 def run(model_dir, out, capsys=None, **extra) -> str:
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     settings = {
         "model.path": model_dir, "run.output_dir": out, "run.max_minutes": "null", "run.deterministic": "true",

@@ -11,12 +11,12 @@ from flowrl.config import from_dict
 from flowrl.data.prompt_groups import PromptGroups
 from flowrl.data.prompts import load_prompts
 from flowrl.dist import Dist
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from flowrl.core.estimators import CreditBatch, tp_grpo_estimator
 from flowrl.models.config import build_model
 from flowrl.recipes.flow_grpo import Config, train_epoch
-from flowrl.rl.credit import completion_rewards
-from flowrl.train import load_recipe_config
+from flowrl.rl.credit_inputs import completion_rewards
+from flowrl.commands.train import load_recipe_config
 from rewards import RewardOutput
 
 from golden_reward import NAME as SMOOTH  # registers a reward that varies on a random model
@@ -74,7 +74,7 @@ def test_tp_grpo_epoch(setup, tiny_shapes_dir):
     # The completion rewards: R_n is the rollout's reward; R_0 the pure ODE rollout's (steps before the window
     # are ODE); completing the final window state reproduces the rollout (steps after it are ODE).
     from samplers import ode_complete
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     R, nfe = completion_rewards(samples, model, mean_pixel, guidance=1.0, batch_size=5)
     assert R.shape == (8, 3) and nfe == 40

@@ -11,7 +11,7 @@ from flowrl.data.webdataset_io import ShardError, read_pairs, write_pair_shards
 from flowrl.dist import Dist
 from flowrl.recipes import dpo
 from flowrl.rl.forward import ForwardData
-from flowrl.generate import generate
+from flowrl.eval.generate import generate
 
 from toy import ToyFlow, expected_reward
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
-from flowrl.train import load_recipe_config
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The editing families and their guidance (Kontext: the guidance embedding; Qwen-Image-Edit: true CFG on " ").
@@ -125,8 +125,8 @@ def test_the_exported_lora_edits_like_flowrl_in_plain_diffusers(family, edits, t
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
     from flowrl.data.prompts import load_prompts
-    from flowrl.export import main as export_main
-    from flowrl.generate import generate
+    from flowrl.commands.export import main as export_main
+    from flowrl.eval.generate import generate
     from flowrl.models.families import pipeline_class
     from flowrl.models.resolve import load_finetuned
 
@@ -200,7 +200,7 @@ def test_sample_draws_the_source_beside_the_edits_and_eval_reads_editing_shards(
 
     from PIL import Image
 
-    from flowrl.sample import eval_main, sample_main
+    from flowrl.commands.sample import eval_main, sample_main
 
     tiny = str(build_tiny(family))
     rng = np.random.default_rng(5)

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flowrl.checkpoint import latest_checkpoint, load_state
-from flowrl.logging import read_metrics
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
-from flowrl.train import load_recipe_config
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ["qwen_image", "z_image", "flux2_klein", "flux2", "wan"]

@@ -4,9 +4,9 @@ Before the first optimizer step every re-scored transition is on-policy, so the 
 import pytest
 import torch
 
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from flowrl.testing import build_tiny_flux, build_tiny_sd3
-from flowrl.train import load_recipe_config
+from flowrl.commands.train import load_recipe_config
 
 STEPS = ["flow_sde", "dance_sde", "cps"]
 

@@ -9,7 +9,7 @@ from flowrl.config import from_dict
 from flowrl.data.prompt_groups import PromptGroups
 from flowrl.dist import Dist
 from flowrl.recipes.flow_grpo import Config, train_epoch
-from flowrl.generate import generate
+from flowrl.eval.generate import generate
 
 from toy import ToyFlow, first_coordinate_reward, flow_grpo_epoch
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import latest_checkpoint, load_state
-from flowrl.logging import read_metrics
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/shapes/flow_grpo.yaml"
@@ -83,7 +83,7 @@ def two_machines(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def in_process(model_dir, out, **extra) -> None:
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     recipe, cfg = load_recipe_config(CONFIG, overrides(model_dir, out, **extra))
     threads = torch.get_num_threads()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import latest_checkpoint, load_state
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 from rewards import RewardOutput
 from rewards.registry import REWARDS
 

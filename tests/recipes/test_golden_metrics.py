@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 
 from golden_reward import NAME as SMOOTH  # registers the reward
 

@@ -8,7 +8,7 @@ import torch
 
 from flowrl.config import ConfigError
 from flowrl.models.shapes import ShapesModel
-from flowrl.train import load_recipe_config
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"model.block_out_channels": "[8, 16]", "model.head_dim": 8, "model.text_hidden_size": 16,

@@ -1,6 +1,6 @@
 """A full fine-tune keeps a frozen copy of its denoiser only when something in the run uses the reference: each recipe
-declares whether its objective does (``OnlineLoop(..., reference=...)``), and the loop adds the evaluation's and the
-sampling's uses (``flowrl.rl.online.reference_uses``). Checked end to end on the tiny SD3 pipeline (nothing
+declares whether its objective does (``ImageTraining(..., reference=...)``), and the loop adds the evaluation's and the
+sampling's uses (``flowrl.rl.setup.reference_uses``). Checked end to end on the tiny SD3 pipeline (nothing
 downloaded), and recipe by recipe on the shipped shapes configs."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red apple", "a blue car"]
@@ -63,7 +63,7 @@ def test_kl_coef_zero_allocates_no_reference_copy(tmp_path, prompt_file):
     assert model.__dict__["_reference"] is None and not model.has_reference
     # no second copy anywhere in the adapter: the same weight storages as before training
     assert {p.untyped_storage().data_ptr() for p in model.parameters()} == storages
-    with pytest.raises(ReferenceUnavailableError, match="OnlineLoop\\(..., reference=True\\)"):
+    with pytest.raises(ReferenceUnavailableError, match="ImageTraining\\(..., reference=True\\)"):
         with model.reference():
             pass
 
@@ -86,10 +86,10 @@ def test_kl_coef_positive_keeps_the_reference_and_its_values(tmp_path, prompt_fi
 
 
 def _declaration(monkeypatch, name: str, *overrides: str) -> tuple[bool, list[str]]:
-    """What recipe ``name`` declares to its OnlineLoop for its shipped shapes config (stopped before the run is
+    """What recipe ``name`` declares to its ImageTraining for its shipped shapes config (stopped before the run is
     built), and the loop's resulting uses."""
-    import flowrl.run
-    from flowrl.rl.online import recorded_reference_declarations, reference_uses
+    import flowrl.run.harness
+    from flowrl.rl.setup import recorded_reference_declarations, reference_uses
 
     class Stop(Exception):
         pass
@@ -97,7 +97,7 @@ def _declaration(monkeypatch, name: str, *overrides: str) -> tuple[bool, list[st
     def refuse(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(flowrl.run, "Run", refuse)
+    monkeypatch.setattr(flowrl.run.harness, "Run", refuse)
     recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / f"{name}.yaml"), list(overrides))
     with recorded_reference_declarations() as declared, pytest.raises(Stop):
         recipe.main(cfg)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import latest_checkpoint, load_state
-from flowrl.logging import read_metrics
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
 
 from test_trainers_runs import SNAPSHOTS, TRAINERS, pairs_dir  # noqa: F401  (pairs_dir: a fixture)
 
@@ -22,7 +22,7 @@ SCRIPT = '''
 import sys
 sys.path.insert(0, {tests!r})
 from flowrl.dist import Dist
-from flowrl.train import load_recipe_config
+from flowrl.commands.train import load_recipe_config
 from test_trainers_runs import tiny_overrides
 
 class KeepOpen(Dist):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.checkpoint import latest_checkpoint, load_state
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ("crd", "nft", "awm", "dgpo", "dpo", "d3po", "raft")

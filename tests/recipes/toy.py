@@ -46,7 +46,7 @@ def first_coordinate_reward(images, prompts, metadata=None) -> RewardOutput:
 def flow_grpo_epoch(model, cfg, dist, batch, epoch: int, reward, tracker=None):
     """One Flow-GRPO epoch's data, as the recipe's main loop produces it:
     ``(rollouts, advantages [n, T], valid [n], metrics)``."""
-    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.epoch_advantages import compute_advantages
     from flowrl.rl.collect import collect_epoch
     from flowrl.rl.sampling import rollout_step, rollout_window
 
@@ -63,7 +63,7 @@ def flow_grpo_epoch(model, cfg, dist, batch, epoch: int, reward, tracker=None):
 
 def expected_reward(model, steps: int = 10) -> float:
     """Mean first coordinate of 4000 ODE samples at fixed seeds: the toy's expected reward."""
-    from flowrl.generate import generate
+    from flowrl.eval.generate import generate
 
     images = generate(model, ["p"] * 4000, list(range(10_000, 14_000)), steps=steps, guidance=1.0, batch_size=4000)
     return float(images[:, 0].mean())
@@ -72,7 +72,7 @@ def expected_reward(model, steps: int = 10) -> float:
 def forward_epoch_data(model, cfg, dist, batch, epoch: int, reward, velocity_fn=None):
     """One epoch's data for a forward-process trainer, as its recipe produces it: rollouts with the configured
     (ODE) step, per-sample advantages, as ``(ForwardData, sigmas)``."""
-    from flowrl.rl.advantages import compute_advantages
+    from flowrl.rl.epoch_advantages import compute_advantages
     from flowrl.rl.collect import collect_epoch
     from flowrl.rl.forward import ForwardData
     from flowrl.rl.sampling import rollout_step, rollout_window
@@ -110,7 +110,7 @@ def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, sna
     from flowrl.config import from_dict
     from flowrl.data.prompt_groups import PromptGroups
     from flowrl.dist import Dist
-    from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+    from flowrl.rl.param_snapshots import ParamSnapshot, optimizer_steps
 
     cfg = from_dict(recipe.Config, {"sampling": TOY_SAMPLING, "advantage": {"negate": negate}, "optim": {"lr": 3e-3},
                                     "train": {"micro_batch_size": 128, **train}})

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from rewards import RewardError, RewardOutput
 from rewards.registry import REWARDS
 
@@ -38,7 +38,7 @@ class FailsOnSecondCall:
 
 
 def test_a_failing_remote_reward_is_one_line_and_the_last_epoch_is_saved(tiny_shapes_dir, tmp_path, capsys):
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     if "fails_on_second_call" not in REWARDS:
         REWARDS.register("fails_on_second_call", FailsOnSecondCall)
@@ -79,8 +79,8 @@ def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
 def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shapes_dir, tmp_path):
     """A failure inside the update leaves no checkpoint of half-updated weights, and says so."""
     from flowrl.errors import RunError
-    from flowrl.run import Run
-    from flowrl.train import load_recipe_config
+    from flowrl.run.harness import Run
+    from flowrl.commands.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={tmp_path}", "eval.at_start=false"])
     run = Run(cfg, "test")
@@ -108,8 +108,8 @@ def test_an_evaluation_that_failed_is_owed_after_the_resume(tmp_path, monkeypatc
     """An evaluation due at 10 training minutes fails (the run saves and stops); the resumed run evaluates at its
     first epoch instead of waiting for the next multiple of eval.every_minutes (20)."""
     from flowrl.errors import RunError
-    from flowrl.run import Run
-    from flowrl.train import load_recipe_config
+    from flowrl.run.harness import Run
+    from flowrl.commands.train import load_recipe_config
 
     monkeypatch.setattr(Run, "train_minutes", lambda self: 4.0 * self.epoch)  # epochs end at 4, 8, 12, ... minutes
     calls = []

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ class ConstantVelocity:
 
 
 def test_kl_to_base_is_zero_for_the_base_quadratic_in_the_velocity_gap_and_zero_for_the_ode():
-    from flowrl.rl.panel import kl_to_base
+    from flowrl.eval.panel import kl_to_base
     from samplers import make_step, noise_kwargs
     from samplers.schedules import shifted_sigmas
 
@@ -81,7 +81,7 @@ class GapVelocity(ConstantVelocity):
 
 
 def test_fm_to_base_is_zero_for_the_base_and_quadratic_in_the_velocity_gap():
-    from flowrl.rl.panel import fm_levels, fm_to_base
+    from flowrl.eval.panel import fm_levels, fm_to_base
     from samplers.schedules import shifted_sigmas
 
     sigmas = shifted_sigmas(6, shift=3.0)
@@ -100,7 +100,7 @@ def test_fm_to_base_is_zero_for_the_base_and_quadratic_in_the_velocity_gap():
 
 
 def test_fm_to_base_is_positive_for_a_perturbed_toy_flow_and_zero_for_its_base():
-    from flowrl.rl.panel import fm_to_base
+    from flowrl.eval.panel import fm_to_base
 
     from toy import ToyFlow
 
@@ -203,7 +203,7 @@ def test_the_discriminator_resumes_exactly(tiny_shapes_dir, tmp_path):
     again = [r for r in resumed if r.get("epoch") == 3 and "adv/d_loss" in r][-1]
     for key in ("adv/d_loss", "adv/d_real", "adv/d_fake", "adv/d_updates", "train/reward_mean"):
         assert again[key] == last[key], key
-    from flowrl.checkpoint import latest_checkpoint
+    from flowrl.run.checkpoint_files import latest_checkpoint
 
     saved = torch.load(latest_checkpoint(tmp_path / "resumed") / "state.pt", weights_only=True)
     assert saved["reward_models"]["rewards"][0]["updates"] == 3

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from flowrl.config import ConfigError
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 from flowrl.recipes.flow_grpo import TrainConfig, reward_adaptive_kl_scale
 from flowrl.rl.base_tail import base_tail, base_tail_velocity, tail_sigma
 from flowrl.rl.elastic_reset import ElasticReset, ElasticResetConfig
@@ -33,7 +33,7 @@ def test_reward_adaptive_kl_scale_holds_rewarded_samples_and_frees_the_others():
 
 
 def test_reward_adaptive_anchor_needs_a_kl_and_a_floor_below_it():
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     with pytest.raises(ConfigError, match="train.kl_reward_adaptive: .*set train.kl_coef > 0"):
         load_recipe_config(str(CONFIG), ["train.kl_reward_adaptive=true"])
@@ -87,7 +87,7 @@ def test_elastic_reset_run_resets_on_schedule_and_resumes_exactly(tiny_shapes_di
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["train/elastic_reset"] for r in straight if "train/elastic_reset" in r] == [0.0, 0.0, 1.0, 0.0]
     assert comparable(resumed) == comparable(straight)
-    from flowrl.checkpoint import latest_checkpoint, load_state
+    from flowrl.run.checkpoint_files import latest_checkpoint, load_state
 
     a, b = load_state(latest_checkpoint(tmp_path / "straight")), load_state(latest_checkpoint(tmp_path / "resumed"))
     assert a["elastic_reset"]["resets"] == 1
@@ -158,7 +158,7 @@ def test_reference_is_reentrant(tiny_shapes_dir):
 
 
 def test_base_last_steps_config_keeps_the_window_before_the_tail():
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(CONFIG), ["sampling.base_last_steps=4"])  # window ends at step 5 of 0..9
     assert cfg.sampling.base_last_steps == 4

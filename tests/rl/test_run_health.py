@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import checkpoints, latest_checkpoint, load_state
-from flowrl.logging import read_metrics
+from flowrl.run.checkpoint_files import checkpoints, latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
 from rewards import RewardOutput
 from rewards.registry import REWARDS
 
@@ -37,7 +37,7 @@ def settings(model_dir, out, **extra) -> list[str]:
 
 
 def train(capsys, *argv) -> tuple[int, str]:
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     code = main(list(argv))
     return code, capsys.readouterr().err
@@ -91,7 +91,7 @@ def test_all_nan_rewards_warn_then_stop_with_an_error_and_a_checkpoint(tiny_shap
 def test_non_finite_updates_are_skipped_then_stop_with_the_last_finite_weights(tiny_shapes_dir, tmp_path, capsys):
     """A model whose training forward pass turns NaN (as a huge learning rate or guidance would)."""
     from flowrl.models.shapes import ShapesModel
-    from flowrl.train import load_recipe_config
+    from flowrl.commands.train import load_recipe_config
 
     model = ShapesModel.from_pretrained(tiny_shapes_dir)
     initial = {k: v.clone() for k, v in model.trainable_state_dict().items()}
@@ -162,7 +162,7 @@ def test_disk_full_while_checkpointing_is_one_line_and_leaves_no_partial_copy(ti
                                                                                monkeypatch):
     import errno
 
-    import flowrl.checkpoint as checkpoint
+    import flowrl.run.checkpoint_files as checkpoint
 
     def full(state, path):
         raise OSError(errno.ENOSPC, "No space left on device")

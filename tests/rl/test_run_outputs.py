@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sample_grid_shows_base_and_current_and_the_plots_exist(tiny_shapes_dir, tmp_path):
-    from flowrl.train import main
+    from flowrl.commands.train import main
 
     out = tmp_path / "run"
     args = [str(ROOT / "configs/shapes/flow_grpo.yaml"), f"model.path={tiny_shapes_dir}", f"run.output_dir={out}",
@@ -27,7 +27,7 @@ def test_sample_grid_shows_base_and_current_and_the_plots_exist(tiny_shapes_dir,
     grid = np.asarray(Image.open(out / "samples" / "epoch_0002.png").convert("RGB")).astype(np.float32)
     # Where prompt_grid puts each tile for these prompts (the same layout code drew the file).
     from flowrl.data.prompts import load_prompts
-    from flowrl.grid import prompt_grid
+    from flowrl.eval.grid import prompt_grid
 
     prompts = list(load_prompts("shapes:eval", 4).prompts)[:3]
     boxes: dict = {}

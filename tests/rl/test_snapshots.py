@@ -1,4 +1,4 @@
-"""ParamSnapshot (flowrl/rl/snapshots.py): predicting with a snapshot equals predicting with its weights loaded,
+"""ParamSnapshot (flowrl/rl/param_snapshots.py): predicting with a snapshot equals predicting with its weights loaded,
 leaves the live parameters and their gradients alone, follows its decay schedule, and round-trips a checkpoint."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from flowrl.core.snapshots import DecaySchedule
 from flowrl.models.base import ModelLoadError
-from flowrl.rl.snapshots import ParamSnapshot, optimizer_steps
+from flowrl.rl.param_snapshots import ParamSnapshot, optimizer_steps
 
 from toy import ToyFlow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.logging import read_metrics
+from flowrl.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.checkpoint import load_state
-from flowrl.logging import read_metrics
-from flowrl.train import load_recipe_config
+from flowrl.run.checkpoint_files import load_state
+from flowrl.run.metrics import read_metrics
+from flowrl.commands.train import load_recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
@@ -21,7 +21,7 @@ SCRIPT = {1: (0.50, 0.50), 2: (0.55, 0.55), 3: (0.60, 0.60), 4: (0.65, 0.58), 5:
 
 def scripted_run(out: Path, *extra: str, max_epochs: int = 8, resume: bool = False) -> tuple[object, list[float]]:
     """A Run whose epochs "train" a weight to the epoch number and whose evaluations read SCRIPT."""
-    from flowrl.run import Run
+    from flowrl.run.harness import Run
 
     _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={out}", "eval.at_start=false", "eval.every_epochs=1",
                                               f"run.max_epochs={max_epochs}", "eval.every_minutes=null",

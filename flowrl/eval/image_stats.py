@@ -1,7 +1,7 @@
 """Statistics of real images that catch the hacks users report on SD3 / FLUX / Qwen-Image: backgrounds erased
 to one colour (colour entropy falls), saturation and contrast pushed (saturated and dark pixel fractions rise,
 the colour histogram shifts away from the base's), grid textures (high-frequency energy rises). With
-``hack/diversity`` (faces made identical) and ``hack/drift_feature`` (:mod:`flowrl.hacking`) they are the part
+``hack/diversity`` (faces made identical) and ``hack/drift_feature`` (:mod:`flowrl.eval.hacking`) they are the part
 of the hacking panel that needs no knowledge of the prompts' world. Pure functions of images ``[B, 3, H, W]``
 in [0, 1]; :func:`image_stats` gives the panel's ``hack/*`` entries:
 

@@ -1,5 +1,5 @@
-"""The run harness every recipe stands on: the run folder (guard, marker, lock: :mod:`flowrl.run_folder`),
-``config.yaml``, metrics and plots, checkpoints and exact resume (:mod:`flowrl.run_checkpoints`), the training
+"""The run harness every recipe stands on: the run folder (guard, marker, lock: :mod:`flowrl.run.folder`),
+``config.yaml``, metrics and plots, checkpoints and exact resume (:mod:`flowrl.run.checkpoints`), the training
 budget in wall-clock or CPU minutes (``run.clock``), a graceful stop, the evaluation schedule, run health, and a
 checkpoint before any failure surfaces.
 
@@ -36,12 +36,12 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import bounds, save_config
-from flowrl.run_checkpoints import PolicyWeights, TrainableWeights
+from flowrl.run.checkpoints import PolicyWeights, TrainableWeights
 
 #: ``Run.finish``'s exit status for a run that trained epochs of which none had a usable reward.
 NO_USABLE_REWARD = 3
 
-__all__ = ["NO_USABLE_REWARD", "LogConfig", "CheckpointConfig", "TrainableWeights", "PolicyWeights", "Run", "peak_memory_mb"]
+__all__ = ["NO_USABLE_REWARD", "LogConfig", "CheckpointConfig", "Run", "peak_memory_mb"]
 
 
 @dataclass
@@ -156,11 +156,11 @@ class Run:
                  units: dict[str, str] | None = None, counters: tuple[str, ...] = (),
                  steps_per_epoch: int | None = None):
         from flowrl.dist import Dist
-        from flowrl.logging import MetricsLogger
-        from flowrl.run_checkpoints import RunCheckpoints
-        from flowrl.run_folder import check_output_dir
-        from flowrl.runtime import prepare_run
-        from flowrl.updates import UpdateHealth
+        from flowrl.run.metrics import MetricsLogger
+        from flowrl.run.checkpoints import RunCheckpoints
+        from flowrl.run.folder import check_output_dir
+        from flowrl.run.runtime import prepare_run
+        from flowrl.run.updates import UpdateHealth
 
         self.cfg, self.recipe = cfg, recipe
         self.dist = dist or Dist(device=cfg.run.device, timeout_minutes=cfg.run.collective_timeout_minutes)
@@ -221,7 +221,7 @@ class Run:
         """``evaluate(epoch, should_stop) -> metrics``, run at the start (``eval.at_start``, default on), every
         ``eval.every_epochs`` epochs and every ``eval.every_minutes`` training minutes, and at the last epoch.
         ``should_stop()`` turns True on SIGINT / SIGTERM: pass it to the sampler so that a long evaluation
-        stops within a step (``flowrl.sample.GenerationInterrupted``)."""
+        stops within a step (``flowrl.commands.sample.GenerationInterrupted``)."""
         self._evaluate = evaluate
 
     def _eval_setting(self, name: str, default: Any) -> Any:
@@ -285,8 +285,8 @@ class Run:
     # ------------------------------------------------------------------ the loop
 
     def __enter__(self) -> "Run":
-        from flowrl.run_folder import prepare_output_dir
-        from flowrl.runtime import GracefulStop, make_deadline
+        from flowrl.run.folder import prepare_output_dir
+        from flowrl.run.runtime import GracefulStop, make_deadline
 
         _, self._lock = prepare_output_dir(self.cfg.run, self.dist, self.recipe)  # lock, overwrite, marker
         if self.dist.is_main:
@@ -328,7 +328,7 @@ class Run:
         tells the user what stopped the run and where its last checkpoint is."""
         import traceback
 
-        from flowrl.checkpoint import CheckpointError
+        from flowrl.run.checkpoint_files import CheckpointError
         from flowrl.errors import RunError, user_errors
 
         where = f"{self.output_dir}/checkpoints"
@@ -354,13 +354,13 @@ class Run:
                         f"{' '.join(str(exc).split())[:300]} {saved}; the traceback is in {log}", exit_code=1)
 
     def _has_row(self, epoch: int) -> bool:
-        from flowrl.logging import read_metrics
+        from flowrl.run.metrics import read_metrics
 
         return self.logger.path.is_file() and any(r.get("epoch") == epoch for r in read_metrics(self.logger.path))
 
     def _run_evaluation(self) -> dict[str, float] | None:
         """The evaluation's metrics, or None when a signal interrupted it (the partial result is discarded)."""
-        from flowrl.generate import GenerationInterrupted
+        from flowrl.eval.generate import GenerationInterrupted
 
         self._evaluating = True  # stays set when the evaluation fails, for the failure's message
         with self._deadline.excluded():
@@ -553,7 +553,7 @@ class Run:
         import os
         import shutil
 
-        from flowrl.checkpoint import latest_checkpoint
+        from flowrl.run.checkpoint_files import latest_checkpoint
 
         if not self.dist.is_main:
             return

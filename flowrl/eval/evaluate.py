@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import bounds
-from flowrl.rl.panel import HackingConfig, HackingPanel, gather_images, with_reference
+from flowrl.eval.panel import HackingConfig, HackingPanel, gather_images, with_reference
 
 __all__ = ["EvalConfig", "Evaluator"]
 
@@ -27,7 +27,7 @@ class EvalConfig:
     # The evaluation's ODE sampling (and the hacking panel's) under bfloat16 autocast or in float32. On the
     # shapes model 20 steps in bfloat16 cost 0.3x of 40 in float32 for the same held-out accuracy (README).
     precision: Literal["float32", "bfloat16"] = "float32"
-    hacking: HackingConfig = field(default_factory=HackingConfig)  # the hack/* panel (flowrl/rl/panel.py)
+    hacking: HackingConfig = field(default_factory=HackingConfig)  # the hack/* panel (flowrl/eval/panel.py)
 
 
 class Evaluator:
@@ -43,7 +43,7 @@ class Evaluator:
         steps / guidance: the ODE sampling of the evaluation.
         dist: the run's :class:`flowrl.dist.Dist`.
         output_dir: the run directory (grids go to ``samples/epoch_<N>.png``: base vs current model).
-        logger: the run's :class:`flowrl.logging.MetricsLogger` (grids also go to TensorBoard / wandb).
+        logger: the run's :class:`flowrl.run.metrics.MetricsLogger` (grids also go to TensorBoard / wandb).
         heldout: ``{name: reward}`` of ``reward.heldout``, scored in the hacking panel.
         kl_step / kl_guidance: the training rollout's ``samplers.Step`` and guidance (``hack/kl_to_base``).
         fm_sigmas: the schedule of the policy's samples for ``hack/fm_to_base`` (default ``kl_step``'s).
@@ -67,9 +67,9 @@ class Evaluator:
         swapped in for the evaluation and restored afterwards.
 
         ``should_stop`` is polled before every model call; when it returns True the evaluation raises
-        ``flowrl.sample.GenerationInterrupted`` (the run discards the partial evaluation)."""
+        ``flowrl.commands.sample.GenerationInterrupted`` (the run discards the partial evaluation)."""
         from rewards.base import checked_reward
-        from flowrl.generate import generate
+        from flowrl.eval.generate import generate
 
         dist, prompt_set = self.dist, self.prompt_set
         n = len(prompt_set)
@@ -154,7 +154,7 @@ class Evaluator:
         """The base model's images of the grid's prompts and seeds, and their scores (computed once: at the
         evaluation before training they are the current images; otherwise the reference weights draw them)."""
         from rewards.base import checked_reward
-        from flowrl.generate import generate
+        from flowrl.eval.generate import generate
 
         if self._base is None:
             if self.panel is not None:  # drew every eval row already (rank 0's rows come first)
@@ -176,7 +176,7 @@ class Evaluator:
         """``samples/epoch_<N>.png``: each grid prompt drawn by the base model (``base``: images and scores) and by
         the model at this epoch from the same noise, side by side under the whole prompt, four prompts to a row,
         captioned with every eval reward; also sent to TensorBoard / wandb."""
-        from flowrl.grid import prompt_grid
+        from flowrl.eval.grid import prompt_grid
 
         base, base_scores = base
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flowrl.cli_args import OneLineParser, UsageError, bounded_int, one_line, output_dir
+from flowrl.commands.args import OneLineParser, UsageError, bounded_int, one_line, output_dir
 
 MAX_EXAMPLES = 10_000_000  # about 20 GB of shards; more is a typo, not a dataset
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     from tqdm import tqdm
 
-    from .webdataset_io import write_shapes_shards
+    from flowrl.data.webdataset_io import write_shapes_shards
 
     with tqdm(total=args.n, desc=f"shapes {args.split}", unit="img", disable=args.no_progress) as bar:
         try:

@@ -1,6 +1,6 @@
 """The reward-hacking panel of an online run, measured at every evaluation (``hack/*`` in ``metrics.jsonl``).
 
-What a reward cannot see, the panel measures (the metrics are :func:`flowrl.hacking.hacking_panel`'s; the
+What a reward cannot see, the panel measures (the metrics are :func:`flowrl.eval.hacking.hacking_panel`'s; the
 loop adds the images and the base model):
 
 - drift from the base model: the evaluation images against the base model's images of the same prompts and
@@ -60,7 +60,7 @@ FeatureFn = Callable[[torch.Tensor], torch.Tensor]
 
 def build_features(spec: str, prompts: list[str], device) -> FeatureFn | None:
     """The panel's feature network (images ``[B, 3, H, W]`` in [0, 1] -> ``[B, D]``) named by ``spec``."""
-    from flowrl.hacking import is_shapes_world, shapes_feature_fn
+    from flowrl.eval.hacking import is_shapes_world, shapes_feature_fn
 
     if spec == "none" or (spec == "auto" and not is_shapes_world(prompts)):
         return None
@@ -227,7 +227,7 @@ class HackingPanel:
                   metadata: list[dict] | None = None) -> torch.Tensor:
         """ODE samples of ``prompts`` (with their prompt-set rows, which an editing model reads) split over the
         processes, gathered (every process gets all)."""
-        from flowrl.generate import generate
+        from flowrl.eval.generate import generate
 
         dist = self.dist
         n = len(prompts)
@@ -240,7 +240,7 @@ class HackingPanel:
     def __call__(self, model, epoch: int, images: torch.Tensor, seeds: list[int], should_stop=None) -> dict[str, float]:
         """The panel for ``images`` (``[n, 3, H, W]`` in [0, 1]: every eval row, gathered, in order) drawn by
         ``model`` (its evaluated weights swapped in) at the eval ``seeds``."""
-        from flowrl.hacking import hacking_panel
+        from flowrl.eval.hacking import hacking_panel
         from rewards.base import checked_reward
 
         images = to_uint8(images).float() / 255  # 8-bit, as stored for the base (and as a saved image would be)

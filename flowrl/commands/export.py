@@ -49,7 +49,7 @@ FORMATS = ("diffusers", "peft", "merged")
 
 
 def _checkpoint_dir(run: Path, checkpoint: int | None) -> Path:
-    from flowrl.checkpoint import checkpoint_number, checkpoints
+    from flowrl.run.checkpoint_files import checkpoint_number, checkpoints
 
     if (run / "state.pt").is_file():  # a checkpoint directory itself
         return run
@@ -94,7 +94,7 @@ def export(run: str | Path, *, fmt: str, out: str | Path, checkpoint: int | None
         ExportError: no such run or checkpoint, or a format the run's model or training cannot give.
         ModelLoadError: ``merged`` and the base model does not load.
     """
-    from flowrl.checkpoint import CheckpointError, load_state
+    from flowrl.run.checkpoint_files import CheckpointError, load_state
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -173,7 +173,7 @@ def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
 
 
 def _parser():
-    from flowrl.cli_args import OneLineParser
+    from flowrl.commands.args import OneLineParser
 
     parser = OneLineParser(prog="flowrl export", description="Export a run's trained weights: a diffusers LoRA "
                                                              "folder, a PEFT adapter or a merged pipeline.")
@@ -191,7 +191,7 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flowrl.cli_args import UsageError
+    from flowrl.commands.args import UsageError
     from flowrl.models.base import ModelLoadError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -10,11 +10,11 @@ last good checkpoint. Rotation orders checkpoints by their number, never by name
 just written; a checkpoint found corrupt at resume is set aside (``corrupt_<name>``), not kept among the newest.
 Runs written before the ``epoch_`` names (their ``step_<N>`` counted epochs) still resume.
 
-A run's checkpoint (``flowrl.run.Run``, docs/distributed.md) also holds
+A run's checkpoint (``flowrl.run.harness.Run``, docs/distributed.md) also holds
 ``accelerate/`` (``accelerator.save_state``: the optimizer, sharded under FSDP2 / ZeRO, the gradient scaler,
 every process's random generators, and under FSDP2 / ZeRO the model's shards), written by every process
 into the same temporary directory before it is renamed, and for LoRA runs of diffusers pipelines ``lora/``
-(a diffusers LoRA folder, ``flowrl.export``).
+(a diffusers LoRA folder, ``flowrl.commands.export``).
 """
 
 from __future__ import annotations

@@ -285,14 +285,14 @@ def _epoch_work(cfg) -> list[str]:
 
 
 def _snapshot_copies(cfg) -> int:
-    """Float32 copies of the trained tensors the recipe keeps beside the EMA (:class:`flowrl.rl.snapshots.ParamSnapshot`),
-    read from its ``train`` section: one per :class:`~flowrl.rl.snapshots.SnapshotConfig` field (NFT's ``old``, CRD's
+    """Float32 copies of the trained tensors the recipe keeps beside the EMA (:class:`flowrl.rl.param_snapshots.ParamSnapshot`),
+    read from its ``train`` section: one per :class:`~flowrl.rl.param_snapshots.SnapshotConfig` field (NFT's ``old``, CRD's
     ``old`` and ``rollout_snapshot``, DGPO's ``ema_snapshot``, AWM's only with ``ema_kl_coef > 0``, as its recipe builds
     it), two for Flow-GRPO's ``elastic_reset`` (its base and its EMA)."""
     from dataclasses import fields, is_dataclass
 
     from flowrl.rl.elastic_reset import ElasticResetConfig
-    from flowrl.rl.snapshots import SnapshotConfig
+    from flowrl.rl.param_snapshots import SnapshotConfig
 
     train = getattr(cfg, "train", None)
     if not is_dataclass(train):
@@ -311,10 +311,10 @@ def _memory(cfg, objective: bool | None = None) -> list[str]:
     """The architecture and the rough memory per GPU of the real run (:func:`flowrl.models.footprint.memory_estimate`).
 
     ``objective``: what the recipe declared about its objective's use of the reference for this config
-    (:class:`flowrl.rl.online.OnlineLoop`'s ``reference``, recorded during the tiny epoch); None when not known (the
+    (:class:`flowrl.rl.setup.ImageTraining`'s ``reference``, recorded during the tiny epoch); None when not known (the
     tiny epoch stopped before): a full fine-tune's reference copy is then counted."""
     from flowrl.models.footprint import footprint, format_gib, memory_estimate, reward_memory
-    from flowrl.rl.online import reference_uses
+    from flowrl.rl.setup import reference_uses
 
     model = getattr(cfg, "model", None)
     if model is None or not hasattr(model, "lora") or not hasattr(model, "name"):
@@ -364,7 +364,7 @@ def _memory(cfg, objective: bool | None = None) -> list[str]:
         lines.append("memory: reward models (each built copy; on a GPU 'auto' precision is bf16): "
                      + ", ".join(f"{k} {format_gib(v / 2 ** 30)}" for k, v in rewards.items()))
     if snapshots:
-        lines.append(f"memory: {snapshots} float32 snapshot(s) of the trained weights (flowrl.rl.snapshots)")
+        lines.append(f"memory: {snapshots} float32 snapshot(s) of the trained weights (flowrl.rl.param_snapshots)")
     return lines
 
 
@@ -428,7 +428,7 @@ def _cpu_precision(data: dict, notes: list[str]) -> None:
 def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResult:
     from flowrl.config import from_dict, to_dict
     from flowrl.errors import user_errors
-    from flowrl.run import NO_USABLE_REWARD
+    from flowrl.run.harness import NO_USABLE_REWARD
 
     notes: list[str] = []
     needs: list[str] = []
@@ -466,7 +466,7 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
             f"on a tiny model")
         for note in notes:
             out(f"  dry run: {note}")
-        from flowrl.rl.online import recorded_reference_declarations
+        from flowrl.rl.setup import recorded_reference_declarations
 
         try:
             with recorded_reference_declarations() as declared:  # the recipe's reference use, for the estimate
@@ -492,7 +492,7 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
 
 
 def main(config: str, overrides: list[str]) -> int:
-    """``flowrl train CONFIG --dry-run`` (called by ``flowrl.train.main``)."""
+    """``flowrl train CONFIG --dry-run`` (called by ``flowrl.commands.train.main``)."""
     result = dry_run(config, overrides, out=lambda line: print(line, flush=True))
     return result["exit_code"]
 

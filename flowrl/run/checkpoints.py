@@ -1,5 +1,5 @@
 """A run's checkpoints: every tracked object's state, the random generators and the run's counters, written by
-every process together and read back for an exact resume (:class:`flowrl.run.Run` uses it).
+every process together and read back for an exact resume (:class:`flowrl.run.harness.Run` uses it).
 
 ``state.pt`` holds each tracked object's ``state_dict()`` under its name (the trained weights always whole, so
 export, the demo and ``load_finetuned`` can read them), the random generators' states and the counters
@@ -116,7 +116,7 @@ class RunCheckpoints:
     def _write_extra(self, state: dict[str, Any]) -> Callable[[Path], None] | None:
         """Files beside ``state.pt``: the LoRA of a diffusers pipeline as a diffusers LoRA folder (the weights
         ``load_finetuned`` uses: the EMA when the run keeps one), so a checkpoint loads in plain diffusers."""
-        from flowrl.checkpoint import LORA_DIR
+        from flowrl.run.checkpoint_files import LORA_DIR
 
         weights = next((obj for obj in self.tracked.values() if isinstance(obj, TrainableWeights)), None)
         if weights is None or getattr(weights.model, "lora", None) is None:
@@ -144,7 +144,7 @@ class RunCheckpoints:
             CheckpointError: on every process, when any process failed to write its part (nothing partial
                 is left; the previous checkpoints are untouched).
         """
-        from flowrl.checkpoint import (ACCELERATE_DIR, CheckpointError, abandon_checkpoint, begin_checkpoint,
+        from flowrl.run.checkpoint_files import (ACCELERATE_DIR, CheckpointError, abandon_checkpoint, begin_checkpoint,
                                        checkpoint_name, finish_checkpoint, rng_state)
 
         dist, number = self.dist, self._number(counters)
@@ -205,7 +205,7 @@ class RunCheckpoints:
             CheckpointError: sharded state, the write failed, or (off the main process) no checkpoint of this
                 position appeared within ``timeout_s``.
         """
-        from flowrl.checkpoint import CheckpointError, rng_state, save_checkpoint
+        from flowrl.run.checkpoint_files import CheckpointError, rng_state, save_checkpoint
 
         if self.dist.shards_weights:  # (every process says so: none waits for a save that cannot happen)
             raise CheckpointError(f"after a failure one process cannot save the sharded ({self.dist.backend}) state; "
@@ -221,7 +221,7 @@ class RunCheckpoints:
     def _await_main_checkpoint(self, number: int, timeout_s: float) -> None:
         """Return once checkpoint ``number`` is complete (its folder appears whole: the writer renames it into
         place), or raise CheckpointError after ``timeout_s`` seconds."""
-        from flowrl.checkpoint import CheckpointError, checkpoint_name
+        from flowrl.run.checkpoint_files import CheckpointError, checkpoint_name
 
         target = self.output_dir / "checkpoints" / checkpoint_name(number, self.unit)
         deadline = time.monotonic() + timeout_s
@@ -235,7 +235,7 @@ class RunCheckpoints:
 
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         """Load one checkpoint into every tracked object (every process)."""
-        from flowrl.checkpoint import ACCELERATE_DIR, CheckpointError, set_rng_state
+        from flowrl.run.checkpoint_files import ACCELERATE_DIR, CheckpointError, set_rng_state
 
         accelerate_dir = checkpoint / ACCELERATE_DIR
         for name, obj in self.tracked.items():
@@ -261,7 +261,7 @@ class RunCheckpoints:
         Raises:
             CheckpointError: the processes see different checkpoints, or none can be read.
         """
-        from flowrl.checkpoint import CheckpointError, checkpoints, load_state, set_aside
+        from flowrl.run.checkpoint_files import CheckpointError, checkpoints, load_state, set_aside
 
         required = (tuple(name for name, obj in self.tracked.items()
                           if self._in_state_file(obj) and not self.dist.manages(obj) and name not in LEGACY_NAMES)
@@ -305,7 +305,7 @@ class RunCheckpoints:
 
         Raises:
             CheckpointError: a tracked object is under neither name."""
-        from flowrl.checkpoint import CheckpointError
+        from flowrl.run.checkpoint_files import CheckpointError
 
         for name, legacy in LEGACY_NAMES.items():
             if name in self.tracked and name not in state:

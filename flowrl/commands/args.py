@@ -80,7 +80,7 @@ def finite_float(text: str) -> float:
 def device_arg(text: str | None):
     """``--device`` as a ``torch.device`` (None: cuda when available, else cpu); a device that cannot be
     used here is a ``UsageError`` naming the fix."""
-    from flowrl.runtime import resolve_device
+    from flowrl.hardware import resolve_device
 
     try:
         return resolve_device(text)

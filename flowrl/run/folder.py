@@ -113,7 +113,7 @@ def check_output_dir(run) -> None:
                           f"{MARKER} marker), so nothing in it is deleted; delete its files yourself or choose "
                           "another run.output_dir")
     if run.resume:
-        from flowrl.checkpoint import CheckpointError, checkpoints
+        from flowrl.run.checkpoint_files import CheckpointError, checkpoints
 
         if not checkpoints(out):  # say so before a model loads
             raise CheckpointError(f"run.resume=true but {out}/checkpoints holds no checkpoint; run without "
@@ -131,7 +131,7 @@ def prepare_output_dir(run, dist, recipe: str = "run") -> tuple[Path, RunLock | 
             or overwrite, is an overwrite target flowrl did not create, or is locked by another run.
         CheckpointError: ``run.resume`` with no checkpoint to resume from.
     """
-    from flowrl.checkpoint import clean_stale_files
+    from flowrl.run.checkpoint_files import clean_stale_files
     from flowrl.config import ConfigError
 
     out = Path(run.output_dir)

@@ -29,7 +29,7 @@ For the shapes world (every prompt parses in its grammar), with the rule-based d
   satisfy a constraint, extra objects ignored), the proxy a duplicating policy games; the gap between the two is
   the hack.
 
-For any images (flowrl/image_stats.py): ``hack/color_entropy``, ``hack/color_hist_shift`` (against the base's
+For any images (flowrl/eval/image_stats.py): ``hack/color_entropy``, ``hack/color_hist_shift`` (against the base's
 images), ``hack/dark_frac``, ``hack/saturated_frac`` and ``hack/hf_energy``: the hacks reported on real models
 (backgrounds erased to one colour, saturation and contrast pushed, grid textures).
 
@@ -51,7 +51,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from flowrl.image_stats import image_stats
+from flowrl.eval.image_stats import image_stats
 
 __all__ = ["hacking_panel", "pixel_drift", "feature_drift", "group_diversity", "background_stats",
            "shapes_metrics", "shapes_feature_fn", "diversity_rows",

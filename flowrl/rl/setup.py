@@ -2,19 +2,19 @@
 
 A recipe's ``main`` stays a readable loop (docs/architecture.md, "Adding a trainer")::
 
-    online = OnlineLoop(cfg, "my_recipe", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
-    run, model = online.run, online.model
+    setup = ImageTraining(cfg, "my_recipe", model=model, dist=dist, ema_decay=cfg.train.ema_decay)
+    run, model = setup.run, setup.model
     run.track(old=snapshot)                                   # the recipe's own extra state
     with run:
         while run.next_epoch():
-            rollouts, advantages, valid, metrics = online.collect(run.epoch)
-            if online.updates_policy(metrics):                # run.check_rewards, reward.discriminator
-                with online.training(passes) as bar:          # run.updating(), precision, progress
+            rollouts, advantages, valid, metrics = setup.collect(run.epoch)
+            if setup.updates_policy(metrics):                # run.check_rewards, reward.discriminator
+                with setup.training(passes) as bar:          # run.updating(), precision, progress
                     metrics.update(train_epoch(...))
-            online.end_epoch(metrics, rollouts)               # scheduler, reward details, timings, log
+            setup.end_epoch(metrics, rollouts)               # scheduler, reward details, timings, log
     return run.finish()
 
-:class:`OnlineLoop` builds the run (:class:`flowrl.run.Run`), the model, the training reward, the
+:class:`ImageTraining` builds the run (:class:`flowrl.run.harness.Run`), the model, the training reward, the
 prompt groups, the evaluator (with its hacking panel), AdamW with its warm-up, the EMA and the per-prompt
 tracker, and checkpoints them under the names ``model``, ``optimizer``, ``scheduler``, ``ema``, ``tracker``;
 a trainable reward in the training reward (the adversarial discriminator) trains on the collected images on
@@ -35,14 +35,14 @@ from tqdm.auto import tqdm
 
 from flowrl.config import RunConfig, bounds
 from flowrl.models.config import ModelConfig
-from flowrl.rl.advantages import AdvantageConfig
-from flowrl.rl.evaluate import EvalConfig
+from flowrl.rl.epoch_advantages import AdvantageConfig
+from flowrl.eval.evaluate import EvalConfig
 from flowrl.rl.optim import OptimConfig
 from flowrl.rl.sampling import SamplingConfig
-from flowrl.run import CheckpointConfig, LogConfig
+from flowrl.run.harness import CheckpointConfig, LogConfig
 from rewards.config import RewardConfig
 
-__all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "OnlineLoop", "IMAGE_PLOTS", "IMAGE_PLOT_UNITS",
+__all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "ImageTraining", "IMAGE_PLOTS", "IMAGE_PLOT_UNITS",
            "reference_uses", "recorded_reference_declarations"]
 
 
@@ -119,7 +119,7 @@ def _pixels(model) -> tuple[int, int] | None:
     return height * scale, width * scale
 
 
-class OnlineLoop:
+class ImageTraining:
     """The shared parts of an online recipe (see the module docstring).
 
     Args:
@@ -128,7 +128,7 @@ class OnlineLoop:
         recipe: the recipe's registry name.
         model / dist: injected model adapter and :class:`flowrl.dist.Dist` (tests, notebooks).
         ema_decay: decay of the evaluation EMA of the trained weights (None: no EMA).
-        plot_groups: extra plots beside :data:`IMAGE_PLOTS`, as for :class:`flowrl.run.Run`.
+        plot_groups: extra plots beside :data:`IMAGE_PLOTS`, as for :class:`flowrl.run.harness.Run`.
         per_sample: advantages are one per sample (``[n]``; trainers without denoising-step credit).
         rollouts: False for offline trainers (no training reward, prompt groups or advantage tracker; the
             config then needs no ``advantage`` section and no training prompts).
@@ -149,10 +149,11 @@ class OnlineLoop:
         from flowrl.core.advantages import PerPromptStatTracker
         from flowrl.data.prompt_groups import PromptGroups
         from flowrl.data.prompts import load_prompts
-        from flowrl.rl.evaluate import Evaluator
+        from flowrl.eval.evaluate import Evaluator
         from flowrl.rl.optim import build_ema, build_optimizer
         from flowrl.rl.reward_training import RewardTraining
-        from flowrl.run import Run, TrainableWeights
+        from flowrl.run.checkpoints import TrainableWeights
+        from flowrl.run.harness import Run
 
         self.cfg, self.recipe, self.per_sample = cfg, recipe, per_sample
         self.reference_uses = reference_uses(cfg, reference)  # why the reference is needed (empty: it is not)
@@ -266,10 +267,10 @@ class OnlineLoop:
 
         Returns:
             ``(rollouts, advantages, valid, metrics)`` as :func:`flowrl.rl.collect.collect_epoch` and
-            :func:`flowrl.rl.advantages.compute_advantages` return them (``metrics`` with
+            :func:`flowrl.rl.epoch_advantages.compute_advantages` return them (``metrics`` with
             ``time/advantages_s``).
         """
-        from flowrl.rl.advantages import compute_advantages
+        from flowrl.rl.epoch_advantages import compute_advantages
         from flowrl.rl.collect import collect_epoch
 
         cfg, dist, s = self.cfg, self.dist, self.cfg.sampling
@@ -298,7 +299,7 @@ class OnlineLoop:
 
     def updates_policy(self, metrics: dict) -> bool:
         """Whether this epoch updates the policy: not on a discriminator-only epoch of ``reward.discriminator``,
-        nor when every reward is NaN (:meth:`flowrl.run.Run.check_rewards`, which also stops a run
+        nor when every reward is NaN (:meth:`flowrl.run.harness.Run.check_rewards`, which also stops a run
         whose rewards stay degenerate)."""
         if not self.reward_training.trains_policy(self.run.epoch):
             return False
@@ -315,7 +316,7 @@ class OnlineLoop:
 
     def end_epoch(self, metrics: dict, rollouts=None, *, images: int | None = None) -> None:
         """Step the learning-rate schedule, add the reward details and timings of ``rollouts``, and close
-        the epoch (:meth:`flowrl.run.Run.end_epoch`: evaluate if due, log, checkpoint).
+        the epoch (:meth:`flowrl.run.harness.Run.end_epoch`: evaluate if due, log, checkpoint).
 
         ``images``: images sampled this epoch (default ``sampling.samples_per_epoch``)."""
         self.scheduler.step()
@@ -337,7 +338,7 @@ _RECORDERS: list[list[bool]] = []
 
 @contextlib.contextmanager
 def recorded_reference_declarations() -> Iterator[list[bool]]:
-    """The ``reference`` argument of every :class:`OnlineLoop` built inside the block, in order (the dry run reads
+    """The ``reference`` argument of every :class:`ImageTraining` built inside the block, in order (the dry run reads
     what the recipe declared for its config, to size the real run's memory)."""
     declared: list[bool] = []
     _RECORDERS.append(declared)

@@ -15,8 +15,7 @@ import torch
 
 from flowrl.config import RunConfig
 
-__all__ = ["GracefulStop", "prepare_run", "Deadline", "CpuDeadline", "ReferenceDeadline", "make_deadline",
-           "resolve_device"]
+__all__ = ["GracefulStop", "prepare_run", "Deadline", "CpuDeadline", "ReferenceDeadline", "make_deadline"]
 
 
 class GracefulStop:
@@ -118,7 +117,7 @@ class CpuDeadline(Deadline):
 
 class ReferenceDeadline(CpuDeadline):
     """``run.max_minutes`` in reference CPU-minutes: this process's CPU time valued by how fast the CPU runs a
-    fixed probe workload now, against the reference machine (:mod:`flowrl.calibration`), evaluation excluded.
+    fixed probe workload now, against the reference machine (:mod:`flowrl.run.calibration`), evaluation excluded.
 
     Every ``probe_every`` CPU-seconds the probe runs, outside the budget: from a ``SIGPROF`` interval timer on
     the process's CPU time (so it samples the CPU's speed all through an epoch, between two Python bytecodes of
@@ -132,7 +131,7 @@ class ReferenceDeadline(CpuDeadline):
     def __init__(self, minutes: float | None, already_spent: float = 0.0, scale: float = 1.0,
                  probe: Callable[[], float] | None = None, reference_seconds: float | None = None,
                  probe_every: float = 5.0, timer: bool = True, precision: str | None = None):
-        from flowrl import calibration
+        from flowrl.run import calibration
 
         precision = calibration.probe_precision(precision)  # the run's compute precision, else the CPU's default
         self.probe = probe or functools.partial(calibration.probe_seconds, precision)
@@ -222,7 +221,7 @@ def make_deadline(clock: str, minutes: float | None, already_spent: float = 0.0,
 
 def prepare_run(run: RunConfig) -> Path:
     """Apply the process settings of ``run`` (determinism, threads, denormals, ``run.tf32``, the seed); returns the
-    output directory's path (created when the run claims it: :func:`flowrl.run_folder.prepare_output_dir`)."""
+    output directory's path (created when the run claims it: :func:`flowrl.run.folder.prepare_output_dir`)."""
     output_dir = Path(run.output_dir)
     if run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -236,18 +235,3 @@ def prepare_run(run: RunConfig) -> Path:
     torch.backends.cudnn.allow_tf32 = run.tf32
     torch.manual_seed(run.seed)
     return output_dir
-
-
-def resolve_device(text: str | None) -> torch.device:
-    """A ``--device`` argument: None means cuda when available, else cpu; otherwise
-    :func:`flowrl.hardware.usable_device` (``cpu``, ``cuda[:N]`` with that GPU present, ``mps`` where Metal is
-    available, the tests' fake accelerator).
-
-    Raises:
-        ValueError: not a usable device here (a :class:`flowrl.hardware.DeviceError`; the message says the fix).
-    """
-    from flowrl.hardware import usable_device
-
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return usable_device(text, "--device")

@@ -1,4 +1,4 @@
-"""The ``flowrl sample`` / ``flowrl eval`` commands (their library: :mod:`flowrl.generate`)::
+"""The ``flowrl sample`` / ``flowrl eval`` commands (their library: :mod:`flowrl.eval.generate`)::
 
     flowrl sample --model shapes|PATH --prompt "a red circle" [--prompt ...] --seeds 0-7 --steps 20 \\
         [--guidance G] [--reward shapes] --out grid.png
@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from flowrl.cli_args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
+from flowrl.commands.args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
                              positive_int, read_text_file)
-from flowrl.generate import evaluate, generate
-from flowrl.grid import image_grid
+from flowrl.eval.generate import evaluate, generate
+from flowrl.eval.grid import image_grid
 
 __all__ = ["parse_seeds", "format_table", "sample_main", "eval_main"]
 
@@ -262,7 +262,7 @@ def _sources(paths: list[str] | None, n_prompts: int, model) -> list | None:
 def _write_videos(videos, out: Path, per_prompt: int, seeds: list[int]) -> list[Path]:
     """Each video ``[F, 3, H, W]`` of ``videos`` as a looping GIF ``<out stem>_p<prompt>_s<seed>.gif`` beside the
     grid, at 16 fps (Wan's frame rate)."""
-    from flowrl.grid import save_gif
+    from flowrl.eval.grid import save_gif
 
     paths = []
     for i, video in enumerate(videos):

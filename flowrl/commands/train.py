@@ -1,7 +1,7 @@
 """``flowrl train CONFIG [a.b=c ...] [--dry-run]``: load a recipe's typed config and run it.
 
 ``--dry-run`` runs one epoch of the config's recipe on a tiny model of its architecture, offline, and prints what
-the real run needs (weights, rewards, prompt files, a memory estimate, the work of an epoch): ``flowrl.dryrun``.
+the real run needs (weights, rewards, prompt files, a memory estimate, the work of an epoch): ``flowrl.commands.dryrun``.
 
 The YAML's top-level ``recipe`` key names the recipe (``pretrain``, ``flow_grpo``, ...); each recipe
 module defines a ``Config`` dataclass and ``main(cfg)``. A YAML may name ``base: other.yaml`` and keep
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowrl train: config error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from flowrl.dryrun import main as dry_run_main
+        from flowrl.commands.dryrun import main as dry_run_main
 
         try:
             return dry_run_main(args.config, args.overrides)

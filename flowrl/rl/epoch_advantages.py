@@ -20,7 +20,7 @@ from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
 
 __all__ = ["AdvantageConfig", "compute_advantages", "advantage_options", "LOOP_INPUTS"]
 
-#: The estimator inputs this loop can produce (:mod:`flowrl.rl.credit`).
+#: The estimator inputs this loop can produce (:mod:`flowrl.rl.credit_inputs`).
 LOOP_INPUTS = {"completion_rewards", "step_weights"}
 
 
@@ -98,7 +98,7 @@ def compute_advantages(rollouts, cfg: AdvantageConfig, dist, *, seed: int, epoch
         ``credit/...`` metrics (``credit/extra_nfe`` and ``credit/completion_s`` for completions).
     """
     from flowrl.core.advantages import zero_std_fraction
-    from flowrl.rl.credit import completion_rewards, progress_weights
+    from flowrl.rl.credit_inputs import completion_rewards, progress_weights
 
     estimator = ADVANTAGE_ESTIMATORS.get(cfg.estimator)
     traj = rollouts.trajectory

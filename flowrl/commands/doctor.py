@@ -59,8 +59,8 @@ def _environment(device: torch.device) -> dict:
 
 def _train(args: list[str], out: Path) -> list[dict]:
     """``flowrl train`` in this process; the run's metrics rows (raises with the run's error line on failure)."""
-    from flowrl.logging import read_metrics
-    from flowrl.train import main as train
+    from flowrl.run.metrics import read_metrics
+    from flowrl.commands.train import main as train
 
     code = train(args)
     if code != 0:
@@ -101,7 +101,7 @@ def _tiny_fixtures(work: Path) -> tuple[Path, tuple[str, str]]:
 
 
 def _tiny_sd3(device: str, work: Path) -> dict:
-    from flowrl.export import main as export
+    from flowrl.commands.export import main as export
 
     prompts, pickscore = _tiny_fixtures(work)
     out = work / "tiny_sd3"
