@@ -10,9 +10,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flowrl.commands.train:main", "run a training recipe: flowrl train CONFIG [a.b=c ...]"),
     "sample": ("flowrl.commands.sample:sample_main", "sample a labelled image grid from a model"),
-    "eval": ("flowrl.commands.sample:eval_main", "GenEval-style evaluation of a model with a reward"),
+    "eval": ("flowrl.commands.sample:eval_main", "held-out evaluation of a model with a reward (the shapes model: strict accuracy)"),
     "export": ("flowrl.commands.export:main", "a run's LoRA for diffusers / peft, or merged: flowrl export RUN --format F"),
     "doctor": ("flowrl.commands.doctor:main", "check a GPU machine in ten minutes: flowrl doctor [--device cuda]"),
+    "panel": ("flowrl.commands.panel:main", "the reward-hacking panel of a tuned shapes model against its base"),
+    "calibrate": ("flowrl.commands.calibrate:main", "this CPU's speed against the reference machine (run.clock)"),
     "data": ("flowrl.commands.data:main", "write datasets (e.g. flowrl data shapes --split train --n N --out DIR)"),
     "score": ("rewards.cli:score_main", "score images with reward models"),
     "serve-reward": ("rewards.server:serve_main", "serve reward models over HTTP"),

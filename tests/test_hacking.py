@@ -147,15 +147,12 @@ def test_shapes_feature_fn_gives_encoder_global_tokens():
 
 
 def test_panel_benchmark_compares_two_models(tiny_shapes_dir, tmp_path):
-    """benchmarks/hacking_panel.py on the tiny model against itself: zero drift, identical panels."""
+    """``flowrl panel`` on the tiny model against itself: zero drift, identical panels."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks import hacking_panel
+    from flowrl.commands import panel
 
-    result = hacking_panel.main(["--tuned", str(tiny_shapes_dir), "--base", str(tiny_shapes_dir), "--n", "6",
+    result = panel.panel_report(["--tuned", str(tiny_shapes_dir), "--base", str(tiny_shapes_dir), "--n", "6",
                                  "--steps", "2", "--group-prompts", "2", "--group-seeds", "2",
                                  "--adversarial-updates", "2", "--adversarial-pool", "8",
                                  "--out", str(tmp_path / "panel")])

@@ -1,4 +1,4 @@
-"""benchmarks/vlm_trace_errors.py on the shipped Shapes-VQA model: the split by exact listings adds up to the
+"""experiments/vlm_trace_errors.py on the shipped Shapes-VQA model: the split by exact listings adds up to the
 evaluation's own accuracy, and the command line writes its JSON."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import vlm_trace_errors  # noqa: E402
+from experiments import vlm_trace_errors  # noqa: E402
 
 
 def test_trace_errors_split_the_evaluation(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ Each trainer runs its shipped config (``configs/shapes/<trainer>.yaml``) with th
 renderer's data (``configs/shapes/continued_pretrain.yaml``). Runs are ranked by the gold with every task kind at or
 above the base model's. Runs are launched one after another (``--parallel 2`` runs two at a time, each with one thread) by
 
-    python -m flowrl train configs/shapes/<trainer>.yaml run.output_dir=benchmarks/out/trainers/<trainer>_s<seed>
+    python -m flowrl train configs/shapes/<trainer>.yaml run.output_dir=experiments/out/trainers/<trainer>_s<seed>
         run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null eval.at_start=false
 
 (the base model is evaluated once, ``base/``, and is every curve's first point). Evaluation time is excluded from
@@ -28,12 +28,12 @@ Diffusion-DPO trains on offline pairs: ``--make-pairs`` samples the base model (
 training prompts, 10-step ODE), scores them with the strict shapes reward and keeps, per prompt with both, up to
 4 pairs (a correct image preferred to an incorrect one); the images it sampled are reported beside its row.
 
-    python benchmarks/trainers.py --make-pairs
-    python benchmarks/trainers.py --sweep --minutes 10 --parallel 2 --set sampling.precision=bfloat16
-    python benchmarks/trainers.py --minutes 10 --seeds 0 1 --parallel 2 --set sampling.precision=bfloat16
-    python benchmarks/trainers.py --minutes 30 --seeds 0 1 --trainers nft awm flow_grpo --tag 30min ...
-    python benchmarks/trainers.py --from-sweep --best 4 --minutes 30 --seeds 0 1 --tag 30min ...  # the sweep's best
-    python benchmarks/trainers.py --analyse-only
+    python experiments/trainers.py --make-pairs
+    python experiments/trainers.py --sweep --minutes 10 --parallel 2 --set sampling.precision=bfloat16
+    python experiments/trainers.py --minutes 10 --seeds 0 1 --parallel 2 --set sampling.precision=bfloat16
+    python experiments/trainers.py --minutes 30 --seeds 0 1 --trainers nft awm flow_grpo --tag 30min ...
+    python experiments/trainers.py --from-sweep --best 4 --minutes 30 --seeds 0 1 --tag 30min ...  # the sweep's best
+    python experiments/trainers.py --analyse-only
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import (DONE, clean, curve_mean, fmt, interp, launch, mean_std, read_curve,  # noqa: E402
+from experiments.runs import (DONE, clean, curve_mean, fmt, interp, launch, mean_std, read_curve,  # noqa: E402
                              restore_record, save_figure)
 
 #: The RL trainers, then the two controls a reviewer asks for at the same budget from the same base: online
@@ -91,7 +91,7 @@ PAIRS = ROOT / "benchmarks" / "out" / "trainers" / "dpo_pairs"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="benchmarks/trainers.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="experiments/trainers.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="training CPU-minutes per run (run.max_minutes, one thread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

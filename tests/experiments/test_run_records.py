@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import runs
+from experiments import runs
 
 
 def _finished_run(out, rows):

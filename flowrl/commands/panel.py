@@ -1,4 +1,4 @@
-"""The hacking panel (``flowrl/eval/hacking.py``) of a tuned shapes model against its base model.
+"""``flowrl panel``: the hacking panel (``flowrl/eval/hacking.py``) of a tuned shapes model against its base model.
 
 Generates, with the deterministic Euler ODE and the same per-sample seeds for both models,
 
@@ -9,9 +9,9 @@ Generates, with the deterministic Euler ODE and the same per-sample seeds for bo
 and writes both models' panels (the base model's drift is 0 by definition and left out) as JSON and a
 Markdown table::
 
-    python benchmarks/hacking_panel.py --tuned runs/shapes_flow_grpo --out benchmarks/results/hacking_main_job \
+    flowrl panel --tuned runs/shapes_flow_grpo --out panel/main_job \
         [--artifact-model DIR]      # adds hack/p_artifact, the classifier's mean P(artifact)
-    python benchmarks/hacking_panel.py --tuned DIR --base DIR --n 12 --steps 2 --group-prompts 2 --group-seeds 2 --out X
+    flowrl panel --tuned DIR --base DIR --n 12 --steps 2 --group-prompts 2 --group-seeds 2 --out X
 
 ``--tuned``/``--base`` take what ``app.py`` takes: ``shapes`` (the shipped model), a saved model directory,
 or a fine-tuning run directory (its newest checkpoint; EMA weights when the run kept them).
@@ -19,17 +19,12 @@ or a fine-tuning run directory (its newest checkpoint; EMA weights when the run 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 
 def load(spec: str, device: str = "cpu"):
@@ -84,8 +79,23 @@ def adversarial_probe(tuned_model, base_images, tuned_images, prompts, *, update
             "frac_base_above_tuned": float((base_scores > tuned_scores).float().mean())}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``flowrl panel``; 0 on success, 2 with a one-line error (a model that does not load)."""
+    from flowrl.errors import FlowrlError
+
+    try:
+        panel_report(argv)
+    except FlowrlError as err:
+        print(f"flowrl panel: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def panel_report(argv: list[str] | None = None) -> dict:
+    """Measure both panels as the command line says, write ``--out``.json / .md and return the result."""
+    from flowrl.commands.args import OneLineParser
+
+    parser = OneLineParser(prog="flowrl panel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tuned", required=True)
     parser.add_argument("--base", default="shapes")
     parser.add_argument("--n", type=int, default=600, help="held-out prompts (default 600)")
@@ -145,4 +155,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

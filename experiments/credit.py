@@ -3,7 +3,7 @@
 Trains each method with the same seeds and the same compute budget (``run.max_minutes`` of training time,
 evaluation excluded, see ``flowrl.run.runtime.Deadline``), one run after another, by launching
 
-    python -m flowrl train configs/shapes/<config>.yaml run.output_dir=benchmarks/out/credit/<method>_s<seed>
+    python -m flowrl train configs/shapes/<config>.yaml run.output_dir=experiments/out/credit/<method>_s<seed>
         run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null ...
 
 (``outcome`` -> ``flow_grpo.yaml``, ``tp_grpo`` -> ``tp_grpo.yaml``, ``cosine`` -> ``cosine_grpo.yaml``; the
@@ -12,9 +12,9 @@ three differ only in ``advantage``; ``shuffled``, the random-advantage control, 
 held-out points at the same minutes whatever its epoch length. Then it reads each run's ``metrics.jsonl`` and
 writes
 
-- ``benchmarks/results/credit.png``: held-out accuracy (``eval/shapes/accuracy``) against (a) images sampled
+- ``experiments/results/credit.png``: held-out accuracy (``eval/shapes/accuracy``) against (a) images sampled
   and (b) training wall time, one panel each (thin lines: seeds; thick: their mean);
-- ``benchmarks/results/credit.json`` and ``credit.md``: accuracy at equal images (the fewest images any run
+- ``experiments/results/credit.json`` and ``credit.md``: accuracy at equal images (the fewest images any run
   sampled) and at equal time (the shortest training time of any run), mean and std over seeds, linearly
   interpolated between evaluations; and the cost per epoch: seconds, the advantage step's seconds, and
   TP-GRPO's extra model evaluations (the logged ``credit/extra_nfe`` when the recipe logs it, else computed
@@ -22,9 +22,9 @@ writes
 
 Run (the full benchmark takes ``len(methods) x len(seeds) x minutes`` plus evaluation)::
 
-    python benchmarks/credit.py --minutes 30 --seeds 0 1 2
-    python benchmarks/credit.py --analyse-only            # re-plot existing runs
-    python benchmarks/credit.py --model-path DIR --minutes 0.05 --max-epochs 2 --num-eval-prompts 4 \\
+    python experiments/credit.py --minutes 30 --seeds 0 1 2
+    python experiments/credit.py --analyse-only            # re-plot existing runs
+    python experiments/credit.py --model-path DIR --minutes 0.05 --max-epochs 2 --num-eval-prompts 4 \\
         --set sampling.num_steps=3 --set sampling.group_size=2 ...       # smoke test on a tiny model
 """
 
@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import clean, curve_mean, interp, mean_std, read_curve, save_figure, train_run  # noqa: E402
-from benchmarks.runs import fmt as _fmt  # noqa: E402
-from benchmarks.runs import median as _median  # noqa: E402
+from experiments.runs import clean, curve_mean, interp, mean_std, read_curve, save_figure, train_run  # noqa: E402
+from experiments.runs import fmt as _fmt  # noqa: E402
+from experiments.runs import median as _median  # noqa: E402
 
 CONFIGS = {"outcome": "flow_grpo", "tp_grpo": "tp_grpo", "cosine": "cosine_grpo", "shuffled": "flow_grpo"}
 # The control: outcome credit with the epoch's advantages randomly permuted across samples, so the update
@@ -53,7 +53,7 @@ COLORS = {"outcome": "tab:blue", "tp_grpo": "tab:red", "cosine": "tab:green", "s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="benchmarks/credit.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="experiments/credit.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0, help="training CPU-minutes per run (run.max_minutes, one thread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -1,4 +1,4 @@
-"""The benchmarks' clock calibration (benchmarks/calibrate.py): budgets in reference CPU-minutes."""
+"""The benchmarks' clock calibration (experiments/calibrate.py): budgets in reference CPU-minutes."""
 
 import gzip
 import json
@@ -7,7 +7,7 @@ import pytest
 
 
 def test_benchmark_runs_count_reference_cpu_minutes_unless_a_scale_is_set(monkeypatch):
-    from benchmarks import calibrate, runs
+    from experiments import calibrate, runs
 
     monkeypatch.delenv(calibrate.ENV, raising=False)
     assert runs.cpu_budget() == ("run.clock=reference", "run.threads=1")
@@ -16,7 +16,7 @@ def test_benchmark_runs_count_reference_cpu_minutes_unless_a_scale_is_set(monkey
 
 
 def test_epoch_cpu_seconds_are_differences_of_training_minutes(tmp_path):
-    from benchmarks.calibrate import epoch_cpu_seconds, read_jsonl
+    from experiments.calibrate import epoch_cpu_seconds, read_jsonl
 
     rows = [{"epoch": 1, "time/epoch_s": 9.0, "time/train_min": 0.5},
             {"eval/shapes/accuracy": 0.6, "time/train_min": 0.5},  # an evaluation row: not an epoch
@@ -30,7 +30,7 @@ def test_epoch_cpu_seconds_are_differences_of_training_minutes(tmp_path):
 
 
 def test_speed_now_reports_the_probe_and_the_rate_at_its_median(monkeypatch):
-    from benchmarks import calibrate
+    from experiments import calibrate
     from flowrl.run import calibration
 
     times = iter([0.5, 0.3, 0.4])

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/trainers.py on the tiny shapes model: pairs for Diffusion-DPO, a base evaluation
+"""Smoke test of experiments/trainers.py on the tiny shapes model: pairs for Diffusion-DPO, a base evaluation
 shared by every curve, two trainers trained and read back, the figure and the table with a row per trainer;
 and the sweep's variants with their override in each run's config."""
 
@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import trainers  # noqa: E402
+from experiments import trainers  # noqa: E402
 
 TINY = ["--set", "sampling.num_steps=4", "--set", "sampling.group_size=2", "--set", "sampling.groups_per_epoch=2",
         "--set", "sampling.batch_size=4", "--set", "train.micro_batch_size=4", "--set", "eval.grid_size=0",

@@ -1,4 +1,4 @@
-"""Shared machinery of the training benchmarks (``benchmarks/credit.py``, ``benchmarks/trainers.py``): launch a
+"""Shared machinery of the training benchmarks (``experiments/credit.py``, ``experiments/trainers.py``): launch a
 training run as a subprocess on a training-time budget, read its evaluations back, and summarise curves over
 seeds (interpolation at equal images / equal minutes, mean and spread).
 
@@ -7,8 +7,8 @@ eval.every_epochs=null ...``; evaluation runs on a training-time schedule (``flo
 it from the budget), so every method gets held-out points at the same minutes whatever its epoch length.
 
 Budgets are in reference CPU-minutes at one thread (``run.clock=reference run.threads=1``, which every run gets
-first, so a benchmark's own overrides may change them; see ``benchmarks/calibrate.py``): a budget buys the same
-training on CPUs of other speeds and beside other work (``benchmarks/results/clock_check.json``).
+first, so a benchmark's own overrides may change them; see ``experiments/calibrate.py``): a budget buys the same
+training on CPUs of other speeds and beside other work (``experiments/results/clock_check.json``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every benchmark run's budget: reference CPU-minutes (benchmarks/calibrate.py), one thread, so that a budget buys
+# Every benchmark run's budget: reference CPU-minutes (experiments/calibrate.py), one thread, so that a budget buys
 # the same epochs on any CPU and beside any load.
 CPU_BUDGET = ("run.threads=1",)
 
 
 def cpu_budget() -> tuple[str, ...]:
-    from benchmarks.calibrate import budget_clock
+    from experiments.calibrate import budget_clock
 
     return (*budget_clock(), *CPU_BUDGET)
 

@@ -27,18 +27,18 @@ evaluate at their start.
 Phases: ``--phase screen`` runs every variant at 10 CPU-minutes, seed 0; ``--phase final`` runs ``none`` and the
 best three (``--best A B C``, default the three the screen ranked first) at 30 CPU-minutes, seeds 0 and 1;
 ``--phase custom`` takes ``--variants``, ``--minutes`` and ``--seeds`` as given. Runs are launched
-``--parallel`` at a time, one thread each (``benchmarks/runs.py``, which keeps a committed record of each
+``--parallel`` at a time, one thread each (``experiments/runs.py``, which keeps a committed record of each
 finished run; ``--reuse`` keeps finished runs and resumes interrupted ones). The analysis
-(``benchmarks/hacking_report.py``) writes, into ``--results``, ``hacking_<phase>.json`` (every run: variant,
+(``experiments/hacking_report.py``) writes, into ``--results``, ``hacking_<phase>.json`` (every run: variant,
 seed, budget, curves; the summary; the issue's criteria per variant and the recommended configuration),
 ``hacking_<phase>.md`` (the table and the per-kind table), ``hacking_<phase>.png`` (lenient accuracy against strict
 accuracy and against the extra-object rate, a point per run and evaluation), ``hacking_<phase>_gold_vs_kl.png``
 (gold and proxy against the distance to the base, per run) and ``hacking_<phase>_curves.png`` (each metric
 against training minutes).
 
-    python benchmarks/hacking.py --phase screen --parallel 2 --reuse
-    python benchmarks/hacking.py --phase final --parallel 2 --reuse          # the screen's best three
-    python benchmarks/hacking.py --phase final --best kl_high crd_anchor base_tail --analyse-only
+    python experiments/hacking.py --phase screen --parallel 2 --reuse
+    python experiments/hacking.py --phase final --parallel 2 --reuse          # the screen's best three
+    python experiments/hacking.py --phase final --best kl_high crd_anchor base_tail --analyse-only
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.runs import launch  # noqa: E402
+from experiments.runs import launch  # noqa: E402
 
 FIXED_VARIANTS = ("none", "adversarial", "adversarial_clipped", "kl_low", "kl_high", "crd_anchor", "elastic_reset",
                   "base_tail")
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the rule's 'no kind below base' allows this much (default 0)")
     parser.add_argument("--model-path", default=None, help="the model to tune (default: the shipped one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="an override for every run")
-    parser.add_argument("--out", default=None, help="run folders (default benchmarks/out/hacking_<phase>)")
+    parser.add_argument("--out", default=None, help="run folders (default experiments/out/hacking_<phase>)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--reuse", action="store_true", help="keep finished runs, resume interrupted ones")
     parser.add_argument("--analyse-only", action="store_true")
@@ -226,7 +226,7 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from benchmarks.hacking_report import report
+    from experiments.hacking_report import report
 
     args = parse_args(argv)
     jobs = jobs_for(args)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import headroom
+from experiments import headroom
 
 
 @pytest.mark.parametrize("n,c", [(4, 0), (4, 1), (5, 2), (6, 5), (6, 6)])

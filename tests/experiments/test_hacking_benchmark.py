@@ -1,4 +1,4 @@
-"""benchmarks/hacking.py and its analysis (benchmarks/hacking_report.py): the issue's rule on constructed
+"""experiments/hacking.py and its analysis (experiments/hacking_report.py): the issue's rule on constructed
 summaries, the phases' choice of variants, the variants' overrides, and a smoke test that trains the variants on
 the tiny shapes model and writes every output."""
 
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import hacking, hacking_report  # noqa: E402
+from experiments import hacking, hacking_report  # noqa: E402
 from flowrl.run.metrics import read_metrics  # noqa: E402
 
 TINY = ["--set", "sampling.num_steps=4", "--set", "sampling.group_size=2", "--set", "sampling.groups_per_epoch=2",

@@ -1,4 +1,4 @@
-"""The analysis of ``benchmarks/hacking.py``: curves read back from the runs, the summary over seeds, the issue's
+"""The analysis of ``experiments/hacking.py``: curves read back from the runs, the summary over seeds, the issue's
 rule for a recommended configuration, the tables and the figures.
 
 The rule (issue 20's acceptance), on the means over seeds at the last evaluation, against the base model (every
@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.runs import clean, fmt, mean_std, read_curve, restore_record, save_figure
+from experiments.runs import clean, fmt, mean_std, read_curve, restore_record, save_figure
 
 LENIENT, STRICT, EXTRA = "eval/shapes/accuracy", "hack/accuracy_strict", "hack/extra_object_rate"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")

@@ -14,8 +14,8 @@ task kind
 for the lenient accuracy the evaluation uses (``eval/shapes/accuracy``) and the strict one (the hacking panel's:
 the counts exact, no extra object)::
 
-    python benchmarks/headroom.py --model shapes --model benchmarks/out/trainers/dgpo_beta=10_s0_30min \\
-        --prompts 120 --k 16 --out benchmarks/results/headroom
+    python experiments/headroom.py --model shapes --model experiments/out/trainers/dgpo_beta=10_s0_30min \\
+        --prompts 120 --k 16 --out experiments/results/headroom
 
 ``--model`` takes what ``app.py`` takes: ``shapes`` (the shipped model), a saved model directory, or a fine-tuning
 run directory (its newest checkpoint; EMA weights when the run kept them).
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--k and --prompts must be at least 1")
     torch.set_num_threads(args.threads)
 
-    from benchmarks.hacking_panel import load
+    from flowrl.commands.panel import load
     from flowrl.data.shapes import eval_prompt_set
 
     rows = eval_prompt_set(args.prompts)

@@ -15,8 +15,8 @@ measured there (that machine was gone): ``--derive RECORD`` reruns a committed r
 epochs 2-16 on the reference clock and scales the constant by the ratio of the record's CPU seconds to the
 reference seconds counted here (the same prompts and images on both machines).
 
-    python benchmarks/calibrate.py                 # this CPU's speed now, against the reference machine
-    python benchmarks/calibrate.py --derive RECORD # the probe's reference seconds from a reference record
+    flowrl calibrate                                # this CPU's speed now, against the reference machine
+    python experiments/calibrate.py --derive RECORD # the probe's reference seconds from a reference record
 """
 
 from __future__ import annotations
@@ -44,15 +44,10 @@ def budget_clock() -> tuple[str, ...]:
 
 
 def speed_now(probes: int = 30) -> dict:
-    """``probes`` probe times in a row here, and the reference clock's rate at their median (reference seconds
-    per CPU-second: above 1 on a CPU faster than the reference machine's)."""
-    from flowrl.run import calibration
+    """This CPU's speed now (``flowrl calibrate``)."""
+    from flowrl.commands.calibrate import speed_now as measure
 
-    times = [calibration.probe_seconds() for _ in range(probes)]
-    median = statistics.median(times)
-    reference = calibration.reference_seconds()
-    return {"probe_precision": calibration.probe_precision(), "probe_s": {"min": min(times), "median": median,
-            "max": max(times)}, "probe_reference_s": reference, "rate_at_median": reference / median}
+    return measure(probes)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -111,7 +106,7 @@ def derive(record: Path, epochs: range = range(2, 17)) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="benchmarks/calibrate.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="experiments/calibrate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--derive", metavar="RECORD", help="derive the probe's reference seconds (of this CPU's probe precision) from a reference run's record")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/credit.py on the tiny shapes model: it trains each method, reads the runs back and
+"""Smoke test of experiments/credit.py on the tiny shapes model: it trains each method, reads the runs back and
 writes the figure and table with one row per method."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import credit  # noqa: E402
+from experiments import credit  # noqa: E402
 
 
 def test_credit_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path):

@@ -4,8 +4,8 @@ Plays the first ``N`` held-out questions greedily (as ``flowrl eval`` does) and 
 lists the scene exactly (the ``scene`` reward is 1), giving the accuracy per kind on each side, and the ``consistent``
 reward of the traces (each reasoning step judged against the trace's own step before it):
 
-    python benchmarks/vlm_trace_errors.py                      # the shipped model, 500 questions
-    python benchmarks/vlm_trace_errors.py runs/shapes_vqa_grpo/model --n 200 --json out.json
+    python experiments/vlm_trace_errors.py                      # the shipped model, 500 questions
+    python experiments/vlm_trace_errors.py runs/shapes_vqa_grpo/model --n 200 --json out.json
 
 A model that lists scenes right and answers them wrong needs better reasoning, not better eyes.
 """

@@ -1,5 +1,5 @@
-"""Benchmarks under test keep their run records (``benchmarks.runs.RECORDS``) in the test's folder, never in the
-checkout's committed ``benchmarks/results/records``."""
+"""Benchmarks under test keep their run records (``experiments.runs.RECORDS``) in the test's folder, never in the
+checkout's committed ``experiments/results/records``."""
 
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(autouse=True)
 def records_in_tmp(tmp_path, monkeypatch):
-    from benchmarks import runs
+    from experiments import runs
 
     monkeypatch.setattr(runs, "RECORDS", tmp_path / "records")
     return tmp_path / "records"
