@@ -121,7 +121,7 @@ class RunConfig:
     clock: Literal["wall", "cpu", "reference"] = "wall"
     # Multiplies the measured time before it meets max_minutes, eval.every_minutes and time/train_min, so a
     # budget means the same training on a slower or faster CPU: a machine that runs the workload in 1.2x the
-    # reference machine's time sets 1/1.2 (the benchmarks measure it: benchmarks/calibrate.py). 1 = as measured.
+    # reference machine's time sets 1/1.2 (the benchmarks measure it: experiments/calibrate.py). 1 = as measured.
     clock_scale: float = dataclasses.field(default=1.0, metadata=bounds(gt=0, le=100))
     # torch.set_num_threads for the run (None: torch's default, one per core).
     threads: int | None = dataclasses.field(default=None, metadata=bounds(ge=1, le=1024))

@@ -11,7 +11,7 @@ stretch of the run's CPU time by ``PROBE_REFERENCE_SECONDS / probe time`` (the m
 ends); the probes' own time is not counted.
 
 ``PROBE_REFERENCE_SECONDS`` is the probe's time on the reference machine, derived (that machine was gone) from
-its records: ``python benchmarks/calibrate.py --derive RECORD`` reruns a record's epochs here on this clock
+its records: ``python experiments/calibrate.py --derive RECORD`` reruns a record's epochs here on this clock
 and scales the constant by the ratio of the record's CPU seconds to the reference seconds measured here.
 """
 
@@ -25,7 +25,7 @@ __all__ = ["PROBE_REFERENCE_SECONDS", "PROBE_REFERENCE_SECONDS_FLOAT32", "Probe"
            "reference_seconds", "probe_seconds"]
 
 # The probe's CPU seconds on the reference machine, at one thread. Derived 2026-12-03 from the Flow-GRPO and
-# AWM records (benchmarks/results/clock_check.json); see the module docstring.
+# AWM records (experiments/results/clock_check.json); see the module docstring.
 PROBE_REFERENCE_SECONDS = 0.30
 # The float32 probe's reference seconds, for CPUs without bfloat16 hardware, where the benchmarks sample in float32
 # (bf16 autocast is emulated there, ~30x slower). Derived like the bf16 constant, by rerunning the records' epochs

@@ -1,5 +1,5 @@
 """The shipped Shapes-VQA model: safetensors, at most 25 MB, loads offline through the generic loader as a
-real Qwen3-VL, and answers the held-out questions as its model card says (``benchmarks/vlm_card.py`` wrote it)."""
+real Qwen3-VL, and answers the held-out questions as its model card says (``experiments/vlm_card.py`` wrote it)."""
 
 from __future__ import annotations
 
