@@ -39,6 +39,9 @@ the rest as the fraction met: 0 (default) is the fraction alone, 1 the all-or-no
 give a policy credit for the easy constraints of a prompt (shapes and colours) and little for the hard ones (a
 relation is 1 of 5 constraints of a position prompt); the all-or-nothing share pays for the whole prompt.
 
+``relation_weight`` (default 1) sets how many constraints a position prompt's relation counts as: the relation is one
+constraint of five (six with the guard), so a policy can earn most of a position prompt's score while ignoring it.
+
 ``relation_ramp`` (pixels; default None) makes the relation constraint dense when exactly one A and one B are
 detected: instead of 0 or 1 it earns ``clip((d - POSITION_MARGIN + ramp) / ramp, 0, 1)``, ``d`` the signed distance
 between their centres along the asked axis (positive in the asked direction). A relation that holds still earns
@@ -316,6 +319,7 @@ class ShapesReward(Reward):
             is the fraction met (default 0: the fraction alone).
         relation_ramp: pixels over which a failed relation earns partial credit when exactly one A and one B are
             detected (None, default: the relation is 0 or 1; see the module docstring).
+        relation_weight: how many constraints the relation of a position prompt counts as (> 0; default 1).
     """
 
     name = "shapes"
@@ -324,7 +328,7 @@ class ShapesReward(Reward):
 
     def __init__(self, device: str = "cpu", count_mode: str = "partial",
                  no_extra_objects: bool | list[str] | tuple[str, ...] = False, extra_objects_weight: float = 1.0,
-                 all_met_share: float = 0.0, relation_ramp: float | None = None):
+                 all_met_share: float = 0.0, relation_ramp: float | None = None, relation_weight: float = 1.0):
         if count_mode not in COUNT_MODES:
             raise RewardError(f"shapes reward: count_mode must be one of {', '.join(COUNT_MODES)}; received "
                               f"{count_mode!r} (strict: a wrong count earns nothing for its object)")
@@ -342,6 +346,10 @@ class ShapesReward(Reward):
             raise RewardError(f"shapes reward: relation_ramp must be null or a number of pixels above 0 (how far from "
                               f"holding a relation still earns credit); received {relation_ramp!r}")
         self.relation_ramp = None if relation_ramp is None else float(relation_ramp)
+        if not _is_number(relation_weight) or not relation_weight > 0:
+            raise RewardError(f"shapes reward: relation_weight must be a number above 0 (how many constraints a position "
+                              f"prompt's relation counts as); received {relation_weight!r}")
+        self.relation_weight = float(relation_weight)
         self.extra_objects_weight = float(extra_objects_weight)
         self.all_met_share = float(all_met_share)
 
@@ -363,6 +371,8 @@ class ShapesReward(Reward):
                 dense = _dense_relation(spec, detections, self.relation_ramp)
                 credit[-1] = dense if dense is not None else 0.0
             weights = [1.0] * len(credit)
+            if spec.relation is not None:  # the relation is the last constraint of a position prompt
+                weights[-1] = self.relation_weight
             if spec.kind in self.guarded_kinds:
                 met.append(extra[-1] == 0)
                 credit.append(float(met[-1]))

@@ -194,3 +194,18 @@ def test_the_gold_fails_a_relation_that_only_a_duplicate_satisfies():
     out = rewards.load("shapes")(render_batch([scene]), ["a red circle left of a blue square"])
     assert out.details["lenient"].tolist() == [1.0] and out.details["correct"].tolist() == [0.0]
     assert out.details["extra"].tolist() == [1.0] and out.scores.tolist() == [1.0]
+
+
+def test_relation_weight_makes_the_relation_count_as_several_constraints():
+    prompt = ["a red circle left of a blue square"]
+    wrong_way = render_batch([Scene((_obj("circle", "red", 20), _obj("square", "blue", 10)))])
+    # 4 constraints met of 4 + 3 (the relation at weight 3): 4/7; with the dense ramp (3/16 of it): (4 + 9/16) / 7
+    assert rewards.load("shapes", relation_weight=3)(wrong_way, prompt).scores.tolist() == pytest.approx([4 / 7])
+    dense = rewards.load("shapes", relation_weight=3, relation_ramp=16)(wrong_way, prompt)
+    assert dense.scores.tolist() == pytest.approx([(4 + 3 * 3 / 16) / 7], abs=2e-3)
+    # Prompts without a relation are unchanged.
+    one = render_batch([Scene((_obj("circle", "red", 16),))])
+    assert rewards.load("shapes", relation_weight=3)(one, ["a red circle"]).scores.tolist() == [1.0]
+    for bad in (0, -1, "2", None, float("inf")):
+        with pytest.raises(RewardError, match=r"relation_weight must be a number above 0"):
+            rewards.load("shapes", relation_weight=bad)
