@@ -25,6 +25,7 @@ REWARDS.register("vlm_judge", "rewards.vlm_judge:VLMJudge")
 REWARDS.register("remote", "rewards.remote:RemoteReward")
 REWARDS.register("adversarial", "rewards.adversarial:AdversarialReward")
 REWARDS.register("artifact", "rewards.artifact:ArtifactReward")
+REWARDS.register("shapes_proxy", "rewards.shapes_proxy:ShapesProxyReward")
 REWARDS.register("per_frame", "rewards.video:PerFrame")
 REWARDS.register("temporal_consistency", "rewards.video:TemporalConsistency")
 # Not bundled: ImageReward. `image-reward` 1.5 resolves beside our pins but fails to import with
