@@ -10,7 +10,7 @@ STAMP := $(VENV)/.flowrl-installed
 # Debian's browser and its WebDriver, for the demo's browser test (tests/demo/test_screenshot.py, Selenium).
 BROWSER_PACKAGES := chromium chromium-driver
 
-.PHONY: install browser test test-fast demo bench clean
+.PHONY: install browser test test-fast lint demo bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,18 +35,21 @@ browser:
 
 install: $(STAMP) browser
 
-# Two pytest processes: the fake-accelerator tier (tests marked `device`, docs/gpu.md) in its own, since its device
-# cannot follow CPU backward passes in one process.
-test: $(STAMP) browser
-	$(BIN)/python -m pytest -m "not device"
-	$(BIN)/python -m pytest -m device
+# The suite on both cores (pytest-xdist, one thread per worker), slowest tests listed, after the linter. Two pytest
+# runs: the fake-accelerator tier (tests marked `device`, docs/gpu.md) in its own workers, since its device cannot
+# follow CPU backward passes in a process that ran CPU training.
+XDIST ?= -n 2
+PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST)
+test: $(STAMP) browser lint
+	$(PYTEST) -m "not device" --durations=25
+	$(PYTEST) -m device --durations=10
 
-# The inner loop (about 2 minutes on 2 cores): the math, samplers, configs, data, rewards, environments, model
-# adapters, CLI errors, import rules and the golden metrics of every recipe; tests marked slow are left out.
-FAST_TESTS := tests/core tests/samplers tests/flowrl tests/data tests/rewards tests/envs tests/models \
-	tests/test_configs_load.py tests/test_cli_errors.py tests/test_import_rules.py tests/recipes/test_golden_metrics.py
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The inner loop (about 2 minutes on 2 cores): every test not marked slow or device.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not device" $(FAST_TESTS)
+	$(PYTEST) -m "not slow and not device"
 
 demo: $(STAMP)
 	$(BIN)/flowrl train configs/shapes/demo.yaml

@@ -63,7 +63,7 @@ def build_model(s: dict, lora: bool, smoke: bool, workdir: Path):
     (unused: the conditioning is injected)."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from flowrl.models.base import LoraSettings
+    from flowrl.config import LoraConfig
     from flowrl.models.footprint import SD3_VAE, SD35_MEDIUM_TRANSFORMER
     from flowrl.models.sd3 import SD3Model
     from flowrl.testing import tiny_pipeline_components
@@ -75,7 +75,7 @@ def build_model(s: dict, lora: bool, smoke: bool, workdir: Path):
             parts["transformer"] = SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER).to(s["dtype"]).eval()
             parts["vae"] = AutoencoderKL(**SD3_VAE, scaling_factor=1.5305, shift_factor=0.0609).eval()
     pipe = StableDiffusion3Pipeline(**parts).to(s["device"])
-    settings_ = LoraSettings(rank=32, alpha=64) if lora else None
+    settings_ = LoraConfig(rank=32, alpha=64) if lora else None
     model = SD3Model(pipe, lora=settings_, gradient_checkpointing=True, resolution=s["resolution"],
                      max_sequence_length=s["t5_tokens"], guidance_scale=4.5)
     model.to(s["device"])

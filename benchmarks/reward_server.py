@@ -11,18 +11,19 @@ one ``RemoteReward``, like training processes sharing one reward server. For eac
 * ``concurrent_unbatched``: the same 4 clients against a server with ``--max-batch 8``, so every request is
   its own model batch: the difference to ``concurrent`` is what dynamic batching buys.
 
-Reported: images per second (wall clock from the clients' common start to the last answer), the server's CPU seconds per image (its own
-process, robust to other load on a shared machine), the coalesced batch sizes, the server's peak resident
-memory growth while serving, and the overhead of scoring through the server vs locally (the transport: PNG
-encoding, HTTP, decoding): in wall time (``local / sequential images per second - 1``) and in CPU time
-(server + client CPU per image vs local CPU per image), the latter robust to other load on the machine. Scores are checked to equal local scores of the uint8 images.
+Reported: images per second (wall clock from the clients' common start to the last answer), the server's CPU
+seconds per image (its own process, robust to other load on a shared machine), the coalesced batch sizes, the
+server's peak resident memory growth while serving, and the overhead of scoring through the server vs locally (the
+transport: PNG encoding, HTTP, decoding): in wall time (``local / sequential images per second - 1``) and in CPU
+time (server + client CPU per image vs local CPU per image), the latter robust to other load on the machine.
+Scores are checked to equal local scores of the uint8 images.
 
 Rewards: the tiny CLIP of :mod:`rewards.testing` at 256x256 (almost no compute: shows the transport), EasyOCR
 with its real English weights at 160x160 (per-image compute of a real reward model on a CPU), and a synthetic
 reward whose every call costs 200 ms plus 2 ms per image, served in this process (:class:`FixedCostReward`):
 a model of a GPU reward, whose batch of 32 costs little more than a batch of 8. Only it shows what
-coalescing buys; CPU rewards cost the same per image at any batch size. Run: ``python benchmarks/reward_server.py`` or ``python -m benchmarks reward_server``;
-writes ``benchmarks/results/reward_server.json``.
+coalescing buys; CPU rewards cost the same per image at any batch size. Run: ``python benchmarks/reward_server.py``
+or ``python -m benchmarks reward_server``; writes ``benchmarks/results/reward_server.json``.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def _bench_reward(name: str, spec: str, reward_args: list[str], local_reward, im
         print(f"  {name} {label}: {result[label]}", flush=True)
     result["overhead_sequential_vs_local"] = round(local["images_per_s"] / result["sequential"]["images_per_s"] - 1, 4)
     if "cpu_s_per_image" in result["sequential"]:  # CPU time, server + client vs local: robust to other load
-        result["overhead_cpu_vs_local"] = round(result["sequential"]["cpu_s_per_image"] / local["cpu_s_per_image"] - 1, 4)
+        result["overhead_cpu_vs_local"] = round(result["sequential"]["cpu_s_per_image"]
+                                                / local["cpu_s_per_image"] - 1, 4)
     result["batching_speedup"] = round(result["concurrent"]["images_per_s"]
                                        / result["concurrent_unbatched"]["images_per_s"], 3)
     result["concurrent_vs_sequential"] = round(result["concurrent"]["images_per_s"]
@@ -260,7 +262,8 @@ def main(rounds: int = 5, write: bool = True) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_1min": os.getloadavg()[0]},
-        "clients": CLIENTS, "images_per_request": PER_REQUEST, "statistic": "local: median over rounds; server setups: whole-run wall clock",
+        "clients": CLIENTS, "images_per_request": PER_REQUEST,
+        "statistic": "local: median over rounds; server setups: whole-run wall clock",
         "results": results,
     }
     if write:

@@ -5,8 +5,9 @@
   bookkeeping more than model compute), OCR with the real EasyOCR weights, and the JPEG rewards.
   Inputs are smooth random 256x256 images, batch 32 (OCR: 8 rendered-text 160x160 images), median
   over repeats.
-* ``server``: scoring a batch of 32 images (OCR: 160x160 text renders; CLIP: 256x256) through ``flowrl serve-reward``'s server + the ``remote``
-  client (PNG encoding, HTTP on 127.0.0.1, decoding) against scoring the same uint8 images locally.
+* ``server``: scoring a batch of 32 images (OCR: 160x160 text renders; CLIP: 256x256) through ``flowrl
+  serve-reward``'s server + the ``remote`` client (PNG encoding, HTTP on 127.0.0.1, decoding) against scoring the
+  same uint8 images locally.
   The headline uses OCR, a reward whose per-image compute (~0.1-1 s on a CPU core) is in the range of
   real reward models (a ViT-H CLIP on a CPU, or a VLM on a GPU); goal: overhead < 10 %. The same
   measurement with the tiny CLIP (almost no compute) shows the fixed cost of the transport alone, in

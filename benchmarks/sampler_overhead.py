@@ -11,7 +11,8 @@ embeddings, and times (median over repeats, interleaved so that machine load hit
 The overhead fraction is ``rollout / bare - 1`` (goal < 5 %); ``sampler_only / bare`` measures the
 same thing without the noise of subtracting two timings. By default torch runs one thread and the
 headline numbers are this thread's CPU time, which other processes on a shared machine cannot inflate;
-wall-clock medians are reported alongside (``--threads 0`` uses torch's default and wall time). Run: ``python benchmarks/sampler_overhead.py``.
+wall-clock medians are reported alongside (``--threads 0`` uses torch's default and wall time). Run:
+``python benchmarks/sampler_overhead.py``.
 """
 
 from __future__ import annotations

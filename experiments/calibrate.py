@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -108,7 +107,8 @@ def derive(record: Path, epochs: range = range(2, 17)) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="experiments/calibrate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--derive", metavar="RECORD", help="derive the probe's reference seconds (of this CPU's probe precision) from a reference run's record")
+    p.add_argument("--derive", metavar="RECORD", help="derive the probe's reference seconds (of this CPU's probe "
+                                                      "precision) from a reference run's record")
     args = p.parse_args(argv)
     if args.derive:
         print(json.dumps(derive(Path(args.derive)), indent=2))

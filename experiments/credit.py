@@ -55,7 +55,8 @@ COLORS = {"outcome": "tab:blue", "tp_grpo": "tab:red", "cosine": "tab:green", "s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="experiments/credit.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=30.0, help="training CPU-minutes per run (run.max_minutes, one thread)")
+    p.add_argument("--minutes", type=float, default=30.0,
+                   help="training CPU-minutes per run (run.max_minutes, one thread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--eval-every-minutes", type=float, default=None,
@@ -65,8 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="model.path (default: the shipped shapes model)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for every run (repeatable), e.g. --set sampling.batch_size=32")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "credit"), help="run directories")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where credit.* go")
+    p.add_argument("--out", default=str(ROOT / "experiments" / "out" / "credit"), help="run directories")
+    p.add_argument("--results", default=str(ROOT / "experiments" / "results"), help="where credit.* go")
     p.add_argument("--reuse", action="store_true", help="skip runs whose directory already has metrics")
     p.add_argument("--analyse-only", action="store_true", help="train nothing; analyse the runs in --out")
     return p.parse_args(argv)
@@ -171,10 +172,6 @@ def summarise(runs: dict[tuple[str, int], dict], methods: list[str]) -> dict:
         nfe, rollout = entry["extra_nfe_per_epoch"], entry["rollout_nfe_per_epoch"]
         entry["extra_nfe_vs_rollout"] = nfe / rollout if rollout and math.isfinite(rollout) else math.nan
     return out
-
-
-def _fmt(x: float, digits: int = 3) -> str:
-    return "n/a" if not isinstance(x, (int, float)) or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
 def markdown(summary: dict) -> str:

@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-steps", type=int, default=40)
     parser.add_argument("--max-epochs", type=int, default=100000)
     parser.add_argument("--artifact-weights", type=float, nargs="+", default=[0.25, 0.5, 1.0])
-    parser.add_argument("--artifact-model", default=str(ROOT / "benchmarks" / "out" / "hacking" / "artifact_model"))
+    parser.add_argument("--artifact-model", default=str(ROOT / "experiments" / "out" / "hacking" / "artifact_model"))
     parser.add_argument("--adv-weight", type=float, default=0.3)
     parser.add_argument("--adv-warmup", type=int, default=3, help="discriminator-only epochs first (default 3)")
     parser.add_argument("--adv-d-steps", type=int, default=16, help="discriminator steps per epoch (default 16)")
@@ -95,14 +95,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-path", default=None, help="the model to tune (default: the shipped one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="an override for every run")
     parser.add_argument("--out", default=None, help="run folders (default experiments/out/hacking_<phase>)")
-    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--results", default=str(ROOT / "experiments" / "results"))
     parser.add_argument("--reuse", action="store_true", help="keep finished runs, resume interrupted ones")
     parser.add_argument("--analyse-only", action="store_true")
     args = parser.parse_args(argv)
     phase = PHASES.get(args.phase, {"minutes": 30.0, "seeds": [0, 1]})
     args.minutes = phase["minutes"] if args.minutes is None else args.minutes
     args.seeds = phase["seeds"] if args.seeds is None else args.seeds
-    args.out = args.out or str(ROOT / "benchmarks" / "out" / f"hacking_{args.phase}")
+    args.out = args.out or str(ROOT / "experiments" / "out" / f"hacking_{args.phase}")
     known = all_variants(args)
     args.variants = select_variants(args, known)
     unknown = [part for v in args.variants for part in v.split("+") if part not in known]
@@ -145,13 +145,15 @@ def variant_overrides(args: argparse.Namespace, variant: str) -> list[str]:
         return [o for part in variant.split("+") for o in variant_overrides(args, part)]
     if variant.startswith("artifact_"):
         weight = float(variant.removeprefix("artifact_"))
-        return [f"reward.train={{shapes: 1.0, artifact: {{weight: {weight:g}, kwargs: {{path: {args.artifact_model}}}}}}}"]
+        return [f"reward.train={{shapes: 1.0, artifact: {{weight: {weight:g}, "
+                f"kwargs: {{path: {args.artifact_model}}}}}}}"]
     if variant in ("adversarial", "adversarial_clipped"):
         clip = f", clip_margin: {args.adv_clip_margin:g}" if variant == "adversarial_clipped" else ""
-        return [f"reward.train={{shapes: 1.0, adversarial: {{weight: {args.adv_weight:g}, kwargs: {{references: shapes, "
-                f"d_steps: {args.adv_d_steps}, lr: {args.adv_lr:g}{clip}}}}}}}",
+        return [f"reward.train={{shapes: 1.0, adversarial: {{weight: {args.adv_weight:g}, "
+                f"kwargs: {{references: shapes, d_steps: {args.adv_d_steps}, lr: {args.adv_lr:g}{clip}}}}}}}",
                 "reward.discriminator.period=1", "reward.discriminator.d_epochs=0",
-                "reward.discriminator.d_on_generator_epochs=true", f"reward.discriminator.warmup_epochs={args.adv_warmup}"]
+                "reward.discriminator.d_on_generator_epochs=true",
+                f"reward.discriminator.warmup_epochs={args.adv_warmup}"]
     if variant in ("kl_low", "kl_high"):
         beta = args.kl_low if variant == "kl_low" else args.kl_high
         return ["train.kl_coef_units=flow_grpo", f"train.kl_coef={beta:g}"]
@@ -159,7 +161,7 @@ def variant_overrides(args: argparse.Namespace, variant: str) -> list[str]:
         return ["train.kl_coef_units=flow_grpo", f"train.kl_coef={args.kl_high:g}", "train.kl_reward_adaptive=true",
                 f"train.kl_floor={args.kl_high * 1e-3:g}"]
     if variant == "elastic_reset":
-        return [f"train.elastic_reset={{every_epochs: {args.elastic_every}, ema_decay: {args.elastic_decay:g}}}"]
+        return [f"train.elastic_reset={{every_epochs: {args.elastic_every}, decay_per_epoch: {args.elastic_decay:g}}}"]
     if variant == "base_tail":
         return [f"sampling.base_last_steps={args.base_last_steps}"]
     return []

@@ -4,7 +4,7 @@ rule for a recommended configuration, the tables and the figures.
 The rule (issue 20's acceptance), on the means over seeds at the last evaluation, against the base model (every
 run's evaluation before training) and the unregularised run (``none``):
 
-- strict accuracy (``hack/accuracy_strict``) at or above the base's;
+- strict accuracy (``hack/accuracy``, the gold) at or above the base's;
 - extra-object rate (``hack/extra_object_rate``) within 0.05 of the base's (at most base + 0.05);
 - lenient held-out accuracy (``eval/shapes/accuracy``) within 2 points of ``none``'s;
 - no task kind's lenient accuracy below its base (``--kind-tolerance`` allows a margin).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from experiments.runs import clean, fmt, mean_std, read_curve, restore_record, save_figure
 
-LENIENT, STRICT, EXTRA = "eval/shapes/accuracy", "hack/accuracy_strict", "hack/extra_object_rate"
+LENIENT, STRICT, EXTRA = "eval/shapes/lenient_accuracy", "hack/accuracy", "hack/extra_object_rate"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 # hack/kl_to_base for the SDE rollouts of every variant here; hack/fm_to_base is the flow-matching distance.
 PANEL = (STRICT, EXTRA, "hack/bg_shift", "hack/drift_pixel", "hack/drift_feature", "hack/diversity",
@@ -169,7 +169,8 @@ def markdown(summary: dict, base: dict, checks: dict) -> str:
         met = "yes" if c["all"] else ", ".join(k for k in ("strict", "extra", "lenient", "kinds") if c[k] is not True)
         d_acc = fmt(row[DISCRIMINATOR]["end"][0]) if DISCRIMINATOR in row else ""
         lines.append(f"| {variant} | {row['seeds']} | {row['epochs']:.0f} | {row['minutes']:.1f} | "
-                     + " | ".join(cell(row, k) for k in keys) + f" | {d_acc} | {met if c['all'] else 'fails: ' + met} |")
+                     + " | ".join(cell(row, k) for k in keys)
+                     + f" | {d_acc} | {met if c['all'] else 'fails: ' + met} |")
     lines += ["", "Per task kind (lenient held-out accuracy at the last evaluation; * below base):", "",
               "| variant | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
     lines.append("| base (start) | " + " | ".join(fmt(base.get(f"eval/shapes/{k}", math.nan)) for k in KINDS) + " |")
@@ -313,7 +314,8 @@ def report(jobs: list[dict], args: argparse.Namespace, base_jobs: list[dict] = (
     results.mkdir(parents=True, exist_ok=True)
     stem = f"hacking_{args.phase}"
     budget = f"{args.epochs} epochs" if args.epochs is not None else f"{args.minutes:g} CPU-minutes"
-    title = f"Reward hacking on the shapes model ({args.phase}): Flow-GRPO, lenient reward, {budget}, seeds {args.seeds}"
+    title = (f"Reward hacking on the shapes model ({args.phase}): Flow-GRPO, lenient reward, {budget}, "
+             f"seeds {args.seeds}")
     plot_tradeoff(runs, base, results / f"{stem}.png", title)
     plot_gold_vs_kl(runs, results / f"{stem}_gold_vs_kl.png", title)
     plot_curves(runs, results / f"{stem}_curves.png", title)

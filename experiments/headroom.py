@@ -53,7 +53,7 @@ def pass_at(n: int, c: int, j: int) -> float:
 
 def score(images: torch.Tensor, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Per image: lenient correctness (every constraint of the prompt met, as ``eval/shapes/accuracy``) and strict
-    (counts exact, no other object, as ``hack/accuracy_strict``). ``images``: ``[B, 3, H, W]`` in [0, 1]."""
+    (counts exact, no other object, as ``hack/accuracy``). ``images``: ``[B, 3, H, W]`` in [0, 1]."""
     from flowrl.eval.hacking import judge_shapes_image
 
     judgements = [judge_shapes_image(prompt, image)

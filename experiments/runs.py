@@ -35,15 +35,15 @@ def cpu_budget() -> tuple[str, ...]:
     return (*budget_clock(), *CPU_BUDGET)
 
 __all__ = ["ROOT", "RECORDS", "record_dir", "save_record", "restore_record", "run_command", "settings_mismatch",
-           "check_reusable", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve", "curve_mean",
-           "save_figure"]
+           "check_reusable", "train_run", "launch", "interp", "median", "mean_std", "fmt", "clean", "read_curve",
+           "curve_mean", "save_figure"]
 
 
 DONE = "benchmark_done.json"  # written beside a run's metrics when its process finished with exit status 0
 # Where a finished run's record (its metrics, config and DONE file, a few tens of KB) is copied, so that results
 # survive the machine: ``<RECORDS>/<out's parent folder>/<out's name>/``, committed with the benchmark's tables.
 # A later ``--reuse`` on a machine without the run folder restores it from there instead of training again.
-RECORDS = Path(os.environ.get("FLOWRL_BENCH_RECORDS", ROOT / "benchmarks" / "results" / "records"))
+RECORDS = Path(os.environ.get("FLOWRL_BENCH_RECORDS", ROOT / "experiments" / "results" / "records"))
 RECORD_FILES = ("metrics.jsonl", "config.yaml", DONE)
 
 
@@ -87,7 +87,7 @@ def restore_record(out: Path) -> bool:
     return True
 
 
-_CHECKOUT = re.compile(r"(^|=)/\S*?/(?=(?:configs|benchmarks)/)")
+_CHECKOUT = re.compile(r"(^|=)/\S*?/(?=(?:configs|benchmarks|experiments)/)")
 
 
 def run_command(config: Path, out: Path, overrides: dict, extra: list[str] = (), *, resume: bool = False) -> list[str]:

@@ -6,13 +6,14 @@ Each trainer runs its shipped config (``configs/shapes/<trainer>.yaml``) with th
 (``--set``, e.g. ``sampling.precision=bfloat16``), every one on the training reward whose optimum is the gold
 (strict accuracy), and the two controls: RAFT (``configs/shapes/raft.yaml``) and continued pretraining on the
 renderer's data (``configs/shapes/continued_pretrain.yaml``). Runs are ranked by the gold with every task kind at or
-above the base model's. Runs are launched one after another (``--parallel 2`` runs two at a time, each with one thread) by
+above the base model's. Runs are launched one after another (``--parallel 2`` runs two at a time, each with one
+thread) by
 
     python -m flowrl train configs/shapes/<trainer>.yaml run.output_dir=experiments/out/trainers/<trainer>_s<seed>
         run.seed=<seed> run.max_minutes=<minutes> eval.every_minutes=<...> eval.every_epochs=null eval.at_start=false
 
 (the base model is evaluated once, ``base/``, and is every curve's first point). Evaluation time is excluded from
-the budget. Outputs (``--results``, default ``benchmarks/results``):
+the budget. Outputs (``--results``, default ``experiments/results``):
 
 - ``trainers.png``: held-out accuracy against (a) training minutes and (b) images sampled (thin lines: seeds,
   thick: their mean);
@@ -84,16 +85,17 @@ SWEEP = {
     "dgpo": {"optim.lr": [3e-5, 3e-4], "train.beta": [10.0, 1000.0]},
     "dpo": {"optim.lr": [3e-5, 3e-4], "train.beta": [100.0, 5000.0]},
     "d3po": {"optim.lr": [3e-5, 3e-4], "train.beta": [0.03, 0.3]},
-    "raft": {"optim.lr": [3e-5, 3e-4]},
+    "raft": {"optim.lr": [1e-5, 3e-5]},  # 1e-4 and above collapse (configs/shapes/raft.yaml)
     "continued_pretrain": {"optim.lr": [2e-4]},
 }
-PAIRS = ROOT / "benchmarks" / "out" / "trainers" / "dpo_pairs"
+PAIRS = ROOT / "experiments" / "out" / "trainers" / "dpo_pairs"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="experiments/trainers.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=10.0, help="training CPU-minutes per run (run.max_minutes, one thread)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="training CPU-minutes per run (run.max_minutes, one thread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS + CONTROLS), choices=list(TRAINERS + CONTROLS))
     p.add_argument("--eval-every-minutes", type=float, default=None, help="default: minutes / 2")
@@ -106,8 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="extra override for every run (repeatable), e.g. --set sampling.precision=bfloat16")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (each with OMP_NUM_THREADS=1)")
     p.add_argument("--tag", default="", help="suffix of the run directories and result files (e.g. 30min)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "trainers"), help="run directories")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where trainers*.* go")
+    p.add_argument("--out", default=str(ROOT / "experiments" / "out" / "trainers"), help="run directories")
+    p.add_argument("--results", default=str(ROOT / "experiments" / "results"), help="where trainers*.* go")
     p.add_argument("--reuse", action="store_true", help="skip runs whose directory already has metrics")
     p.add_argument("--sweep", action="store_true", help="the learning-rate / coefficient sweep (first seed only)")
     p.add_argument("--from-sweep", nargs="?", const="trainers_sweep.json", default=None, metavar="SWEEP_JSON",

@@ -6,7 +6,8 @@ The card records the run (config, steps, training CPU-minutes, from the run's ``
 accuracy per kind on 500 questions with the answer distribution per kind (a kind answered by a constant has a
 top-answer share of 1), the first 100 questions' accuracy, and the zoom tasks with their one-turn baselines.
 
-    python experiments/vlm_card.py /work/runs/vlm_sft/r6 --recipe "flowrl train configs/vlm/shapes_vqa_sft.yaml run.max_epochs=6"
+    python experiments/vlm_card.py /work/runs/vlm_sft/r6 \\
+        --recipe "flowrl train configs/vlm/shapes_vqa_sft.yaml run.max_epochs=6"
 """
 
 from __future__ import annotations

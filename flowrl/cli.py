@@ -10,8 +10,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flowrl.commands.train:main", "run a training recipe: flowrl train CONFIG [a.b=c ...]"),
     "sample": ("flowrl.commands.sample:sample_main", "sample a labelled image grid from a model"),
-    "eval": ("flowrl.commands.sample:eval_main", "held-out evaluation of a model with a reward (the shapes model: strict accuracy)"),
-    "export": ("flowrl.commands.export:main", "a run's LoRA for diffusers / peft, or merged: flowrl export RUN --format F"),
+    "eval": ("flowrl.commands.sample:eval_main",
+             "held-out evaluation of a model with a reward (the shapes model: strict accuracy)"),
+    "export": ("flowrl.commands.export:main",
+               "a run's LoRA for diffusers / peft, or merged: flowrl export RUN --format F"),
     "doctor": ("flowrl.commands.doctor:main", "check a GPU machine in ten minutes: flowrl doctor [--device cuda]"),
     "panel": ("flowrl.commands.panel:main", "the reward-hacking panel of a tuned shapes model against its base"),
     "calibrate": ("flowrl.commands.calibrate:main", "this CPU's speed against the reference machine (run.clock)"),

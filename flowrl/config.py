@@ -36,6 +36,8 @@ T = TypeVar("T")
 __all__ = [
     "ConfigError",
     "RunConfig",
+    "LoraConfig",
+    "RENAMED",
     "bounds",
     "fail",
     "from_dict",
@@ -157,6 +159,20 @@ class RunConfig:
         if self.resume and self.overwrite:
             fail("overwrite", "run.resume=true continues the run in output_dir and run.overwrite=true deletes it; "
                  "choose one")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """LoRA adapters (through peft) of a trained network: an image or video generator's denoiser
+    (``model.lora`` of the image recipes, :mod:`flowrl.models`) or a token policy's language model (``model.lora`` of
+    the VLM recipes, :mod:`flowrl.policies`). None in their place: full fine-tuning. The adapted weights start as
+    each family's training scripts start them (the down projection Gaussian for generators, Kaiming-uniform for
+    token policies; the up projection 0), so a new adapter leaves the network unchanged."""
+
+    rank: int = dataclasses.field(default=32, metadata=bounds(ge=1))
+    alpha: float = dataclasses.field(default=64.0, metadata=bounds(gt=0))  # the update is scaled by alpha / rank
+    dropout: float = dataclasses.field(default=0.0, metadata=bounds(ge=0, lt=1))
+    target_modules: list[str] = dataclasses.field(default_factory=list)  # empty: the network's default targets
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -307,128 +323,56 @@ def _check_bounds(value: Any, limits: dict, path: str) -> None:
         raise ConfigError(path, f"got {_short(value)}; must be {allowed}")
 
 
-_warned_renames: set[str] = set()
+#: Every config key flowrl renamed, ``{old dotted path: where it is now}`` (paths from the root of a recipe's config).
+#: An old key is not migrated: it is an unknown key whose one-line error names its new place
+#: (``train.adv_clip: unknown key: it is now advantage.clip``), so a config says one thing in one vocabulary.
+RENAMED: dict[str, str] = {
+    # One vocabulary (issue 48): one advantage clip, one meaning of `rloo` (a normaliser) and of `estimator` (an
+    # advantage estimator of flowrl.core.estimators), `ema_decay` per optimizer step only.
+    "train.adv_clip": "advantage.clip",
+    "train.kl_adv_clip": "advantage.clip",
+    "algorithm.adv_clip": "advantage.clip",
+    "algorithm.estimator": "advantage.normalizer",
+    "algorithm.std_scope": "advantage.std_scope",
+    "algorithm.eps": "advantage.eps",
+    "algorithm.turn_credit": "advantage.estimator",
+    "algorithm.gamma": "advantage.gamma",
+    "algorithm.step_weight": "advantage.step_weight",
+    "train.elastic_reset.ema_decay": "train.elastic_reset.decay_per_epoch",
+    # Renamed before 0.1.0.
+    "threads": "run.threads",
+    "clock": "run.clock",
+    "checkpoint_minutes": "checkpoint.every_minutes",
+    "algorithm.kl_beta": "train.kl_coef",
+    "algorithm.clip_low": "train.clip_range",
+    "algorithm.clip_high": "train.clip_range_high",
+    "train.kl_beta": "train.kl_coef",
+    "train.kl_beta_units": "train.kl_coef_units",
+    "train.ema": "train.ema_snapshot",
+    "train.sampler": "train.rollout_snapshot",
+}
 
 
-def renamed_keys(cls: type) -> dict[str, str]:
-    """``{old key: new dotted path}`` of a config class (its ``RENAMED`` class attribute), relative to the class.
-
-    A renamed key keeps working for one release: loading moves its value to the new place and prints a
-    one-line deprecation warning."""
-    return dict(getattr(cls, "RENAMED", {}) or {})
-
-
-def _warn_rename(old_path: str, new_path: str) -> None:
-    if old_path not in _warned_renames:
-        _warned_renames.add(old_path)
-        import sys
-
-        print(f"flowrl: warning: config key {old_path!r} is deprecated; use {new_path!r} (the old name works "
-              "until the next release)", file=sys.stderr, flush=True)
-
-
-def _pop_dotted(data: dict, old: str) -> tuple[dict, bool, Any]:
-    """``data`` without the (maybe dotted: ``section.key``) key ``old``, whether it was there, and its value.
-    Sections on the way are copied, never changed in place."""
-    *sections, last = old.split(".")
-    chain = [data]
-    for section in sections:
-        child = chain[-1].get(section)
-        if not isinstance(child, dict):
-            return data, False, None
-        chain.append(child)
-    if last not in chain[-1]:
-        return data, False, None
-    copies = [dict(node) for node in chain]
-    value = copies[-1].pop(last)
-    for parent, section, child in zip(copies[:-1], sections, copies[1:]):
-        parent[section] = child
-    return copies[0], True, value
-
-
-def _apply_renames(cls: type, data: dict, path: str) -> dict:
-    """Moves the deprecated keys of ``cls`` to their new places. An old key may be dotted (``algorithm.kl_beta``:
-    a key of a section moved to another section), the new path is relative to ``cls``."""
-    renames = renamed_keys(cls)
-    if not renames:
-        return data
-    for old, new in renames.items():
-        data, found, value = _pop_dotted(data, old)
-        if not found:
-            continue
-        old_path, new_path = (f"{path}.{old}" if path else old), (f"{path}.{new}" if path else new)
-        _warn_rename(old_path, new_path)
-        *sections, last = new.split(".")
-        node = data
-        for section in sections:
-            child = node.get(section)
-            node[section] = child = dict(child) if isinstance(child, dict) else {}
-            node = child
-        if last in node and node[last] != value:
-            raise ConfigError(new_path, f"set twice: as {new_path!r} and under its deprecated name {old_path!r}; "
-                              f"keep {new_path!r}")
-        node[last] = value
-    return data
-
-
-def renamed_path(cls: type | None, keys: list[str]) -> list[str]:
-    """``keys`` (a dotted path into config class ``cls``) with every deprecated name on the way replaced by its
-    new one (a one-line warning each), e.g. ``["train", "kl_beta"]`` -> ``["train", "kl_coef"]``; a dotted old
-    name (``algorithm.kl_beta`` of the root) matches several keys at once."""
-    out: list[str] = []
-    rest = list(keys)
-    while rest:
-        renames = renamed_keys(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
-        matched = next((n for n in range(len(rest), 0, -1) if ".".join(rest[:n]) in renames), 0)
-        if matched:
-            old = ".".join(rest[:matched])
-            new = renames[old]
-            _warn_rename(".".join(out + [old]), ".".join(out + new.split(".")))
-            rest = new.split(".") + rest[matched:]
-            continue
-        key = rest.pop(0)
-        out.append(key)
-        hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
-        cls = _section_type(hints[key]) if key in hints else None
-    return out
-
-
-def _renamed_mapping(cls: type | None, data: dict) -> dict:
-    """A parsed YAML mapping with the deprecated keys of ``cls`` (and of its sections) moved to their new names."""
-    if cls is None or not dataclasses.is_dataclass(cls) or not isinstance(data, dict):
-        return data
-    for old in [k for k in renamed_keys(cls) if "." in k]:  # a section's key moved elsewhere: move it first
-        data, found, value = _pop_dotted(data, old)
-        if found:
-            data = {**data, old: value}
-    out: dict = {}
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        keys = renamed_path(cls, str(key).split(".")) if key in renamed_keys(cls) else [key]
-        if len(keys) == 1:
-            section = _section_type(hints[keys[0]]) if keys[0] in hints else None
-            value = _renamed_mapping(section, value) if section is not None else value
-            moved = out.get(keys[0])  # keys an earlier deprecated name moved into this section
-            out[keys[0]] = {**value, **moved} if isinstance(moved, dict) and isinstance(value, dict) else value
-            continue
-        node = out
-        for part in keys[:-1]:
-            node = node.setdefault(part, {})
-        node[keys[-1]] = value
-    return out
+def _unknown_key(key_path: str, valid: list[str], source: str | None = None) -> ConfigError:
+    """The one-line error of an unknown key (``source``: the YAML file it is in): where a renamed key is now
+    (:data:`RENAMED`), else the closest valid key and the valid ones."""
+    where = f" in {source}" if source is not None else ""
+    if key_path in RENAMED:
+        return ConfigError(key_path, f"unknown key{where}: it is now {RENAMED[key_path]}")
+    close = difflib.get_close_matches(key_path.rpartition(".")[2], valid, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    listed = "the base config has" if source is not None else "valid keys"
+    return ConfigError(key_path, f"unknown key{where}{hint}; {listed}: {', '.join(valid)}")
 
 
 def _build(cls: type[T], data: dict, path: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    data = _apply_renames(cls, data, path)
     kwargs = {}
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(key_path, f"unknown key{hint}; valid keys: {', '.join(fields)}")
+            raise _unknown_key(key_path, list(fields))
         value = _convert(value, hints[key], key_path)
         _check_bounds(value, fields[key].metadata.get("bounds", {}), key_path)
         kwargs[key] = value
@@ -532,15 +476,12 @@ def merge_config(base: dict, override: dict, cls: type | None, *, source: str = 
         ConfigError: ``override`` has a key ``cls`` does not have.
     """
     out = dict(base)
-    override = _renamed_mapping(cls, override) if not path else override
     fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
     hints = typing.get_type_hints(cls) if cls is not None else {}
     for key, value in override.items():
         key_path = f"{path}.{key}" if path else str(key)
-        if cls is not None and key not in fields and key not in renamed_keys(cls) and not (not path and key in extra_keys):
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(key_path, f"unknown key in {source}{hint}; the base config has: {', '.join(fields)}")
+        if cls is not None and key not in fields and not (not path and key in extra_keys):
+            raise _unknown_key(key_path, list(fields), source)
         section = _section_type(hints[key]) if key in hints else None
         if isinstance(value, dict) and isinstance(out.get(key), dict) and (section is not None or cls is None):
             out[key] = merge_config(out[key], value, section, source=source, path=key_path)
@@ -582,8 +523,9 @@ def load_config_data(path: str | Path, cls: type | None = None, *, extra_keys: t
     """The YAML mapping of ``path`` with its ``base:`` files merged underneath (:func:`merge_config`).
 
     A config may name ``base: other.yaml`` or ``base: [a.yaml, b.yaml]`` (relative to itself, merged left to
-    right) and keep only what differs; bases may have bases. A missing base, a cycle, or a key the config ``cls`` does not have is a one-line
-    :class:`ConfigError`. ``extra_keys`` are top-level keys outside ``cls`` (e.g. ``recipe``).
+    right) and keep only what differs; bases may have bases. A missing base, a cycle, or a key the config ``cls``
+    does not have is a one-line :class:`ConfigError`. ``extra_keys`` are top-level keys outside ``cls`` (e.g.
+    ``recipe``).
     """
     data: dict = {}
     for file, own in _base_chain(Path(path)):
@@ -616,14 +558,12 @@ def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
     return parsed
 
 
-def apply_overrides(data: dict, items: list[str], cls: type | None = None) -> dict:
-    """Return a copy of ``data`` with ``a.b=c`` overrides applied (keys are validated later; with the config
-    class ``cls``, deprecated names are translated to their new ones first)."""
+def apply_overrides(data: dict, items: list[str]) -> dict:
+    """Return a copy of ``data`` with ``a.b=c`` overrides applied (keys are validated later, by :func:`from_dict`)."""
     import copy
 
     data = copy.deepcopy(data)
     for keys, value in parse_overrides(items):
-        keys = renamed_path(cls, keys) if cls is not None else keys
         node = data
         for i, key in enumerate(keys[:-1]):
             child = node.get(key)
@@ -648,7 +588,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         drop_keys: top-level keys consumed by the caller (e.g. ``recipe``) and not part of ``cls``.
     """
     data = load_config_data(path, cls, extra_keys=drop_keys) if path is not None else {}
-    data = apply_overrides(data, overrides or [], cls)
+    data = apply_overrides(data, overrides or [])
     for key in drop_keys:
         data.pop(key, None)
     return from_dict(cls, data)

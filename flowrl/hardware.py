@@ -4,8 +4,8 @@ fast, for settings that only pay with hardware support.
 
 :func:`native_bfloat16` tells whether bfloat16 dot products run in hardware; :func:`check_bfloat16` turns a
 bfloat16 setting on a CPU without it into a config error naming the setting and the fix (training, ``flowrl
-sample`` / ``eval``); :mod:`flowrl.run.calibration` probes in float32 there and :mod:`flowrl.commands.dryrun` switches its tiny
-epoch to float32.
+sample`` / ``eval``); :mod:`flowrl.run.calibration` probes in float32 there and :mod:`flowrl.commands.dryrun`
+switches its tiny epoch to float32.
 """
 
 from __future__ import annotations

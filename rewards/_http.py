@@ -147,7 +147,8 @@ def _request(method: str, url: str, body: bytes | None, *, timeout: float, retri
             if attempt:
                 time.sleep(backoff * (2 ** (attempt - 1)))
             try:
-                with client.stream(method, url, content=body, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                with client.stream(method, url, content=body,
+                                   timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                    headers={"Content-Type": "application/json", **(headers or {})}) as response:
                     payload = _read_capped(response, max_response_bytes, what, url)
                     status = response.status_code

@@ -31,9 +31,9 @@ Loop API (see :class:`AdversarialReward`): ``reward(images, prompts, metadata)``
 ``update(fake_images, prompts, metadata)`` takes ``d_steps`` discriminator steps against freshly drawn
 references and returns metrics (``adv/d_acc_fresh``: the accuracy on the new fakes before any step on them,
 the held-out view of whether the discriminator separates); ``measure(...)`` returns the same metrics without a
-step (epochs on which the schedule keeps the discriminator frozen); ``state_dict()`` / ``load_state_dict()`` hold the head, the optimizer and
-the generator of the draws (resume is exact); ``grad_sync`` averages the head's gradients across
-processes. :class:`DiscriminatorSchedule` says which epochs train the discriminator and which the
+step (epochs on which the schedule keeps the discriminator frozen); ``state_dict()`` / ``load_state_dict()`` hold
+the head, the optimizer and the generator of the draws (resume is exact); ``grad_sync`` averages the head's
+gradients across processes. :class:`DiscriminatorSchedule` says which epochs train the discriminator and which the
 generator; :func:`trainable_rewards` finds the rewards with an ``update`` inside a composed reward.
 """
 
@@ -294,7 +294,8 @@ class AdversarialReward(Reward):
         keys = torch.rand(self.world_size * batch, num_patches, generator=self.generator)
         return self._local(keys.argsort(dim=1)[:, :n], batch).to(self.device)  # n distinct patches per image
 
-    def update(self, fake_images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict[str, float]:
+    def update(self, fake_images: Any, prompts: Sequence[str],
+               metadata: Sequence[dict] | None = None) -> dict[str, float]:
         """``d_steps`` discriminator steps with ``fake_images`` as the fake batch.
 
         Each step draws a real batch (one reference per fake sample: of its prompt when paired) and the
@@ -316,7 +317,8 @@ class AdversarialReward(Reward):
         """
         return self._steps(fake_images, prompts, self.d_steps)
 
-    def measure(self, fake_images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict[str, float]:
+    def measure(self, fake_images: Any, prompts: Sequence[str],
+                metadata: Sequence[dict] | None = None) -> dict[str, float]:
         """The metrics of :meth:`update` on one fresh draw of references, without a step (the head, the
         optimizer and the update count are unchanged; the draws' generator advances, and is checkpointed)."""
         return self._steps(fake_images, prompts, 0)

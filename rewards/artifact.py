@@ -43,8 +43,8 @@ class ArtifactClassifier(nn.Module):
     """``[B, 3, S, S]`` in [0, 1] -> ``[B]`` artifact logits.
 
     Five 3x3 convolutions with batch normalisation and GELU (two at full resolution, two at half, one at
-    a quarter), then the mean and the max over positions of the last feature map, then a linear layer. The max keeps small local artifacts (a
-    speck, a bite out of an edge) from being averaged away.
+    a quarter), then the mean and the max over positions of the last feature map, then a linear layer. The max
+    keeps small local artifacts (a speck, a bite out of an edge) from being averaged away.
 
     Args:
         image_size: input side ``S`` (images of other sizes are resized, bilinear with antialiasing).
@@ -122,7 +122,8 @@ class ArtifactReward(Reward):
 
     def __init__(self, path: str | None = None, model: str | None = None, endpoint: str | None = None,
                  question: str = ARTIFACT_QUESTION, device: str = "cpu", batch_size: int = 64, **judge_kwargs):
-        given = [name for name, value in (("path", path), ("model", model), ("endpoint", endpoint)) if value is not None]
+        given = [name for name, value in (("path", path), ("model", model), ("endpoint", endpoint))
+                 if value is not None]
         if len(given) != 1:
             raise RewardError("artifact: pass exactly one of path=<trained classifier folder> (flowrl train-reward "
                               "artifact), model=<local VLM folder> or endpoint=<OpenAI-compatible URL>"

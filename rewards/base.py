@@ -20,8 +20,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["RewardOutput", "Reward", "RewardError", "checked_reward", "to_image_tensor", "to_media_tensor", "to_pil_images",
-           "score_frames", "FRAME_REDUCTIONS"]
+__all__ = ["RewardOutput", "Reward", "RewardError", "checked_reward", "to_image_tensor", "to_media_tensor",
+           "to_pil_images", "score_frames", "FRAME_REDUCTIONS"]
 
 #: How per-frame scores become one score per video.
 FRAME_REDUCTIONS = ("mean", "min")

@@ -36,7 +36,6 @@ could be scored, 130 an interrupted run.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os

@@ -49,9 +49,9 @@ class ClipScore(OpenClipReward):
         self.batch_size = int(batch_size)
         dev = resolve_device(device)
         precision = auto_precision(dev) if precision == "auto" else precision
-        fix = (f"Pass model_name=<open_clip architecture> and pretrained=<tag or path to the checkpoint "
-               f"(open_clip_pytorch_model.bin / .safetensors)>, or model_name='local-dir:<folder with "
-               f"open_clip_config.json and the weights>'.")
+        fix = ("Pass model_name=<open_clip architecture> and pretrained=<tag or path to the checkpoint "
+               "(open_clip_pytorch_model.bin / .safetensors)>, or model_name='local-dir:<folder with "
+               "open_clip_config.json and the weights>'.")
         model, tokenizer = load_open_clip(self.name, model_name, pretrained, device=dev, precision=precision,
                                           cache_dir=cache_dir, fix=fix)
         self._setup(model, tokenizer, dev)

@@ -49,7 +49,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .base import Reward, RewardError, RewardOutput
-from .registry import REWARDS, load
+from .registry import REWARDS
 
 __all__ = ["Transform", "Centre", "Clip", "Sigmoid", "parse_transforms", "TransformedReward", "WeightedSum",
            "GatedReward", "RewardTermSpec", "GatedSpec", "build_reward", "check_reward_spec", "parse_reward_string",

@@ -347,8 +347,8 @@ class ShapesReward(Reward):
                               f"holding a relation still earns credit); received {relation_ramp!r}")
         self.relation_ramp = None if relation_ramp is None else float(relation_ramp)
         if not _is_number(relation_weight) or not relation_weight > 0:
-            raise RewardError(f"shapes reward: relation_weight must be a number above 0 (how many constraints a position "
-                              f"prompt's relation counts as); received {relation_weight!r}")
+            raise RewardError("shapes reward: relation_weight must be a number above 0 (how many constraints a "
+                              f"position prompt's relation counts as); received {relation_weight!r}")
         self.relation_weight = float(relation_weight)
         self.extra_objects_weight = float(extra_objects_weight)
         self.all_met_share = float(all_met_share)

@@ -214,7 +214,8 @@ class VLMJudge(Reward):
         texts = []
         per_row = 1 if sources is None else 2
         for prompt in prompts:
-            content = [{"type": "image"}] * per_row + [{"type": "text", "text": self.question.replace("{prompt}", prompt)}]
+            content = ([{"type": "image"}] * per_row
+                       + [{"type": "text", "text": self.question.replace("{prompt}", prompt)}])
             messages = [{"role": "user", "content": content}]
             texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
         edited = to_pil_images(images)

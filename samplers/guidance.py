@@ -40,7 +40,8 @@ def expand_cond(cond: Any, batch: int, name: str = "uncond") -> Any:
             return cond.expand((batch,) + tuple(cond.shape[1:]))
         raise ValueError(f"{name} has batch {cond.shape[0]}; expected 1 or {batch}")
     if isinstance(cond, Mapping):
-        return {k: expand_cond(v, batch, f"{name}[{k!r}]") if isinstance(v, torch.Tensor) else v for k, v in cond.items()}
+        return {k: expand_cond(v, batch, f"{name}[{k!r}]") if isinstance(v, torch.Tensor) else v
+                for k, v in cond.items()}
     raise TypeError(f"{name} must be a tensor, a dict of tensors or None, got {type(cond).__name__}")
 
 
@@ -63,11 +64,13 @@ def concat_cond(first: Any, second: Any) -> Any:
                 out[k] = concat_cond(a, b)
             else:  # non-tensor entries (flags, sizes) must agree
                 if a != b:
-                    raise ValueError(f"non-tensor condition entry {k!r} differs between cond and uncond: {a!r} vs {b!r}")
+                    raise ValueError(f"non-tensor condition entry {k!r} differs between cond and uncond: "
+                                     f"{a!r} vs {b!r}")
                 out[k] = a
         return out
     raise TypeError(
-        f"cond and uncond must both be tensors or both dicts of tensors, got {type(first).__name__} and {type(second).__name__}"
+        f"cond and uncond must both be tensors or both dicts of tensors, got {type(first).__name__} and "
+        f"{type(second).__name__}"
     )
 
 

@@ -110,7 +110,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _check_pair(v: torch.Tensor, x: torch.Tensor, names=("v", "x")) -> None:
     if v.shape != x.shape:
-        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, got {tuple(v.shape)} and {tuple(x.shape)}")
+        raise ValueError(
+            f"{names[0]} and {names[1]} must have the same shape, got {tuple(v.shape)} and {tuple(x.shape)}"
+        )
     if x.ndim < 1:
         raise ValueError(f"{names[1]} needs a leading batch dimension")
 
@@ -428,7 +430,9 @@ def flow_ddim_step(
     one_minus_ab_prev = s_next * s_next / n2_next
     ab = (1.0 - s_cur) ** 2 / n2_cur
     ab_prev = (1.0 - s_next) ** 2 / n2_next
-    ratio = torch.where(ab_prev > 0, ab / torch.where(ab_prev > 0, ab_prev, torch.ones_like(ab_prev)), torch.zeros_like(ab))
+    ratio = torch.where(
+        ab_prev > 0, ab / torch.where(ab_prev > 0, ab_prev, torch.ones_like(ab_prev)), torch.zeros_like(ab)
+    )
     s_t = eta * torch.sqrt(one_minus_ab_prev / one_minus_ab) * torch.sqrt(torch.clamp(1.0 - ratio, min=0.0))
     std = torch.sqrt(n2_next) * s_t
     mean = _coefficient_preserving_mean(x, v, s_cur, dt, s_next, std)
@@ -690,7 +694,9 @@ class Step:
         """
         self._check_index(index)
         sigma = self._lookup(self.sigmas, index, x)
-        sigma_next = self._lookup(self.sigmas, index + 1 if not isinstance(index, torch.Tensor) else index.long() + 1, x)
+        sigma_next = self._lookup(
+            self.sigmas, index + 1 if not isinstance(index, torch.Tensor) else index.long() + 1, x
+        )
         scale = self._lookup(self.noise_scales, index, x)
         return self.spec.kernel(
             v, x, sigma, sigma_next, scale, generator=generator, noise=noise, x_next=x_next, reduction=self.reduction
@@ -700,7 +706,9 @@ class Step:
         """The deterministic Euler step at ``index`` (used outside the training window)."""
         self._check_index(index)
         sigma = self._lookup(self.sigmas, index, x)
-        sigma_next = self._lookup(self.sigmas, index + 1 if not isinstance(index, torch.Tensor) else index.long() + 1, x)
+        sigma_next = self._lookup(
+            self.sigmas, index + 1 if not isinstance(index, torch.Tensor) else index.long() + 1, x
+        )
         return euler_step(v, x, sigma, sigma_next)
 
     def __repr__(self) -> str:

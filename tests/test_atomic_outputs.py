@@ -50,7 +50,8 @@ def test_export_that_fails_half_way_leaves_nothing_and_the_retry_succeeds(tiny_s
                 "sampling.group_size": 2, "sampling.batch_size": 2, "train.micro_batch_size": 2,
                 "eval.at_start": "false", "eval.every_epochs": 10, "eval.grid_size": 0, "checkpoint.every_epochs": 1,
                 "reward.train": "{jpeg_compressibility: 1.0}", "reward.eval": "[jpeg_compressibility]"}
-    recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"), [f"{k}={v}" for k, v in settings.items()])
+    recipe, cfg = load_recipe_config(str(ROOT / "configs/shapes/flow_grpo.yaml"),
+                                     [f"{k}={v}" for k, v in settings.items()])
     assert recipe.main(cfg) == 0
     out = tmp_path / "merged"
     real_save = ShapesModel.save_pretrained

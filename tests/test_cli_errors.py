@@ -102,7 +102,8 @@ ROWS = [
     (["train", "{config}", "model.path={model}", "run.output_dir={text}"], 2, "is a file, not a folder; choose"),
     (["train", "{config}", "model.path={model}", "run.output_dir=/dev/null/run"], 2,
      "run.output_dir: cannot write to /dev/null/run: Not a directory; choose a writable run.output_dir"),
-    (["train", "{config}", "sampling.group_sise=4"], 2, "sampling.group_sise: unknown key (did you mean 'group_size'?)"),
+    (["train", "{config}", "sampling.group_sise=4"], 2,
+     "sampling.group_sise: unknown key (did you mean 'group_size'?)"),
     # --- the reward server
     (R[:-2] + ["--host", "0.0.0.0", "--port", "0"], 2, "exposes the server beyond this machine and it has no API key"),
     (R + ["--api-key-file", "{binary}"], 2, "cannot read the API key file"),

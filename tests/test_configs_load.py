@@ -86,7 +86,8 @@ def test_the_guarded_main_job_differs_from_the_main_job_only_by_its_guard():
     assert {k for k in a["sampling"] if a["sampling"][k] != b["sampling"][k]} == {"base_last_steps"}
     assert (main.sampling.base_last_steps, guarded.sampling.base_last_steps) == (0, 4)
     assert {k for k in a["reward"] if a["reward"][k] != b["reward"][k]} == {"train"}
-    assert guarded.reward.train == {"shapes": 1.0, "artifact": {"weight": 0.5, "kwargs": {"path": "runs/artifact_model"}}}
+    assert guarded.reward.train == {"shapes": 1.0,
+                                    "artifact": {"weight": 0.5, "kwargs": {"path": "runs/artifact_model"}}}
 
 
 def test_base_errors_are_one_line(tmp_path):

@@ -161,11 +161,11 @@ def test_reward_memory_counts_each_built_copy_at_its_precision():
 
     from flowrl.models.footprint import REWARD_PARAMS, reward_memory
 
-    h, l = REWARD_PARAMS["pickscore"], REWARD_PARAMS["clip_score"]
+    h, c = REWARD_PARAMS["pickscore"], REWARD_PARAMS["clip_score"]
     cfg = RewardConfig(train={"pickscore": 1.0, "clip_score": {"weight": 0.5, "kwargs": {"precision": "fp32"}},
                               "jpeg_incompressibility": 0.1},
                        eval=["pickscore", "jpeg_incompressibility"], heldout=["hpsv2"])
-    assert reward_memory(cfg) == {"pickscore (train, bf16)": 2 * h, "clip_score (train, fp32)": 4 * l,
+    assert reward_memory(cfg) == {"pickscore (train, bf16)": 2 * h, "clip_score (train, fp32)": 4 * c,
                                   "pickscore (eval, bf16)": 2 * h, "hpsv2 (held out, bf16)": 2 * h}
     on_cpu = RewardConfig(train={"pickscore": {"kwargs": {"device": "cpu"}}}, eval=[])
     assert reward_memory(on_cpu) == {}
@@ -173,7 +173,7 @@ def test_reward_memory_counts_each_built_copy_at_its_precision():
 
 def _sd3_memory(objective, *overrides):
     from flowrl.commands.dryrun import _memory
-    from flowrl.models.footprint import footprint, memory_estimate
+    from flowrl.models.footprint import footprint
     from flowrl.commands.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(ROOT / "configs/sd3/flow_grpo_pickscore.yaml"), list(overrides))

@@ -103,9 +103,10 @@ def diffusers_images(pipe, family: str) -> torch.Tensor:
     noise = initial_noise(LATENT[family], torch.tensor(SEEDS))
     if family.startswith("wan"):  # videos: standard CFG on the negative prompt, frames [B, F, 3, H, W]
         with torch.no_grad():
-            return pipe(prompt=list(PROMPTS), negative_prompt=[NEGATIVE] * len(PROMPTS), guidance_scale=GUIDANCE[family],
-                        latents=noise, num_frames=NUM_FRAMES, num_inference_steps=STEPS, height=TINY_RESOLUTION,
-                        width=TINY_RESOLUTION, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH,
+            return pipe(prompt=list(PROMPTS), negative_prompt=[NEGATIVE] * len(PROMPTS),
+                        guidance_scale=GUIDANCE[family], latents=noise, num_frames=NUM_FRAMES,
+                        num_inference_steps=STEPS, height=TINY_RESOLUTION, width=TINY_RESOLUTION,
+                        max_sequence_length=TINY_MAX_SEQUENCE_LENGTH,
                         output_type="pt").frames.cpu()
     if family == "qwen_image":
         kwargs = {"negative_prompt": [" "] * len(PROMPTS), "true_cfg_scale": GUIDANCE[family],

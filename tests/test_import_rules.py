@@ -181,7 +181,8 @@ def test_library_layers_never_import_the_demo_or_a_command():
     bad = [f"{m} imports {t}" for m, targets in sorted(graph.items()) if matches(m, LIBRARY)
            for t in sorted(targets) if matches(t, COMMANDS) and t != SHARED_ARGS]
     assert not bad, "\n".join(bad)
-    assert not [t for t in graph.get(SHARED_ARGS, ()) if matches(t, COMMANDS)], "the shared argument checks import no command"
+    assert not [t for t in graph.get(SHARED_ARGS, ()) if matches(t, COMMANDS)], \
+        "the shared argument checks import no command"
 
 
 def test_the_graph_rules_catch_a_cycle_and_a_layer_violation(tmp_path):
@@ -193,7 +194,8 @@ def test_the_graph_rules_catch_a_cycle_and_a_layer_violation(tmp_path):
     (pkg / "models" / "__init__.py").write_text("")
     (pkg / "commands").mkdir()
     (pkg / "commands" / "__init__.py").write_text("")
-    (pkg / "models" / "select.py").write_text("def f():\n    from flowrl.commands.sample import load\n")  # function-local
+    # function-local
+    (pkg / "models" / "select.py").write_text("def f():\n    from flowrl.commands.sample import load\n")
     (pkg / "commands" / "sample.py").write_text("from ..models.select import f\n")  # relative
     graph = module_graph(module_names(tmp_path))
     assert graph["flowrl.models.select"] == {"flowrl.commands.sample"}

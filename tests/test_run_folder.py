@@ -1,5 +1,5 @@
-"""The run-folder contract every recipe shares (flowrl/run/folder.py, flowrl/run/checkpoint_files.py): each case was a way a
-user's work got lost or mixed up before it (the security review's findings), reproduced here."""
+"""The run-folder contract every recipe shares (flowrl/run/folder.py, flowrl/run/checkpoint_files.py): each case was
+a way a user's work got lost or mixed up before it (the security review's findings), reproduced here."""
 
 from __future__ import annotations
 
@@ -151,7 +151,8 @@ def test_resume_refuses_when_processes_see_different_checkpoint_names(tmp_path):
     save_checkpoint(tmp_path, 2, {"epoch": 2}, keep=2)
     assert [p.name for p in checkpoints(tmp_path)] == ["epoch_0000002"]
     run = RunCheckpoints(tmp_path, TwoProcesses(), {}, keep=2, unit="epoch", counters=())
-    with pytest.raises(CheckpointError, match=r"process 0: epoch_0000002; process 1: epoch_0000003.*file system every machine"):
+    with pytest.raises(CheckpointError,
+                       match=r"process 0: epoch_0000002; process 1: epoch_0000003.*file system every machine"):
         run.resume()
 
 

@@ -37,7 +37,7 @@ import torch
 __all__ = ["STAGES", "main", "run_doctor"]
 
 STAGES = ("environment", "tiny_sd3", "sd35m_epoch", "fsdp2_lora")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is flowrl/commands/doctor.py)
 
 
 def _environment(device: torch.device) -> dict:

@@ -285,10 +285,11 @@ def _epoch_work(cfg) -> list[str]:
 
 
 def _snapshot_copies(cfg) -> int:
-    """Float32 copies of the trained tensors the recipe keeps beside the EMA (:class:`flowrl.rl.param_snapshots.ParamSnapshot`),
-    read from its ``train`` section: one per :class:`~flowrl.rl.param_snapshots.SnapshotConfig` field (NFT's ``old``, CRD's
-    ``old`` and ``rollout_snapshot``, DGPO's ``ema_snapshot``, AWM's only with ``ema_kl_coef > 0``, as its recipe builds
-    it), two for Flow-GRPO's ``elastic_reset`` (its base and its EMA)."""
+    """Float32 copies of the trained tensors the recipe keeps beside the EMA
+    (:class:`flowrl.rl.param_snapshots.ParamSnapshot`), read from its ``train`` section: one per
+    :class:`~flowrl.rl.param_snapshots.SnapshotConfig` field (NFT's ``old``, CRD's ``old`` and ``rollout_snapshot``,
+    DGPO's ``ema_snapshot``, AWM's only with ``ema_kl_coef > 0``, as its recipe builds it), two for Flow-GRPO's
+    ``elastic_reset`` (its base and its EMA)."""
     from dataclasses import fields, is_dataclass
 
     from flowrl.rl.elastic_reset import ElasticResetConfig
@@ -328,7 +329,7 @@ def _memory(cfg, objective: bool | None = None) -> list[str]:
                 "point model.path at a local copy for an estimate"]
     s, t = getattr(cfg, "sampling", None), getattr(cfg, "train", None)
     guidance = s is not None and s.guidance != 1.0 and model.name not in _GUIDANCE_EMBEDDED
-    uses = reference_uses(cfg, True if objective is None else objective)
+    uses = reference_uses(cfg.sampling, cfg.eval, True if objective is None else objective)
     rewards = reward_memory(cfg.reward) if hasattr(cfg, "reward") else {}
     snapshots = _snapshot_copies(cfg)
     est = memory_estimate(model, fp, micro_batch=getattr(t, "micro_batch_size", 1),

@@ -164,8 +164,9 @@ def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
     sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance", "num_frames",
                                                "negative_prompt")
                 if isinstance(getattr(model, k, None), (int, float, str, list, tuple))}
-    write_export_info(out, {"format": "merged", **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
-                      "sampling": sampling})
+    write_export_info(out, {"format": "merged",
+                            **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
+                            "sampling": sampling})
     return out
 
 

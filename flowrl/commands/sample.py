@@ -5,8 +5,8 @@
     flowrl eval --model shapes|PATH --reward shapes --split eval --steps 40 [--n 600] [--guidance G] \\
         [--batch-size B] [--prompts FILE] --out eval.json
 
-    Editing models (FLUX.1-Kontext, Qwen-Image-Edit): ``sample --source IMAGE`` (one for every prompt, or one per ``--prompt``)
-    draws each source as the grid's first column; ``eval --prompts EDITS`` takes editing shards
+    Editing models (FLUX.1-Kontext, Qwen-Image-Edit): ``sample --source IMAGE`` (one for every prompt, or one per
+    ``--prompt``) draws each source as the grid's first column; ``eval --prompts EDITS`` takes editing shards
     (``<key>.src.png`` + ``<key>.txt``).
 
     SD3 / FLUX and training runs (flowrl.models.select): --model sd3|flux [--path DIR_OR_HUB_ID]
@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from flowrl.commands.args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line, output_file,
-                             positive_int, read_text_file)
+from flowrl.commands.args import (OneLineParser, UsageError, bounded_int, device_arg, finite_float, one_line,
+                                  output_file, positive_int, read_text_file)
 from flowrl.eval.generate import evaluate, generate
 from flowrl.eval.grid import image_grid
 
@@ -185,8 +185,6 @@ def _sample(argv: list[str]) -> int:
     out = _out_path(args.out, (".png", ".jpg", ".jpeg", ".webp"), "the grid")
     reward = None
     if args.reward:
-        import rewards
-
         reward = _load_reward(args.reward)
         _check_prompts(reward, args.prompt)
     model = _model(args, device_arg(args.device))
@@ -296,8 +294,6 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     out = _out_path(args.out, (".json",), "the results") if args.out else None
-
-    import rewards
 
     reward = _load_reward(args.reward)
     metadata = None

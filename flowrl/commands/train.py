@@ -1,7 +1,8 @@
 """``flowrl train CONFIG [a.b=c ...] [--dry-run]``: load a recipe's typed config and run it.
 
 ``--dry-run`` runs one epoch of the config's recipe on a tiny model of its architecture, offline, and prints what
-the real run needs (weights, rewards, prompt files, a memory estimate, the work of an epoch): ``flowrl.commands.dryrun``.
+the real run needs (weights, rewards, prompt files, a memory estimate, the work of an epoch):
+``flowrl.commands.dryrun``.
 
 The YAML's top-level ``recipe`` key names the recipe (``pretrain``, ``flow_grpo``, ...); each recipe
 module defines a ``Config`` dataclass and ``main(cfg)``. A YAML may name ``base: other.yaml`` and keep

@@ -47,7 +47,8 @@ def _check(turn_rewards: Tensor, turn_mask: Tensor | None) -> tuple[Tensor, Tens
         m = torch.ones_like(r, dtype=torch.bool)
     else:
         if tuple(turn_mask.shape) != tuple(r.shape):
-            raise ValueError(f"turn_mask must have the shape of turn_rewards {list(r.shape)}; received {list(turn_mask.shape)}")
+            raise ValueError(f"turn_mask must have the shape of turn_rewards {list(r.shape)}; "
+                             f"received {list(turn_mask.shape)}")
         m = turn_mask.to(r.device) != 0
     if bool((~torch.isfinite(r[m])).any()):
         raise ValueError("turn_rewards has non-finite values at valid turns; drop or replace those episodes first")

@@ -111,7 +111,8 @@ class PromptGroups:
             if unknown or any(not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)
                               for w in kind_weights.values()) or not sum(kind_weights.values()) > 0:
                 raise ConfigError("data.kind_weights", f"{kind_weights!r}: give non-negative weights, not all zero, "
-                                  f"to kinds of the prompt set ({', '.join(k for k in self.kinds if k) or 'it has none'})"
+                                  "to kinds of the prompt set "
+                                  f"({', '.join(k for k in self.kinds if k) or 'it has none'})"
                                   + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
             total = float(sum(kind_weights.values()))
             return {kind: float(kind_weights.get(kind, 0.0)) / total for kind in self.kinds}

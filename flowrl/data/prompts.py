@@ -97,7 +97,8 @@ def _edit_set(source: str, resolution) -> PromptSet:
     return PromptSet([item.prompt for item in items], rows, source)
 
 
-def load_prompts(source: str, limit: int | None = None, *, resolution: int | tuple[int, int] | None = None) -> PromptSet:
+def load_prompts(source: str, limit: int | None = None, *,
+                 resolution: int | tuple[int, int] | None = None) -> PromptSet:
     """Load a prompt set.
 
     Args:

@@ -110,7 +110,8 @@ class PromptSpec:
 _NUM = "|".join(NUMBER_WORDS.values())
 _COL = "|".join(COLORS)
 _SHP = "|".join(SHAPES)
-_OBJ = rf"(?:a (?:(?P<{{p}}c>{_COL}) )?(?P<{{p}}s>{_SHP})|(?P<{{p}}n>{_NUM}) (?:(?P<{{p}}nc>{_COL}) )?(?P<{{p}}ns>{_SHP})s)"
+_OBJ = (rf"(?:a (?:(?P<{{p}}c>{_COL}) )?(?P<{{p}}s>{_SHP})"
+        rf"|(?P<{{p}}n>{_NUM}) (?:(?P<{{p}}nc>{_COL}) )?(?P<{{p}}ns>{_SHP})s)")
 _PROMPT_RE = re.compile(
     rf"^(?P<a>{_OBJ.format(p='a')})"
     rf"(?:(?P<and> and )(?P<b>{_OBJ.format(p='b')})|(?P<rel> (?:{'|'.join(RELATIONS)}) )(?P<c>{_OBJ.format(p='c')}))?$"
@@ -181,7 +182,8 @@ def all_prompt_specs() -> dict[str, list[PromptSpec]]:
     colored = [(c, s) for s in SHAPES for c in COLORS]
     specs = {
         "single_object": [PromptSpec("single_object", (ObjectSpec(s),)) for s in SHAPES],
-        "two_object": [PromptSpec("two_object", (ObjectSpec(a), ObjectSpec(b))) for a in SHAPES for b in SHAPES if a != b],
+        "two_object": [PromptSpec("two_object", (ObjectSpec(a), ObjectSpec(b)))
+                       for a in SHAPES for b in SHAPES if a != b],
         "counting": [PromptSpec("counting", (ObjectSpec(s, c, n),)) for n in NUMBER_WORDS for c, s in colored],
         "colors": [PromptSpec("colors", (ObjectSpec(s, c),)) for c, s in colored],
         "position": [PromptSpec("position", (ObjectSpec(s1, c1), ObjectSpec(s2, c2)), rel)

@@ -109,7 +109,8 @@ def handle_agent(models: AgentModels, names: list[str], env_name: str, index: in
         policy = models.get(name)
         (episode,) = play_episodes(policy, spec.make, [task], [index], seed=int(seed),
                                    sampling=SamplingSettings(greedy=bool(greedy), temperature=float(temperature),
-                                                             max_new_tokens=ANSWER_MAX_NEW_TOKENS), max_turns=spec.max_turns)
+                                                             max_new_tokens=ANSWER_MAX_NEW_TOKENS),
+                                   max_turns=spec.max_turns)
         correct = float(exact_match([episode.answer], [task])[0]) if episode.answered else 0.0
         reward = correct + sum(episode.turn_rewards)
         lines.append(f"\n**{name}**")

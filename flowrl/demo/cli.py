@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs-dir", default="runs",
                         help="offer the runs found in this directory (default runs; `none` to disable)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--no-ema", action="store_true", help="load the raw trained weights even when a run kept an EMA")
+    parser.add_argument("--no-ema", action="store_true",
+                        help="load the raw trained weights even when a run kept an EMA")
     return parser
 
 
@@ -272,7 +273,8 @@ def launch(state, *, host: str = "127.0.0.1", port: int | None = None, block: bo
     _, url, _ = demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet,
                             show_error=False, theme=theme(), css=CSS, max_file_size=f"{state.limits.max_upload_mb}mb",
                             footer_links=["api", "gradio"], share=False, auth=auth,
-                            auth_message="flowrl demo: log in with a user:password of the --auth file" if auth else None)
+                            auth_message=("flowrl demo: log in with a user:password of the --auth file"
+                                          if auth else None))
     return demo, url
 
 

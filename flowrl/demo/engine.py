@@ -378,8 +378,8 @@ class TrajectoryResult:
             (``x - sigma v``, decoded), in [0, 1].
         final: ``[3, H, W]`` the sample.
         reward_name: the reward of the curve (None: no reward curve).
-        R: ``[n + 1]`` ``R_0 .. R_n`` (docs/algorithms.md, section 4): ``R_0`` the reward of the pure ODE rollout from the
-            same noise, ``R_t`` that of the ODE completion from the state after SDE step ``t``, ``R_n`` the
+        R: ``[n + 1]`` ``R_0 .. R_n`` (docs/algorithms.md, section 4): ``R_0`` the reward of the pure ODE rollout
+            from the same noise, ``R_t`` that of the ODE completion from the state after SDE step ``t``, ``R_n`` the
             sample's own reward. For the ODE sampler ``[1]``, the sample's reward.
         step_rewards / turning: ``[n]`` TP-GRPO step rewards and turning-point flags.
         rho: ``[T]`` cosine-credit reward-to-go weights (``rho_1 = 1``); weights: ``[T]`` the per-step
@@ -560,7 +560,8 @@ def _open_image(path: str | Path, limits: Limits):
     except DemoInputError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-        raise DemoInputError(f"{name} is not a readable image ({type(err).__name__}); upload PNG, JPEG or WebP") from None
+        raise DemoInputError(f"{name} is not a readable image ({type(err).__name__}); "
+                             "upload PNG, JPEG or WebP") from None
 
 
 def score_files(paths: Sequence[str | Path], prompts: Sequence[str], rewards: RewardSet, names: Sequence[str], *,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from flowrl.demo.limits import DemoInputError, public_text
+from flowrl.demo.limits import public_text
 
 __all__ = ["guarded", "one_line"]
 

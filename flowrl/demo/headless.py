@@ -80,7 +80,8 @@ def open_browser(*, width: int = 1280, height: int = 900, binary: str | None = N
     options.binary_location = binary
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--disable-extensions", "--disable-background-networking", "--disable-component-update",
-                 "--hide-scrollbars", "--mute-audio", "--force-device-scale-factor=1", f"--window-size={width},{height}"):
+                 "--hide-scrollbars", "--mute-audio", "--force-device-scale-factor=1",
+                 f"--window-size={width},{height}"):
         options.add_argument(flag)
     try:
         browser = webdriver.Chrome(options=options, service=Service(executable_path=driver))
@@ -263,7 +264,8 @@ def compare_in(browser, *, prompts: str | None = None, seeds: str | None = None,
     shown = []
     for img in browser.find_elements(By.CSS_SELECTOR, "#compare-clips img"):
         caption = browser.execute_script(
-            "const b = arguments[0].closest('button, .thumbnail-item, .gallery-item'); return b ? b.innerText : '';", img)
+            "const b = arguments[0].closest('button, .thumbnail-item, .gallery-item'); "
+            "return b ? b.innerText : '';", img)
         shown.append({"gif": _fetch(browser, img.get_attribute("src"), "a clip"), "rect": rect_of(img),
                       "natural": natural_of(img), "caption": caption})
     return {"png": png, "grid_rect": rect_of(grid), "grid_natural": natural_of(grid),
@@ -284,7 +286,8 @@ def open_page(url: str, *, timeout: float = 180.0, width: int = 1280, height: in
         try:
             browser.get(url)
         except Exception as err:  # noqa: BLE001 - WebDriver wraps connection failures in several types
-            raise BrowserError(f"cannot open {url}: {' '.join(str(getattr(err, 'msg', None) or err).split())[:200]}") from None
+            raise BrowserError(f"cannot open {url}: "
+                               f"{' '.join(str(getattr(err, 'msg', None) or err).split())[:200]}") from None
     except BaseException:
         browser.quit()
         raise

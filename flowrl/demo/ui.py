@@ -575,7 +575,8 @@ def build_app(state: DemoState, *, title: str = "flowrl: compare base and fine-t
                                               "colour entropy in bits and histogram shift from the first model, "
                                               "dark / saturated pixel and high-frequency energy fractions; for "
                                               "shapes: extra objects, background shift from white in 0-255 "
-                                              "units, strict-count accuracy)", interactive=False, elem_id="compare-hacking")
+                                              "units, strict-count accuracy)", interactive=False,
+                                              elem_id="compare-hacking")
                         with gr.Accordion("Scores of every image", open=False):
                             c_table = gr.Dataframe(interactive=False, elem_id="compare-table")
                 c_sampler.change(lambda s: NOISE_DEFAULTS.get(s, 0.7), c_sampler, c_noise, api_visibility="private")

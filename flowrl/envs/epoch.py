@@ -1,8 +1,9 @@
 """One epoch of a VLM / LM agent recipe (``flowrl/recipes/vlm_grpo.py``): play each group's episodes, score them,
 and turn their rewards into per-turn advantages; the image side's counterpart is :mod:`flowrl.rl.collect`.
 
-``cfg`` is the recipe's config: its ``run.seed``, ``sampling``, ``env``, ``algorithm`` (``resolved()``: the
-variant's settings) and, for the answer rewards, the :class:`flowrl.envs.rewards.AnswerRewards` it built.
+The functions take the sections they read (the recipe's ``env``, ``sampling`` and ``advantage`` sections, the
+resolved algorithm variant: :class:`flowrl.recipes.vlm_grpo.Variant`) and plain values, never the recipe's whole
+config; the answer rewards are the :class:`flowrl.envs.rewards.AnswerRewards` the recipe built.
 """
 
 from __future__ import annotations
@@ -45,8 +46,20 @@ class EpochBatch:
     stats: dict[str, float]
 
 
-def score_episodes(episodes: list, answer_rewards, cfg, variant):
-    """Episode rewards, per-turn rewards and components."""
+def score_episodes(episodes: list, answer_rewards, variant, *, max_new_tokens: int, overlong_cache: int | None):
+    """Episode rewards, per-turn rewards and components.
+
+    Args:
+        episodes: ``N`` played episodes.
+        answer_rewards: the recipe's :class:`flowrl.envs.rewards.AnswerRewards`.
+        variant: the resolved algorithm variant (its ``overlong_penalty``).
+        max_new_tokens: the token budget of one action (``sampling.max_new_tokens``).
+        overlong_cache: DAPO's soft-penalty window in tokens (``algorithm.overlong_cache``; None: a quarter of the
+            budget).
+
+    Returns:
+        ``(rewards [N], turn_rewards [N, K], turn_mask [N, K] bool, details {name: [N]})``.
+    """
     # Rewards read the whole final turn (each extracts the answer itself; `grounded` and `format` need the rest).
     scores, details = answer_rewards([e.final_text for e in episodes], [e.task for e in episodes],
                                      [e.image for e in episodes])
@@ -59,8 +72,8 @@ def score_episodes(episodes: list, answer_rewards, cfg, variant):
     overlong = torch.zeros(len(episodes))
     if variant.overlong_penalty:
         # DAPO's soft overlong punishment on the episode's generated tokens, against the whole budget.
-        budget = cfg.sampling.max_new_tokens
-        cache = cfg.algorithm.overlong_cache or max(budget // 4, 1)
+        budget = max_new_tokens
+        cache = overlong_cache or max(budget // 4, 1)
         for i, e in enumerate(episodes):
             length = max(e.action_lengths)
             if length > budget - cache:
@@ -75,46 +88,59 @@ def score_episodes(episodes: list, answer_rewards, cfg, variant):
     return rewards, turn_rewards, turn_mask, details
 
 
-def epoch_tasks(env_spec, env_cfg, n: int, seed: int, kinds: tuple[str, ...]) -> list:
-    """One sampling round's ``n`` training tasks (shapes_vqa: ``env.color_position_fraction`` of them by colour)."""
-    share = getattr(env_cfg, "color_position_fraction", 0.0)
+def epoch_tasks(env_spec, n: int, seed: int, kinds: tuple[str, ...], *, color_position_fraction: float = 0.0) -> list:
+    """One sampling round's ``n`` training tasks (shapes_vqa: ``color_position_fraction`` of them ask position by
+    colour, ``env.color_position_fraction``)."""
+    share = color_position_fraction
     extra = {"color_position_fraction": share} if share else {}
     return env_spec.train_tasks("train", n, seed=seed, kinds=kinds, **extra)
 
 
-def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, progress=None) -> EpochBatch:
+def collect_epoch(policy, epoch: int, dist, answer_rewards, env_spec, *, env, sampling, variant, seed: int,
+                  overlong_cache: int | None = None, progress=None) -> EpochBatch:
     """Play the epoch's episodes (sharded over processes, gathered), score them, and (DAPO) refill groups whose
-    rewards are all equal until ``groups_per_epoch`` informative groups are found."""
+    rewards are all equal until ``groups_per_epoch`` informative groups are found.
+
+    Args:
+        policy / epoch / dist: the :class:`flowrl.policies.TokenPolicy`, the epoch index, the run's
+            :class:`flowrl.dist.Dist`.
+        answer_rewards / env_spec: the recipe's :class:`flowrl.envs.rewards.AnswerRewards` and environment.
+        env / sampling: the recipe's ``env`` and ``sampling`` sections.
+        variant: the resolved algorithm variant (``dynamic_sampling``, ``overlong_penalty``).
+        seed: the run's seed (``run.seed``); every task and sample derives from ``(seed, epoch, round)``.
+        overlong_cache: ``algorithm.overlong_cache`` (:func:`score_episodes`).
+    """
     from flowrl.envs.rollout import SamplingSettings, play_episodes
 
-    variant = cfg.algorithm.resolved()
-    s = cfg.sampling
-    kinds = tuple(cfg.env.kinds or env_spec.kinds)
+    s = sampling
+    kinds = tuple(env.kinds or env_spec.kinds)
     settings = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
                                 stop_strings=tuple(s.stop_strings), batch_size=s.batch_size,
                                 share_prompts=s.share_prompts)
-    max_turns = cfg.env.max_turns or env_spec.max_turns
+    max_turns = env.max_turns or env_spec.max_turns
     kept: list[list] = []
     rounds, seen_groups, zero_std_groups = 0, 0, 0
     stats = {"truncated": 0.0, "empty": 0.0, "malformed": 0.0, "tool_call": 0.0, "turn_limit": 0.0, "episodes": 0.0}
     rounds_allowed = s.max_sampling_rounds if variant.dynamic_sampling else 1
     all_played = []
     while rounds < rounds_allowed and len(kept) < s.groups_per_epoch:
-        round_seed = _seed(cfg.run.seed, epoch, rounds)
-        tasks = epoch_tasks(env_spec, cfg.env, s.groups_per_epoch, round_seed % (2**31), kinds)
+        round_seed = _seed(seed, epoch, rounds)
+        tasks = epoch_tasks(env_spec, s.groups_per_epoch, round_seed % (2**31), kinds,
+                            color_position_fraction=env.color_position_fraction)
         flat = [t for t in tasks for _ in range(s.group_size)]
         n = len(flat)
         per = math.ceil(n / dist.world_size)
         lo, hi = dist.rank * per, min((dist.rank + 1) * per, n)
         mine = play_episodes(policy, env_spec.make, flat[lo:hi], list(range(lo, hi)), seed=round_seed,
-                             sampling=settings, max_turns=max_turns, system_prompt=cfg.env.system_prompt)
+                             sampling=settings, max_turns=max_turns, system_prompt=env.system_prompt)
         if progress is not None:
             progress(len(mine))
         episodes = dist.gather_object(mine) if dist.world_size > 1 else mine
         groups = [episodes[g * s.group_size:(g + 1) * s.group_size] for g in range(s.groups_per_epoch)]
         seen_groups += len(groups)
         if variant.dynamic_sampling:  # keep only groups whose rewards differ (scored here to decide)
-            rewards = score_episodes(episodes, answer_rewards, cfg, variant)[0]
+            rewards = score_episodes(episodes, answer_rewards, variant, max_new_tokens=s.max_new_tokens,
+                                     overlong_cache=overlong_cache)[0]
             for g, group in enumerate(groups):
                 r = rewards[g * s.group_size:(g + 1) * s.group_size]
                 if bool(r.max() == r.min()):
@@ -132,7 +158,9 @@ def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, pr
         kept.pop()
     episodes = [e for group in kept for e in group]
     group_ids = torch.tensor([g for g, group in enumerate(kept) for _ in group])
-    rewards, turn_rewards, turn_mask, details = score_episodes(episodes, answer_rewards, cfg, variant)
+    rewards, turn_rewards, turn_mask, details = score_episodes(episodes, answer_rewards, variant,
+                                                               max_new_tokens=s.max_new_tokens,
+                                                               overlong_cache=overlong_cache)
     if not variant.dynamic_sampling:
         from flowrl.core.advantages import zero_std_fraction
 
@@ -146,26 +174,34 @@ def collect_epoch(policy, cfg, epoch: int, dist, answer_rewards, env_spec, *, pr
     return EpochBatch(episodes, group_ids, rewards, turn_rewards, turn_mask, details, stats)
 
 
-def turn_advantages(batch: EpochBatch, cfg) -> torch.Tensor:
-    """``[N, K]`` per-turn advantages from the estimator named by ``algorithm.turn_credit``
+def turn_advantages(batch: EpochBatch, advantage, variant) -> torch.Tensor:
+    """``[N, K]`` per-turn advantages from the estimator named by ``advantage.estimator``
     (:mod:`flowrl.core.estimators`: ``outcome`` repeats the episode's advantage on every turn it played,
-    ``gigpo`` and ``turn_return`` are turn-level credit)."""
+    ``gigpo``, ``turn_return`` and ``trloo`` are turn-level credit).
+
+    Args:
+        batch: the epoch's episodes and rewards.
+        advantage: the recipe's ``advantage`` section (``estimator``, ``eps``, ``clip``, ``gamma``, ``step_weight``).
+        variant: the resolved algorithm variant (its ``normalizer`` and ``std_scope``).
+    """
     from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
     from flowrl.core.turn_credit import anchor_index
 
-    a, v = cfg.algorithm, cfg.algorithm.resolved()
-    estimator = ADVANTAGE_ESTIMATORS.get(a.turn_credit)
+    a, v = advantage, variant
+    estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)
     K = batch.turn_rewards.shape[1]
     anchors = (anchor_index([e.anchors for e in batch.episodes], batch.group_ids.tolist())
                if "anchor_ids" in estimator.needs else None)
     credit = CreditBatch(rewards=batch.rewards, group_ids=batch.group_ids, steps=list(range(K)), num_steps=K,
                          turn_rewards=batch.turn_rewards, turn_mask=batch.turn_mask, anchor_ids=anchors)
-    advantages, _ = estimator(credit, normalizer=v.estimator, std_scope=v.std_scope, eps=a.eps, clip=a.adv_clip,
+    advantages, _ = estimator(credit, normalizer=v.normalizer, std_scope=v.std_scope, eps=a.eps, clip=a.clip,
                               gamma=a.gamma, step_weight=a.step_weight)
     return advantages
 
 
-def epoch_metrics(batch: EpochBatch, cfg) -> dict[str, float]:
+def epoch_metrics(batch: EpochBatch, env_name: str) -> dict[str, float]:
+    """The epoch's ``train/...`` metrics of its episodes (``env_name``: ``env.name``; the zoom environment adds its
+    tool calls per kind)."""
     from flowrl.core.advantages import zero_std_fraction
 
     r = batch.rewards
@@ -182,7 +218,7 @@ def epoch_metrics(batch: EpochBatch, cfg) -> dict[str, float]:
     metrics.update({f"train/sampling_{k}": batch.stats[k] for k in ("rounds", "groups_kept", "zero_std_frac_sampled")})
     for name, value in batch.details.items():
         metrics[f"train/reward/{name}"] = float(value.mean())
-    if cfg.env.name == "shapes_zoom":
+    if env_name == "shapes_zoom":
         kinds = sorted({e.task.kind for e in eps})
         for kind in kinds:
             sel = [e for e in eps if e.task.kind == kind]

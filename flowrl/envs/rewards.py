@@ -18,8 +18,8 @@ by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
 - ``consistent``: a process reward on the trace's reasoning (for tasks with a Shapes-VQA question spec): the share
   of its checks that hold, each step judged against the trace's own step before it (every lookup keeps exactly the
   listed objects with the looked-up attribute, a position pair and relation follow from what was written) and the
-  answer against the trace (:func:`flowrl.data.vqa_reasoning.step_checks` and ``answer_from_trace``). Needs no scene: it rewards
-  reasoning right from whatever was seen, where ``scene`` rewards seeing right.
+  answer against the trace (:func:`flowrl.data.vqa_reasoning.step_checks` and ``answer_from_trace``). Needs no
+  scene: it rewards reasoning right from whatever was seen, where ``scene`` rewards seeing right.
 - ``numeric``: 1 when both parse as numbers within ``tolerance`` (absolute), else 0.
 - ``format``: 1 when the text matches ``pattern`` (a regular expression, ``re.fullmatch`` after stripping;
   e.g. ``<think>.*</think>\\s*<answer>.*</answer>`` for R1-style outputs), else 0.

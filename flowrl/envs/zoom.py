@@ -49,7 +49,8 @@ def zoom_prompt(question: str) -> str:
 
 def _offset(scene: Scene, quadrant: str) -> Scene:
     qx, qy = QUADRANTS.index(quadrant) % 2, QUADRANTS.index(quadrant) // 2
-    return Scene(tuple(SceneObject(o.shape, o.color, o.cx + 32 * qx, o.cy + 32 * qy, o.size) for o in scene.objects), FULL)
+    return Scene(tuple(SceneObject(o.shape, o.color, o.cx + 32 * qx, o.cy + 32 * qy, o.size)
+                       for o in scene.objects), FULL)
 
 
 def _task(kind: str, split: str, seed: int) -> Task:
@@ -172,7 +173,8 @@ class CropEnv(OverviewEnv):
 def local_scene(task: Task, quadrant: str) -> Scene:
     """The objects of ``quadrant`` as a 32 px scene: what :func:`crop` shows."""
     qx, qy = QUADRANTS.index(quadrant) % 2, QUADRANTS.index(quadrant) // 2
-    inside = [o for o in task.data["scene"].objects if 32 * qx <= o.cx < 32 * qx + 32 and 32 * qy <= o.cy < 32 * qy + 32]
+    inside = [o for o in task.data["scene"].objects
+              if 32 * qx <= o.cx < 32 * qx + 32 and 32 * qy <= o.cy < 32 * qy + 32]
     return Scene(tuple(SceneObject(o.shape, o.color, o.cx - 32 * qx, o.cy - 32 * qy, o.size) for o in inside), 32)
 
 

@@ -12,16 +12,16 @@ from tqdm.auto import tqdm
 
 from flowrl.config import bounds
 from flowrl.eval.panel import HackingConfig, HackingPanel, gather_images, with_reference
+from flowrl.run.harness import EvalSchedule
 
 __all__ = ["EvalConfig", "Evaluator"]
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(EvalSchedule):
+    """The ``eval`` section of the image recipes: when (:class:`flowrl.run.harness.EvalSchedule`) and how."""
+
     every_epochs: int | None = field(default=5, metadata=bounds(ge=1))
-    # Also evaluate each time training time (evaluation excluded) passes a multiple of this.
-    every_minutes: float | None = field(default=None, metadata=bounds(gt=0))
-    at_start: bool = True
     batch_size: int = field(default=100, metadata=bounds(ge=1, le=4096))
     grid_size: int = field(default=32, metadata=bounds(ge=0, le=1024))
     # The evaluation's ODE sampling (and the hacking panel's) under bfloat16 autocast or in float32. On the
@@ -105,6 +105,7 @@ class Evaluator:
         seeds, prompts = seeds[:real], prompts[:real]
         metrics: dict[str, float] = {}
         local_scores: dict[str, torch.Tensor] = {}
+        local_correct: dict[str, torch.Tensor] = {}  # the gold's verdict where a reward gives one (the grid says it)
         pad = per_process - real  # equal shapes for the gather; padded rows are dropped after it
         keep = dist.gather(torch.cat([torch.ones(real), torch.zeros(pad)])) > 0
         kinds = [m.get("kind") for m in prompt_set.metadata]
@@ -124,6 +125,8 @@ class Evaluator:
             if images is not None:
                 out = checked_reward(reward, images, prompts, [prompt_set.metadata[i] for i in rows])
                 local_scores[name], details = out.scores.float(), out.details
+                if "correct" in details:
+                    local_correct[name] = details["correct"]
             metrics[f"eval/{name}/mean"] = float(gathered(local_scores.get(name)).mean())
             # Every process gathers the same keys: one whose shard is empty still takes part (shapes' are known).
             if "correct" in details or name == "shapes":
@@ -141,7 +144,8 @@ class Evaluator:
             base = self._base_images(model, epoch, drawn_images[:k], grid_prompts, grid_seeds, grid_metadata)
             if dist.is_main:
                 self._save_grid(epoch, images[:k], grid_prompts, grid_seeds,
-                                {name: s[:k] for name, s in local_scores.items()}, base)
+                                {name: (s[:k], local_correct[name][:k] if name in local_correct else None)
+                                 for name, s in local_scores.items()}, base)
         return metrics
 
     def _precision(self, model):
@@ -166,26 +170,33 @@ class Evaluator:
                                         batch_size=self.cfg.batch_size, metadata=metadata)
 
                 base = images if epoch == 0 else with_reference(model, draw)
-            scores = {name: checked_reward(reward, base, prompts, metadata).scores.float()
-                      for name, reward in self.rewards.items()}
-            self._base = (base, scores)
+            outputs = {name: checked_reward(reward, base, prompts, metadata) for name, reward in self.rewards.items()}
+            self._base = (base, {name: (out.scores.float(), out.details.get("correct"))
+                                 for name, out in outputs.items()})
         return self._base
 
     def _save_grid(self, epoch: int, images: torch.Tensor, prompts: list[str], seeds: list[int],
-                   scores: dict[str, torch.Tensor], base: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
-        """``samples/epoch_<N>.png``: each grid prompt drawn by the base model (``base``: images and scores) and by
-        the model at this epoch from the same noise, side by side under the whole prompt, four prompts to a row,
-        captioned with every eval reward; also sent to TensorBoard / wandb."""
+                   scores: dict[str, tuple[torch.Tensor, torch.Tensor | None]], base: tuple) -> None:
+        """``samples/epoch_<N>.png``: each grid prompt drawn by the base model (``base``: images and their scores) and
+        by the model at this epoch from the same noise, side by side under the whole prompt, four prompts to a row,
+        captioned with every eval reward's score and, where the reward judges correctness (the shapes reward's gold,
+        strict accuracy), "correct" or "wrong"; also sent to TensorBoard / wandb. ``scores``: ``{name: (scores [k],
+        correct [k] or None)}``."""
         from flowrl.eval.grid import prompt_grid
 
         base, base_scores = base
 
-        def captions(values: dict[str, torch.Tensor]) -> list[str]:
-            return ["\n".join(f"{name} {float(v[i]):.2f}" for name, v in values.items()) for i in range(len(prompts))]
+        def captions(values: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> list[str]:
+            def line(name: str, score: torch.Tensor, correct: torch.Tensor | None, i: int) -> str:
+                verdict = "" if correct is None else (" correct" if float(correct[i]) > 0.5 else " wrong")
+                return f"{name} {float(score[i]):.2f}{verdict}"
+
+            return ["\n".join(line(name, *v, i) for name, v in values.items()) for i in range(len(prompts))]
 
         current = f"epoch {epoch}"
         grid = prompt_grid(prompts, {"base": base, current: images},
-                           {"base": captions(base_scores), current: captions(scores)}, notes=[f"seed {s}" for s in seeds])
+                           {"base": captions(base_scores), current: captions(scores)},
+                           notes=[f"seed {s}" for s in seeds])
         path = self.output_dir / "samples" / f"epoch_{epoch:04d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         grid.save(path)

@@ -264,13 +264,15 @@ class HackingPanel:
                 metrics[f"hack/heldout/{name}/accuracy"] = float(out.details["correct"].float().mean())
         # The KL of a deterministic (ode) step is 0 whatever the weights: not logged rather than a meaningless 0.
         if self.kl_step is not None and self.kl_step.stochastic and self.cfg.kl_prompts:
-            metrics["hack/kl_to_base"] = self._spread(self.cfg.kl_prompts, seeds, lambda prompts, row_seeds, rows: kl_to_base(
-                model, self.kl_step, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
-                metadata=rows))
+            metrics["hack/kl_to_base"] = self._spread(
+                self.cfg.kl_prompts, seeds, lambda prompts, row_seeds, rows: kl_to_base(
+                    model, self.kl_step, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
+                    metadata=rows))
         if self.fm_sigmas is not None and self.cfg.fm_prompts:
-            metrics["hack/fm_to_base"] = self._spread(self.cfg.fm_prompts, seeds, lambda prompts, row_seeds, rows: fm_to_base(
-                model, self.fm_sigmas, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
-                levels=self.cfg.fm_levels, metadata=rows))
+            metrics["hack/fm_to_base"] = self._spread(
+                self.cfg.fm_prompts, seeds, lambda prompts, row_seeds, rows: fm_to_base(
+                    model, self.fm_sigmas, prompts, row_seeds, guidance=self.kl_guidance, batch_size=self.batch_size,
+                    levels=self.cfg.fm_levels, metadata=rows))
         return metrics
 
     def _spread(self, count: int, seeds: list[int],

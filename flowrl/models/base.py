@@ -27,16 +27,17 @@ from flowrl.errors import FlowrlError
 import contextlib
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from flowrl.config import LoraConfig
+
 Cond = dict[str, torch.Tensor]  # each value [B, ...]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
-__all__ = ["Cond", "VelocityFn", "LoraSettings", "FlowModel", "ModelLoadError", "ReferenceUnavailableError",
+__all__ = ["Cond", "VelocityFn", "FlowModel", "ModelLoadError", "ReferenceUnavailableError",
            "cond_select", "cond_cat",
            "encode_rows", "source_tensor", "source_digest",
            "unwrap", "DEFAULT_PROMPT_CACHE_SIZE", "ATTENTION_BACKENDS", "check_attention_backend"]
@@ -52,17 +53,6 @@ class ModelLoadError(FlowrlError, RuntimeError):
 class ReferenceUnavailableError(RuntimeError):
     """:meth:`FlowModel.reference` was entered on a full fine-tune that keeps no reference copy (the run declared
     that nothing uses the reference); predicting with the live weights instead would be silently wrong."""
-
-
-@dataclass
-class LoraSettings:
-    """LoRA through peft: rank, alpha and the module names to adapt (backbone-specific defaults)."""
-
-    rank: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=list)
-    init: str = "gaussian"
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -157,7 +147,7 @@ class FlowModel(nn.Module):
     conditions_on_source: bool = False
     default_guidance: float = 1.0
 
-    def __init__(self, denoiser: nn.Module, *, lora: LoraSettings | None = None,
+    def __init__(self, denoiser: nn.Module, *, lora: LoraConfig | None = None,
                  gradient_checkpointing: bool = False):
         super().__init__()
         self.denoiser = denoiser
@@ -338,13 +328,14 @@ class FlowModel(nn.Module):
 
     # ------------------------------------------------------------------ training state
 
-    def _add_lora(self, lora: LoraSettings) -> None:
-        from peft import LoraConfig
+    def _add_lora(self, lora: LoraConfig) -> None:
+        from peft import LoraConfig as PeftLoraConfig
 
-        targets = lora.target_modules or self.default_lora_targets()
+        targets = list(lora.target_modules) or self.default_lora_targets()
         self.denoiser.requires_grad_(False)
-        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=targets, init_lora_weights=lora.init)
+        # Gaussian down projections, as diffusers' LoRA training scripts initialise them.
+        config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                target_modules=targets, init_lora_weights="gaussian")
         unwrap(self.denoiser).add_adapter(config)
 
     def trainable_parameters(self) -> list[nn.Parameter]:

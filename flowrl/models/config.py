@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from flowrl.config import bounds
+from flowrl.config import LoraConfig, bounds
 
 __all__ = ["LoraConfig", "ModelConfig", "build_model", "VIDEO_FAMILIES"]
 
@@ -20,21 +20,14 @@ VIDEO_FAMILIES = ("wan",)
 
 
 @dataclass
-class LoraConfig:
-    rank: int = field(default=32, metadata=bounds(ge=1))
-    alpha: float = field(default=64.0, metadata=bounds(gt=0))
-    dropout: float = field(default=0.0, metadata=bounds(ge=0, lt=1))
-    target_modules: list[str] = field(default_factory=list)  # empty: the adapter's defaults
-
-
-@dataclass
 class ModelConfig:
     name: Literal["shapes", "sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux2", "flux_kontext",
                   "qwen_image_edit", "wan"] = "shapes"  # flowrl.models.families
     path: str | None = None  # local dir or hub id; None = the shipped shapes model
     # The weights' dtype (the VAE stays float32). Full fine-tuning in bfloat16 / float16 trains float32 master weights
-    # and computes in this dtype under autocast, as diffusers' training scripts do (FlowModel.keep_float32_master_weights);
-    # LoRA weights are float32 whatever this is. Inference (sample, eval, export) keeps this dtype.
+    # and computes in this dtype under autocast, as diffusers' training scripts do
+    # (FlowModel.keep_float32_master_weights); LoRA weights are float32 whatever this is. Inference (sample, eval,
+    # export) keeps this dtype.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None  # None: full fine-tuning
     gradient_checkpointing: bool = False
@@ -97,13 +90,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str):
 
 
 def _build(cfg: ModelConfig, device: torch.device | str):
-    from flowrl.models.base import LoraSettings
-
     dtype = getattr(torch, cfg.dtype)
-    lora = None
-    if cfg.lora is not None:
-        lora = LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                            target_modules=list(cfg.lora.target_modules))
+    lora = cfg.lora
     if cfg.name == "shapes":
         from flowrl.models.shapes import ShapesModel
 

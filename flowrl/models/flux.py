@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, GuidanceEmbedded, LoraSettings
+from .base import Cond, GuidanceEmbedded
+from flowrl.config import LoraConfig
 from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
 from .pipeline_model import PipelineModel, resolution_shift
 
@@ -83,7 +84,7 @@ class FluxModel(GuidanceEmbedded, PipelineModel):
 
     uses_cfg = False
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 3.5):
         super().__init__(pipeline, ("vae", "text_encoder", "text_encoder_2"), lora=lora,
@@ -105,7 +106,7 @@ class FluxModel(GuidanceEmbedded, PipelineModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = FLUX_DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None,
                         vae_dtype: torch.dtype | str | None = torch.float32, device: torch.device | str | None = None,
-                        lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+                        lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                         resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                         guidance_scale: float = 3.5, revision: str | None = None, variant: str | None = None,
                         cache_dir: str | None = None, trust_remote_code: bool = False) -> "FluxModel":

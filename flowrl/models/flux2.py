@@ -33,11 +33,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, GuidanceEmbedded, LoraSettings
+from .base import Cond, GuidanceEmbedded
+from flowrl.config import LoraConfig
 from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
 from .pipeline_model import PipelineModel
 
-__all__ = ["Flux2KleinModel", "Flux2DevModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL", "FLUX2_DEV_DEFAULT_MODEL"]
+__all__ = ["Flux2KleinModel", "Flux2DevModel", "FLUX2_LORA_TARGETS", "FLUX2_KLEIN_DEFAULT_MODEL",
+           "FLUX2_DEV_DEFAULT_MODEL"]
 
 FLUX2_KLEIN_DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 #: FLUX.2 [dev] (gated on the hub: accept its license first).
@@ -69,7 +71,7 @@ class Flux2KleinModel(PipelineModel):
 
     family = "flux2_klein"  # its row in flowrl.models.families
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 4.0):
         super().__init__(pipeline, ("vae", "text_encoder"), lora=lora, gradient_checkpointing=gradient_checkpointing,
@@ -85,7 +87,7 @@ class Flux2KleinModel(PipelineModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = FLUX2_KLEIN_DEFAULT_MODEL, *,
                         dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
-                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        device: torch.device | str | None = None, lora: LoraConfig | dict | None = None,
                         gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
                         max_sequence_length: int = 512, guidance_scale: float = 4.0, revision: str | None = None,
                         variant: str | None = None, cache_dir: str | None = None,
@@ -192,7 +194,7 @@ class Flux2DevModel(GuidanceEmbedded, Flux2KleinModel):
 
     uses_cfg = False
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 4.0):
         if not pipeline.transformer.config.guidance_embeds:
@@ -207,7 +209,7 @@ class Flux2DevModel(GuidanceEmbedded, Flux2KleinModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = FLUX2_DEV_DEFAULT_MODEL, *,
                         dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
-                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        device: torch.device | str | None = None, lora: LoraConfig | dict | None = None,
                         gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
                         max_sequence_length: int = 512, guidance_scale: float = 4.0, revision: str | None = None,
                         variant: str | None = None, cache_dir: str | None = None,

@@ -24,7 +24,8 @@ import os
 import torch
 from torch import nn
 
-from .base import Cond, LoraSettings
+from .base import Cond
+from flowrl.config import LoraConfig
 from .flux import FLUX_LORA_TARGETS, FluxModel
 from .loading import load_adapter_pipeline
 
@@ -53,7 +54,7 @@ class FluxKontextModel(FluxModel):
 
     conditions_on_source = True
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 2.5):
         super().__init__(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
@@ -62,7 +63,7 @@ class FluxKontextModel(FluxModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = FLUX_KONTEXT_DEFAULT_MODEL, *,
                         dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
-                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        device: torch.device | str | None = None, lora: LoraConfig | dict | None = None,
                         gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
                         max_sequence_length: int = 512, guidance_scale: float = 2.5, revision: str | None = None,
                         variant: str | None = None, cache_dir: str | None = None,

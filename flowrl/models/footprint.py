@@ -12,11 +12,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-__all__ = ["KNOWN_MODELS", "TWO_EXPERTS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint", "memory_estimate",
-           "reward_memory", "REWARD_PARAMS", "text_encoder_params", "weights_status", "format_gib"]
+if TYPE_CHECKING:
+    from flowrl.models.config import ModelConfig
+    from rewards.config import RewardConfig
+
+__all__ = ["KNOWN_MODELS", "TWO_EXPERTS", "SD35_MEDIUM_TRANSFORMER", "SD3_VAE", "Footprint", "footprint",
+           "memory_estimate", "reward_memory", "REWARD_PARAMS", "text_encoder_params", "weights_status", "format_gib"]
 
 SD35_MEDIUM_TRANSFORMER = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
                 "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
@@ -107,7 +113,8 @@ _QWEN25_VL_7B = {"text_config": {"hidden_size": 3584, "intermediate_size": 18944
                                                      "mrope_section": [16, 24, 24]}},
                  "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
                                    "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
-                                   "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}}
+                                   "temporal_patch_size": 2, "window_size": 112,
+                                   "fullatt_block_indexes": [7, 15, 23, 31]}}
 _QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
                    "temperal_downsample": [False, True, True]}
 
@@ -209,7 +216,8 @@ def _text_and_vae(kind: str, found: dict[str, dict], transformer_cfg: dict) -> d
 
         vae = {k: v for k, v in (found.get("vae") or _WAN_VAE).items() if not k.startswith("_")}
         text = {k: v for k, v in (found.get("text_encoder") or _UMT5_XXL).items() if not k.startswith("_")}
-        return {"vae": AutoencoderKLWan.from_config(vae), "text_encoder (UMT5-XXL)": UMT5EncoderModel(UMT5Config(**text))}
+        return {"vae": AutoencoderKLWan.from_config(vae),
+                "text_encoder (UMT5-XXL)": UMT5EncoderModel(UMT5Config(**text))}
     if kind in ("qwen_image", "qwen_image_edit"):
         from diffusers import AutoencoderKLQwenImage
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -255,7 +263,7 @@ def _text_and_vae(kind: str, found: dict[str, dict], transformer_cfg: dict) -> d
     return parts
 
 
-def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
+def footprint(cfg: ModelConfig, *, resolution: int | None = None) -> Footprint | None:
     """The :class:`Footprint` of a ``model`` section (``ModelConfig``), or None when its architecture is
     unknown here (a hub id that is neither cached nor in :data:`KNOWN_MODELS`)."""
     if cfg.name == "shapes":
@@ -294,7 +302,8 @@ def footprint(cfg, *, resolution: int | None = None) -> Footprint | None:
     if kind == "wan":  # self-attention over the video's (1, 2, 2) patches; the text enters by cross-attention
         from flowrl.models.wan import WAN_DEFAULT_RESOLUTION
 
-        height, width = (resolution or cfg.resolution,) * 2 if (resolution or cfg.resolution) else WAN_DEFAULT_RESOLUTION
+        height, width = ((resolution or cfg.resolution,) * 2 if (resolution or cfg.resolution)
+                         else WAN_DEFAULT_RESOLUTION)
         frames = ((cfg.num_frames or 81) - 1) // 4 + 1
         tokens = frames * (height // 16) * (width // 16) + (cfg.max_sequence_length or 226)
         notes = [f"{cfg.num_frames or 81} frames ({frames} latent frames) at {height} x {width} px"]
@@ -359,8 +368,9 @@ REWARD_PARAMS = {"pickscore": 986_109_441, "hpsv2": 986_109_441, "clip_score": 4
 _REWARD_ARCH_KWARG = {"pickscore": "model", "hpsv2": "model_name", "clip_score": "model_name",
                       "aesthetic": "model_name", "clip_directional": "model_name"}
 # The keyword of each reward's precision and its value's bytes per parameter ("auto": bf16 on a GPU).
-_REWARD_PRECISION = {"pickscore": ("dtype", "auto"), "hpsv2": ("precision", "auto"), "clip_score": ("precision", "auto"),
-                     "aesthetic": ("precision", "fp32"), "clip_directional": ("precision", "fp32")}
+_REWARD_PRECISION = {"pickscore": ("dtype", "auto"), "hpsv2": ("precision", "auto"),
+                     "clip_score": ("precision", "auto"), "aesthetic": ("precision", "fp32"),
+                     "clip_directional": ("precision", "fp32")}
 _PRECISION_BYTES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 
 
@@ -369,7 +379,7 @@ def text_encoder_params(fp: Footprint) -> int:
     return sum(v for k, v in fp.params.items() if k.startswith("text_encoder"))
 
 
-def reward_memory(reward_cfg) -> dict[str, int]:
+def reward_memory(reward_cfg: RewardConfig) -> dict[str, int]:
     """Bytes of device memory of every reward model a training process holds, one entry per built copy
     (``"pickscore (train, bf16)"``): the training reward's terms, each evaluation reward and each held-out reward
     are built separately (``rewards.config.RewardConfig``), so a reward named in two of them is held twice.
@@ -409,17 +419,17 @@ def reward_memory(reward_cfg) -> dict[str, int]:
             for name, entry in spec.items():
                 add(str(name), entry, role)
 
-    train = getattr(reward_cfg, "train", None) or {}
+    train = reward_cfg.train or {}
     walk(train, "train")
-    for name in getattr(reward_cfg, "eval", None) or []:
+    for name in reward_cfg.eval or []:
         add(name, train.get(name, 1.0) if isinstance(train, dict) else 1.0, "eval")
-    for item in getattr(reward_cfg, "heldout", None) or []:
+    for item in reward_cfg.heldout or []:
         walk(item, "held out")
     return out
 
 
-def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool, reference: bool = True,
-                    snapshots: int = 0, rewards: float = 0.0) -> dict[str, float]:
+def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool,
+                    reference: bool = True, snapshots: int = 0, rewards: float = 0.0) -> dict[str, float]:
     """A rough GiB budget of one training process (one GPU under DDP; FSDP2 divides the weights and
     training state by the number of processes, ZeRO-2 the optimizer state and gradients).
 
@@ -450,7 +460,7 @@ def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema
     b = _BYTES[cfg.dtype]
     denoiser = fp.params.get("transformer", 0) + fp.params.get("transformer_2", 0) + fp.params.get("unet", 0)
     text = text_encoder_params(fp)
-    offloaded = bool(getattr(cfg, "offload_text_encoders", False)) and cfg.name != "shapes"
+    offloaded = cfg.offload_text_encoders and cfg.name != "shapes"
     lora = cfg.lora is not None
     out = {"weights": (denoiser * (b if lora else 4) + (0 if offloaded else text * b)
                        + fp.params.get("vae", 0) * 4) / gib}
@@ -482,7 +492,7 @@ def memory_estimate(cfg, fp: Footprint, *, micro_batch: int, guidance: bool, ema
     return out
 
 
-def weights_status(cfg) -> tuple[bool, str]:
+def weights_status(cfg: ModelConfig) -> tuple[bool, str]:
     """``(present, where)`` of the weights a ``model`` section names (without downloading anything)."""
     if cfg.name == "shapes":
         return True, str(cfg.path or "the shipped shapes model")

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import LoraSettings, ModelLoadError
+from .base import ModelLoadError
+from flowrl.config import LoraConfig
 
 __all__ = ["resolve_dtype", "load_pipeline", "load_adapter_pipeline",
            "freeze_", "upcast_trainable_", "cast_module_", "vae_decode",
-           "as_lora_settings", "scheduler_sigmas", "latent_hw", "is_offline"]
+           "as_lora_config", "scheduler_sigmas", "latent_hw", "is_offline"]
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "32": torch.float32,
@@ -46,13 +47,13 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.
     return _DTYPES[name]
 
 
-def as_lora_settings(lora: LoraSettings | dict | None) -> LoraSettings | None:
-    """Accept LoraSettings, a plain dict of its fields (from YAML), or None (full fine-tuning)."""
-    if lora is None or isinstance(lora, LoraSettings):
+def as_lora_config(lora: LoraConfig | dict | None) -> LoraConfig | None:
+    """Accept LoraConfig, a plain dict of its fields (from YAML), or None (full fine-tuning)."""
+    if lora is None or isinstance(lora, LoraConfig):
         return lora
     if isinstance(lora, dict):
-        return LoraSettings(**lora)
-    raise TypeError(f"lora must be LoraSettings, a dict or None, got {type(lora).__name__}")
+        return LoraConfig(**lora)
+    raise TypeError(f"lora must be LoraConfig, a dict or None, got {type(lora).__name__}")
 
 
 def is_offline() -> bool:

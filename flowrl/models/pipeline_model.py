@@ -30,8 +30,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .base import FlowModel, LoraSettings, unwrap
-from .loading import as_lora_settings, freeze_, upcast_trainable_, vae_decode, vae_encode
+from .base import FlowModel, unwrap
+from flowrl.config import LoraConfig
+from .loading import as_lora_config, freeze_, upcast_trainable_, vae_decode, vae_encode
 
 __all__ = ["PipelineModel", "resolution_shift", "OffloadedModule"]
 
@@ -54,12 +55,12 @@ class PipelineModel(FlowModel):
     """
 
     def __init__(self, pipeline, frozen: tuple[str, ...], *, denoiser: nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None, lora: LoraSettings | dict | None = None,
+                 compute_dtype: torch.dtype | None = None, lora: LoraConfig | dict | None = None,
                  gradient_checkpointing: bool = False, max_sequence_length: int = 512):
         parts = {name: getattr(pipeline, name, None) for name in frozen}
         freeze_(*parts.values())
         compute_dtype = compute_dtype or next(pipeline.transformer.parameters()).dtype
-        super().__init__(denoiser if denoiser is not None else pipeline.transformer, lora=as_lora_settings(lora),
+        super().__init__(denoiser if denoiser is not None else pipeline.transformer, lora=as_lora_config(lora),
                          gradient_checkpointing=gradient_checkpointing)
         self._compute_dtype = compute_dtype
         self.pipeline = pipeline
@@ -122,7 +123,7 @@ class PipelineModel(FlowModel):
         (the VAE posterior's mean; Diffusion-DPO's offline pairs)."""
         return vae_encode(self.pipeline.vae, images)
 
-    def _add_lora(self, lora: LoraSettings) -> None:
+    def _add_lora(self, lora: LoraConfig) -> None:
         super()._add_lora(lora)
         upcast_trainable_(unwrap(self.denoiser))
 

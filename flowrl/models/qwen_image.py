@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Cond, LoraSettings, VelocityFn
+from .base import Cond, VelocityFn
+from flowrl.config import LoraConfig
 from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
 from .pipeline_model import PipelineModel, resolution_shift
 
@@ -88,7 +89,7 @@ class QwenImageModel(PipelineModel):
 
     uses_cfg = True
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 4.0, negative_prompt: str = " "):
         super().__init__(pipeline, ("vae", "text_encoder"), lora=lora, gradient_checkpointing=gradient_checkpointing,
@@ -105,7 +106,7 @@ class QwenImageModel(PipelineModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = QWEN_IMAGE_DEFAULT_MODEL, *,
                         dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
-                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        device: torch.device | str | None = None, lora: LoraConfig | dict | None = None,
                         gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
                         max_sequence_length: int = 512, guidance_scale: float = 4.0, negative_prompt: str = " ",
                         revision: str | None = None, variant: str | None = None, cache_dir: str | None = None,

@@ -38,7 +38,8 @@ import os
 import torch
 from torch import nn
 
-from .base import Cond, LoraSettings
+from .base import Cond
+from flowrl.config import LoraConfig
 from .loading import load_adapter_pipeline
 from .qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImageModel, _padded
 
@@ -76,7 +77,7 @@ class QwenImageEditModel(QwenImageModel):
 
     conditions_on_source = True
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 512,
                  guidance_scale: float = 4.0, negative_prompt: str = " "):
         super().__init__(pipeline, lora=lora, gradient_checkpointing=gradient_checkpointing, resolution=resolution,
@@ -87,7 +88,7 @@ class QwenImageEditModel(QwenImageModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = QWEN_IMAGE_EDIT_DEFAULT_MODEL, *,
                         dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
-                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        device: torch.device | str | None = None, lora: LoraConfig | dict | None = None,
                         gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
                         max_sequence_length: int = 512, guidance_scale: float = 4.0, negative_prompt: str = " ",
                         revision: str | None = None, variant: str | None = None, cache_dir: str | None = None,

@@ -127,9 +127,10 @@ def apply_lora_folder(model: FlowModel, folder: Path) -> str:
         from peft import PeftModel
 
         if not (folder / "adapter_model.safetensors").is_file():
-            raise ModelLoadError(f"--lora {str(folder)!r} has no adapter_model.safetensors (a pickled adapter_model.bin "
-                                 "can run code when loaded, so flowrl reads safetensors only); convert it once where "
-                                 "you trust it: load it with peft and save_pretrained(DIR, safe_serialization=True)")
+            raise ModelLoadError(f"--lora {str(folder)!r} has no adapter_model.safetensors "
+                                 "(a pickled adapter_model.bin can run code when loaded, so flowrl reads safetensors "
+                                 "only); convert it once where you trust it: load it with peft and "
+                                 "save_pretrained(DIR, safe_serialization=True)")
         PeftModel.from_pretrained(unwrap(model.denoiser), str(folder))  # injects the adapter in place
         return "PEFT adapter"
     raise ModelLoadError(f"--lora {str(folder)!r} is neither a run directory (config.yaml, checkpoints/) nor an "

@@ -26,7 +26,8 @@ import os
 import torch
 from torch import nn
 
-from .base import Cond, LoraSettings
+from .base import Cond
+from flowrl.config import LoraConfig
 from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
 from .pipeline_model import PipelineModel, resolution_shift
 
@@ -39,7 +40,7 @@ SD3_DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 #: attention's image (``to_q/k/v``, ``to_out.0``) and text (``add_q/k/v_proj``, ``to_add_out``)
 #: projections. Flow-GRPO does not adapt the feed-forward layers of SD3 (its FLUX list does); add
 #: ``ff.net.0.proj``, ``ff.net.2``, ``ff_context.net.0.proj``, ``ff_context.net.2`` through
-#: ``LoraSettings.target_modules`` to include them. peft matches these as module-name suffixes, so
+#: ``LoraConfig.target_modules`` to include them. peft matches these as module-name suffixes, so
 #: ``attn.to_q`` adapts every ``transformer_blocks.N.attn.to_q`` (not SD3.5-medium's second
 #: attention ``attn2``, as in Flow-GRPO).
 SD3_LORA_TARGETS = [
@@ -80,7 +81,7 @@ class SD3Model(PipelineModel):
 
     uses_cfg = True
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 256,
                  guidance_scale: float = 4.5):
         super().__init__(pipeline, ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"), lora=lora,
@@ -98,7 +99,7 @@ class SD3Model(PipelineModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = SD3_DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None,
                         vae_dtype: torch.dtype | str | None = torch.float32, device: torch.device | str | None = None,
-                        lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+                        lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                         resolution: int | tuple[int, int] | None = None, max_sequence_length: int = 256,
                         guidance_scale: float = 4.5, revision: str | None = None, variant: str | None = None,
                         cache_dir: str | None = None, trust_remote_code: bool = False) -> "SD3Model":

@@ -26,7 +26,8 @@ from torch import nn
 
 from flowrl.config import bounds, from_dict, to_dict
 
-from .base import Cond, FlowModel, LoraSettings, ModelLoadError
+from .base import Cond, FlowModel, ModelLoadError
+from flowrl.config import LoraConfig
 
 __all__ = ["ShapesModelConfig", "ShapesModel", "build_tokenizer", "SHIPPED_CHECKPOINT", "SHAPES_LORA_TARGETS"]
 
@@ -124,7 +125,7 @@ class ShapesModel(FlowModel):
     """
 
     def __init__(self, unet: nn.Module, text_encoder: nn.Module, tokenizer, config: ShapesModelConfig, *,
-                 lora: LoraSettings | None = None, gradient_checkpointing: bool = False,
+                 lora: LoraConfig | None = None, gradient_checkpointing: bool = False,
                  default_guidance: float = 1.0):
         self.config = config
         self.latent_shape = (3, config.resolution, config.resolution)

@@ -33,7 +33,8 @@ import os
 import torch
 from torch import nn
 
-from .base import Cond, LoraSettings
+from .base import Cond
+from flowrl.config import LoraConfig
 from .loading import latent_hw, load_adapter_pipeline, scheduler_sigmas
 from .pipeline_model import PipelineModel
 
@@ -51,11 +52,11 @@ WAN_LORA_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
 #: The negative prompt of Wan's model cards and diffusers' WanPipeline example (English translation).
-WAN_NEGATIVE_PROMPT = ("Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, "
-                       "static, overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, "
-                       "extra fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, "
-                       "fused fingers, still picture, messy background, three legs, many people in the background, "
-                       "walking backwards")
+WAN_NEGATIVE_PROMPT = ("Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, "
+                       "images, static, overall gray, worst quality, low quality, JPEG compression residue, ugly, "
+                       "incomplete, extra fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, "
+                       "misshapen limbs, fused fingers, still picture, messy background, three legs, many people in "
+                       "the background, walking backwards")
 
 _COMPONENTS = ["transformer", "vae", "scheduler", "text_encoder", "tokenizer"]
 
@@ -135,12 +136,13 @@ class WanModel(PipelineModel):
     family = "wan"  # its row in flowrl.models.families
     uses_cfg = True
 
-    def __init__(self, pipeline, *, lora: LoraSettings | dict | None = None, gradient_checkpointing: bool = False,
+    def __init__(self, pipeline, *, lora: LoraConfig | dict | None = None, gradient_checkpointing: bool = False,
                  resolution: int | tuple[int, int] | None = None, num_frames: int = 81,
                  max_sequence_length: int = 226, guidance_scale: float = 5.0, negative_prompt: str = ""):
         if pipeline.transformer is None:
             raise ValueError("WanPipeline without `transformer`: flowrl trains Wan 2.1 (one transformer) or Wan 2.2 "
-                             "A14B (transformer and transformer_2); a pipeline with only transformer_2 is not supported")
+                             "A14B (transformer and transformer_2); a pipeline with only transformer_2 is not "
+                             "supported")
         if getattr(pipeline.config, "expand_timesteps", False):
             raise ValueError("WanPipeline with expand_timesteps (Wan 2.2 TI2V 5B's per-token timesteps) is not "
                              "supported yet; use Wan 2.1 or Wan 2.2 A14B")
@@ -172,7 +174,7 @@ class WanModel(PipelineModel):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike = WAN_DEFAULT_MODEL, *,
                         dtype: torch.dtype | str | None = None, vae_dtype: torch.dtype | str | None = torch.float32,
-                        device: torch.device | str | None = None, lora: LoraSettings | dict | None = None,
+                        device: torch.device | str | None = None, lora: LoraConfig | dict | None = None,
                         gradient_checkpointing: bool = False, resolution: int | tuple[int, int] | None = None,
                         num_frames: int = 81, max_sequence_length: int = 226, guidance_scale: float = 5.0,
                         negative_prompt: str = "", revision: str | None = None, variant: str | None = None,

@@ -3,7 +3,7 @@ with per-token log-probs, re-scoring with loss masks, LoRA and the reference mod
 
 from flowrl.policies.families import FAMILIES, Family, family_for_model_type
 from flowrl.policies.inputs import PolicyInputs, Turn, build_inputs
-from flowrl.policies.policy import Generation, LoraSpec, PolicyLoadError, TokenPolicy
+from flowrl.policies.policy import Generation, PolicyLoadError, TokenPolicy
 
-__all__ = ["FAMILIES", "Family", "Generation", "LoraSpec", "PolicyInputs", "PolicyLoadError", "TokenPolicy", "Turn",
+__all__ = ["FAMILIES", "Family", "Generation", "PolicyInputs", "PolicyLoadError", "TokenPolicy", "Turn",
            "build_inputs", "family_for_model_type"]

@@ -2,42 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from flowrl.config import bounds
+from flowrl.config import LoraConfig
 
-__all__ = ["PolicyLoraConfig", "PolicyConfig", "build_policy"]
-
-
-@dataclass
-class PolicyLoraConfig:
-    rank: int = field(default=16, metadata=bounds(ge=1))
-    alpha: float = field(default=32.0, metadata=bounds(gt=0))
-    dropout: float = field(default=0.0, metadata=bounds(ge=0, lt=1))
-    target_modules: list[str] = field(default_factory=list)
+__all__ = ["PolicyConfig", "build_policy"]
 
 
 @dataclass
 class PolicyConfig:
     path: str | None = None  # a local model folder or hub id; None: the shipped Shapes-VQA model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    lora: PolicyLoraConfig | None = None  # None: full fine-tuning (a frozen copy is the KL reference)
+    # None: full fine-tuning (a frozen copy is the KL reference); empty target_modules: every attention and MLP
+    # projection of the language model.
+    lora: LoraConfig | None = None
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None
 
 
 def build_policy(cfg: PolicyConfig, device: torch.device):
     """The policy named by ``cfg`` (LoRA or full fine-tuning)."""
-    from flowrl.policies import LoraSpec, TokenPolicy
+    from flowrl.policies import TokenPolicy
     from flowrl.policies.shapes_vlm import resolve_model_path
 
-    lora = None
-    if cfg.lora is not None:
-        lora = LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                        target_modules=tuple(cfg.lora.target_modules))
-    return TokenPolicy.from_pretrained(resolve_model_path(cfg.path), dtype=cfg.dtype, device=device, lora=lora,
+    return TokenPolicy.from_pretrained(resolve_model_path(cfg.path), dtype=cfg.dtype, device=device, lora=cfg.lora,
                                        gradient_checkpointing=cfg.gradient_checkpointing,
                                        attn_implementation=cfg.attn_implementation)

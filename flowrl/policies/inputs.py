@@ -109,7 +109,8 @@ class _Builder:
         self.ids: list[int] = []
         self.mask: list[float] = []
         self.turn: list[int] = []
-        self.token_extra: dict[str, list[int]] = {k: [] for k in family.token_keys if k not in ("input_ids", "attention_mask")}
+        self.token_extra: dict[str, list[int]] = {k: [] for k in family.token_keys
+                                                  if k not in ("input_ids", "attention_mask")}
         self.images: dict[str, list[torch.Tensor]] = {}
         self.pending_text = ""
         self.pending_images: list[Any] = []

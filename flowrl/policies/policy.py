@@ -22,24 +22,16 @@ from typing import Any, Iterator
 
 import torch
 
+from flowrl.config import LoraConfig
+
 from .families import Family, family_for_model_type
 from .inputs import PolicyInputs, Turn, build_inputs
 
-__all__ = ["TokenPolicy", "Generation", "PolicyLoadError", "LoraSpec"]
+__all__ = ["TokenPolicy", "Generation", "PolicyLoadError"]
 
 
 class PolicyLoadError(FlowrlError, RuntimeError):
     """A policy cannot be loaded (missing folder, missing weights, unsupported model); the message says the fix."""
-
-
-@dataclass
-class LoraSpec:
-    """LoRA settings; ``target_modules`` empty: every attention and MLP projection of the language model."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -135,7 +127,8 @@ class TokenPolicy:
         if eos_id is None:
             raise PolicyLoadError("the tokenizer has no end-of-turn or eos token; set tokenizer.eos_token")
         self.eos_token_id = int(eos_id)
-        self.stop_token_ids = sorted({self.eos_token_id} | ({int(tok.eos_token_id)} if tok.eos_token_id is not None else set()))
+        self.stop_token_ids = sorted({self.eos_token_id}
+                                     | ({int(tok.eos_token_id)} if tok.eos_token_id is not None else set()))
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id)
         image_token = getattr(processor, "image_token", None)
         self.image_token_id = tok.convert_tokens_to_ids(image_token) if image_token and self.family.vision else None
@@ -150,10 +143,10 @@ class TokenPolicy:
     # ------------------------------------------------------------------------------------------ loading
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                        lora: LoraSpec | None = None, gradient_checkpointing: bool = False,
-                        trust_remote_code: bool = False, attn_implementation: str | None = None,
-                        inference: bool = False) -> "TokenPolicy":
+    def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device = "cpu", lora: LoraConfig | None = None,
+                        gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+                        attn_implementation: str | None = None, inference: bool = False) -> "TokenPolicy":
         """Load a model and its processor from a local folder (or a hub id), offline-friendly.
 
         Args:
@@ -170,11 +163,13 @@ class TokenPolicy:
         Raises:
             PolicyLoadError: the folder is missing or incomplete, or the model is not a supported family.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
+                                  AutoTokenizer)
 
         path = str(path)
         local = Path(path)
-        if (local.is_absolute() or path.startswith((".", "~")) or local.exists()) and not (local / "config.json").is_file():
+        if ((local.is_absolute() or path.startswith((".", "~")) or local.exists())
+                and not (local / "config.json").is_file()):
             raise PolicyLoadError(f"no model at {path!r}: expected a folder with config.json, weights and the "
                                   "processor/tokenizer files (e.g. saved with save_pretrained)")
         from flowrl.untrusted import pickle_only_weights, safetensors_conversion
@@ -212,20 +207,21 @@ class TokenPolicy:
         return cls.prepare(model, processor, lora=lora, gradient_checkpointing=gradient_checkpointing)
 
     @classmethod
-    def prepare(cls, model, processor, *, lora: LoraSpec | None = None,
+    def prepare(cls, model, processor, *, lora: LoraConfig | None = None,
                 gradient_checkpointing: bool = False) -> "TokenPolicy":
         """Wrap a built model: add LoRA adapters (or keep a frozen reference copy), set checkpointing."""
         reference = None
         model.config.use_cache = False  # training forwards; generate() turns the cache on for itself
         if lora is not None:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
             targets = list(lora.target_modules) or language_model_projections(model)
             if not targets:
                 raise PolicyLoadError("no LoRA target modules found; set model.lora.target_modules")
             model.requires_grad_(False)
-            model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                     target_modules=targets))
+            # peft's default initialisation (Kaiming-uniform down projections), as transformers' fine-tuning uses.
+            model = get_peft_model(model, PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                         target_modules=targets))
         else:
             model.requires_grad_(True)
             reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -447,7 +443,8 @@ class TokenPolicy:
                 model_inputs = {k: v for k, v in inputs.tensors.items() if k in _PER_TOKEN_KEYS}
                 model_inputs["cache" if _CACHE_KWARG == "cache" else "past_key_values"] = shared["cache"]
             result = self.model.generate(**model_inputs, generation_config=config,
-                                         logits_processor=LogitsProcessorList([_RowSampler(generators, temperature, top_p, greedy, self.banned_token_ids)]),
+                                         logits_processor=LogitsProcessorList([_RowSampler(
+                                             generators, temperature, top_p, greedy, self.banned_token_ids)]),
                                          **extra)
         finally:
             self.model.train(was_training)
@@ -456,7 +453,8 @@ class TokenPolicy:
         if new.shape[1]:
             logits = torch.stack(result.logits, dim=1).float().cpu()  # [B, L, V] raw logits
             scale = 1.0 if greedy else temperature
-            logps = torch.log_softmax(_ban(logits / scale, self.banned_token_ids), dim=-1).gather(-1, new[..., None])[..., 0]
+            logps = torch.log_softmax(_ban(logits / scale, self.banned_token_ids),
+                                      dim=-1).gather(-1, new[..., None])[..., 0]
         else:
             logps = torch.zeros(new.shape)
         return [self._finish(new[i].tolist(), logps[i], max_new_tokens, stop_strings) for i in range(new.shape[0])]
@@ -519,7 +517,8 @@ def language_model_projections(model) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        if any(part in name for part in ("visual", "vision", "vision_tower", "multi_modal_projector", "connector", "merger")):
+        if any(part in name for part in ("visual", "vision", "vision_tower", "multi_modal_projector", "connector",
+                                         "merger")):
             continue
         if name.split(".")[-1] in _LM_PROJECTIONS:
             names.append(name)

@@ -139,7 +139,8 @@ def build_tokenizer():
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    unk_token="<unk>", model_max_length=1024,
-                                   extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+                                   extra_special_tokens={"image_token": "<|image_pad|>",
+                                                         "video_token": "<|video_pad|>"})
 
 
 def build_processor(config: ShapesVLMConfig | None = None):
@@ -204,7 +205,8 @@ def build_model(config: ShapesVLMConfig | None = None, seed: int = 0):
                      else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
     hf_config = Config(
         text_config=_text_config(config, tok), vision_config=_vision_config(config),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"), video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"), tie_word_embeddings=True,
     )
@@ -220,6 +222,7 @@ def resolve_model_path(path: str | None) -> str:
             from flowrl.policies.policy import PolicyLoadError
 
             raise PolicyLoadError(f"the shipped Shapes-VQA model is missing at {SHIPPED_VLM}; reinstall flowrl or "
-                                  "train one with `flowrl train configs/vlm/shapes_vqa_sft.yaml` and pass its model/ folder")
+                                  "train one with `flowrl train configs/vlm/shapes_vqa_sft.yaml` and pass its model/ "
+                                  "folder")
         return str(SHIPPED_VLM)
     return str(path)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_idefics3", "tiny_smolvlm", "tiny_causal_lm", "TINY_BUILDERS",
-           "word_tokenizer"]
+__all__ = ["tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_idefics3", "tiny_smolvlm", "tiny_causal_lm",
+           "TINY_BUILDERS", "word_tokenizer"]
 
 _WORDS = ("system user assistant tool what colour is the circle square triangle red blue green yes no how many "
           "are there ? zoom ( ) top_left top_right bottom_left bottom_right error : , . 0 1 2 3 a an of").split()
@@ -65,7 +65,8 @@ def _qwen(folder: str | Path, seed: int, v25: bool) -> str:
         from transformers import (Qwen2_5_VLConfig as Config, Qwen2_5_VLForConditionalGeneration as Model,
                                   Qwen2_5_VLProcessor as Processor)
     else:
-        from transformers import Qwen2VLConfig as Config, Qwen2VLForConditionalGeneration as Model, Qwen2VLProcessor as Processor
+        from transformers import (Qwen2VLConfig as Config, Qwen2VLForConditionalGeneration as Model,
+                                  Qwen2VLProcessor as Processor)
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     tok = word_tokenizer(_QWEN_SPECIAL, _TAGS, eos="<|im_end|>", pad="<|endoftext|>",

@@ -53,7 +53,6 @@ def load_recipe_config(path: str, overrides: list[str]):
         recipe = RECIPES.get(name)
     except UnknownNameError as err:
         raise ConfigError("recipe", str(err)) from None
-    data = apply_overrides(load_config_data(path, recipe.config_class, extra_keys=("recipe",)), overrides,
-                          recipe.config_class)
+    data = apply_overrides(load_config_data(path, recipe.config_class, extra_keys=("recipe",)), overrides)
     data.pop("recipe", None)
     return recipe, from_dict(recipe.config_class, data)

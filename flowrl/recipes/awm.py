@@ -28,12 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from typing import ClassVar, Literal
+from typing import Literal
 
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
 from flowrl.rl.epoch_advantages import AdvantageConfig
-from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
+from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
+from flowrl.rl.setup import ForwardConfig
 from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
@@ -44,14 +45,12 @@ class TrainConfig(ForwardTrainConfig):
     times: TimesConfig = field(default_factory=lambda: TimesConfig(count=2, mode="stratified", share="batch"))
     weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # the surrogate log-likelihood
     power: float = field(default=0.25, metadata=bounds(gt=0))  # p of ghuber
-    adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
-    adv_max: float = field(default=1.0, metadata=bounds(gt=0))  # A' = clip(A, -adv_clip, adv_clip) / adv_clip * adv_max
+    # A' = clip(A, -c, c) / c * adv_max with c = advantage.clip (the one advantage clip of the run)
+    adv_max: float = field(default=1.0, metadata=bounds(gt=0))
     kl_coef: float = field(default=1e-3, metadata=bounds(ge=0))  # to the frozen reference
     ema_kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # to the fast EMA snapshot
     ema_snapshot: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
                                                                        maximum=0.3))
-
-    RENAMED: ClassVar[dict[str, str]] = {'ema': 'ema_snapshot'}
 
 
 @dataclass
@@ -78,7 +77,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.forward import ForwardEpoch
 
     train = cfg.train
-    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
+    training = ForwardEpoch(model, optimizer, data, sigmas, train, dist, epoch, seed=cfg.run.seed,
+                            grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, ema=ema, health=health,
                             progress=progress)
     for minibatch in training.minibatches():
         for batch in minibatch:
@@ -86,8 +86,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
                 v_ema = training.velocity(batch, snapshot=ema_snapshot) if train.ema_kl_coef > 0 else None
                 v_ref = training.velocity(batch, reference=True) if train.kl_coef > 0 else None
             out = awm_loss(training.velocity(batch), batch.target, batch.t, batch.advantages, v_ref=v_ref, v_ema=v_ema,
-                           kl_coef=train.kl_coef, ema_kl_coef=train.ema_kl_coef, weighting=train.weighting, power=train.power,
-                           adv_clip=train.adv_clip, adv_max=train.adv_max)
+                           kl_coef=train.kl_coef, ema_kl_coef=train.ema_kl_coef, weighting=train.weighting,
+                           power=train.power, adv_clip=cfg.advantage.clip, adv_max=train.adv_max)
             training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss,
                               kl_ref=out.stats["kl_ref"], kl_ema=out.stats["kl_ema"], ratio_mean=out.stats["ratio"])
         training.step()
@@ -111,7 +111,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         while run.next_epoch():
             rollouts, data, metrics = collect_forward(setup)
             if data is not None:
-                with setup.training(forward_rows(data, cfg)) as bar:
+                with setup.training(forward_rows(data, cfg.train)) as bar:
                     metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
                                                run.epoch, ema_snapshot=ema_snapshot, ema=setup.ema,
                                                health=run.health, progress=bar))

@@ -9,7 +9,7 @@ Distillation" (arXiv 2603.14128); formula and sources in docs/trainers.md, "CRD"
    (``train.times``: ``share: group``, ``noise: group``); the implicit reward
    ``r_theta = -(err(v) / w - err(v_old) / w_old)`` (adaptive normalisers in float64, ``v_old`` from the
    *old* snapshot) is centred within the group, as is the reward weight ``r = clip(A) / 10 + 0.5``, and
-   the loss ``(beta Rtheta - Rc)^2 adv_clip / beta`` regresses one onto the other, plus a KL anchor
+   the loss ``(beta Rtheta - Rc)^2 c / beta`` (``c = advantage.clip``) regresses one onto the other, plus a KL anchor
    ``mean_d (v - v_ref_cfg)^2`` to the frozen base model with classifier-free guidance
    (``train.teacher_guidance``), weighted by ``kappa (m + r (1 - m))``: rewarded samples are held close to
    the teacher, unrewarded ones are free;
@@ -27,13 +27,13 @@ out and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
-from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
+from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
+from flowrl.rl.setup import ForwardConfig
 from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
@@ -47,15 +47,13 @@ class TrainConfig(ForwardTrainConfig):
     kl_coef: float = field(default=0.1, metadata=bounds(ge=0))  # kappa, the KL weight at reward weight 1
     kl_floor: float = field(default=1e-4, metadata=bounds(ge=0))  # the KL weight at reward weight 0
     reward_adaptive: bool = True  # weight the KL by the reward (else kappa for every sample)
-    adaptive: bool = True  # adaptive normalisers in the implicit reward
-    adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
+    adaptive: bool = True  # adaptive normalisers in the implicit reward (the advantage clip is advantage.clip)
     teacher_guidance: float = field(default=4.5, metadata=bounds(ge=0, le=100))  # CFG of the frozen base anchor
     old: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.25, slope=0.005,
                                                                        maximum=0.999))
     rollout_snapshot: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=75, initial=0.0, slope=0.0075,
                                                                            maximum=0.999))
 
-    RENAMED: ClassVar[dict[str, str]] = {'sampler': 'rollout_snapshot'}
 
     def check(self) -> None:
         if self.times.noise != "group" or self.times.share == "sample":
@@ -89,8 +87,9 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.forward import ForwardEpoch
 
     train = cfg.train
-    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
-                            health=health, progress=progress)
+    training = ForwardEpoch(model, optimizer, data, sigmas, train, dist, epoch, seed=cfg.run.seed,
+                            grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, whole_groups=True,
+                            ema=ema, health=health, progress=progress)
     for minibatch in training.minibatches():
         for batch in minibatch:  # whole groups at one shared noised point per group
             with torch.no_grad():
@@ -98,8 +97,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
                 # The KL anchor is the reference at the teacher's guidance scale.
                 v_ref = training.velocity(batch, reference=train.teacher_guidance) if train.kl_coef > 0 else None
             out = crd_loss(training.velocity(batch), v_old, v_ref, batch.target, batch.advantages, batch.group_ids,
-                           beta=train.beta, kl_coef=train.kl_coef, kl_floor=train.kl_floor, reward_adaptive=train.reward_adaptive,
-                           adaptive=train.adaptive, adv_clip=train.adv_clip)
+                           beta=train.beta, kl_coef=train.kl_coef, kl_floor=train.kl_floor,
+                           reward_adaptive=train.reward_adaptive, adaptive=train.adaptive, adv_clip=cfg.advantage.clip)
             training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss, **out.stats)
         training.step()
     return training.metrics()
@@ -116,7 +115,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                         plot_groups={"crd": ["train/policy_loss", "train/implicit_reward", "train/old_decay",
                                              "train/rollout_snapshot_decay"]})
     run, model = setup.run, setup.model
-    groups_stay_local(cfg, setup.dist)
+    groups_stay_local(cfg.sampling, setup.dist)
     old = ParamSnapshot(model, cfg.train.old.schedule())  # the implicit reward's baseline
     rollout_snapshot = ParamSnapshot(model, cfg.train.rollout_snapshot.schedule())  # the weights that roll out
     run.track(old=old, rollout_snapshot=rollout_snapshot)
@@ -126,7 +125,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
             sample_with = rollout_snapshot.velocity_fn(model, cfg.sampling.guidance)
             rollouts, data, metrics = collect_forward(setup, velocity_fn=sample_with)
             if data is not None:
-                with setup.training(forward_rows(data, cfg)) as bar:
+                with setup.training(forward_rows(data, cfg.train)) as bar:
                     metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
                                                run.epoch, old=old, ema=setup.ema, health=run.health, progress=bar))
             steps = optimizer_steps(setup.optimizer)

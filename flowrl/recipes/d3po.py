@@ -159,7 +159,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                         plot_groups={"d3po": ["train/log_ratio_chosen", "train/log_ratio_rejected",
                                               "train/implicit_acc"]})
     run, model = setup.run, setup.model
-    groups_stay_local(cfg, setup.dist)
+    groups_stay_local(cfg.sampling, setup.dist)
 
     with run:
         while run.next_epoch():

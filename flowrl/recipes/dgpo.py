@@ -26,14 +26,14 @@ every group is kept on one process and in one pass; samples whose reward is NaN 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
 from flowrl.rl.epoch_advantages import AdvantageConfig
-from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
+from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
+from flowrl.rl.setup import ForwardConfig
 from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
@@ -44,7 +44,6 @@ class TrainConfig(ForwardTrainConfig):
     times: TimesConfig = field(default_factory=lambda: TimesConfig(count=2, mode="schedule", high=0.5, share="batch",
                                                                    noise="group"))
     beta: float = field(default=100.0, metadata=bounds(gt=0))  # the DPO inverse temperature (beta_dpo)
-    adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
     kl_coef: float = field(default=0.02, metadata=bounds(ge=0))  # mean_d (v - v_ref)^2 to the frozen reference
     clip_range: float | None = field(default=None, metadata=bounds(gt=0))  # PPO-style clip against the EMA
     ema_snapshot: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
@@ -52,7 +51,6 @@ class TrainConfig(ForwardTrainConfig):
     # Roll out with the EMA snapshot from this many optimizer steps on (None: always the policy).
     sample_from_ema_after: int | None = field(default=None, metadata=bounds(ge=0))
 
-    RENAMED: ClassVar[dict[str, str]] = {'ema': 'ema_snapshot'}
 
     def check(self) -> None:
         if self.times.noise != "group":
@@ -86,8 +84,9 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.param_snapshots import optimizer_steps
 
     train = cfg.train
-    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
-                            health=health, progress=progress)
+    training = ForwardEpoch(model, optimizer, data, sigmas, train, dist, epoch, seed=cfg.run.seed,
+                            grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, whole_groups=True,
+                            ema=ema, health=health, progress=progress)
     decay = None
     for minibatch in training.minibatches():
         for batch in minibatch:  # whole groups, all at one shared noised point per group
@@ -97,8 +96,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
             v = training.velocity(batch)
             err, err_ref = velocity_error(v, batch.target), velocity_error(v_ref, batch.target)
             old_err = velocity_error(v_ema, batch.target) if v_ema is not None else None
-            out = dgpo_loss(err, err_ref, batch.advantages, batch.group_ids, beta=train.beta, adv_clip=train.adv_clip,
-                            old_err=old_err, clip_range=train.clip_range)
+            out = dgpo_loss(err, err_ref, batch.advantages, batch.group_ids, beta=train.beta,
+                            adv_clip=cfg.advantage.clip, old_err=old_err, clip_range=train.clip_range)
             kl = velocity_error(v, v_ref).mean()
             training.backward(out.loss + train.kl_coef * kl, batch, policy_loss=out.loss.detach(), kl_ref=kl.detach(),
                               group_weight=out.group_weight, clip_frac=out.clip_frac, implicit_acc=out.implicit_acc)
@@ -120,7 +119,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                         reference=True,  # err_ref is in the DPO loss itself
                         plot_groups={"dgpo": ["train/policy_loss", "train/group_weight", "train/implicit_acc"]})
     run, model = setup.run, setup.model
-    groups_stay_local(cfg, setup.dist)
+    groups_stay_local(cfg.sampling, setup.dist)
     ema_snapshot = ParamSnapshot(model, cfg.train.ema_snapshot.schedule())  # updated after every optimizer step
     run.track(ema_snapshot=ema_snapshot)
     after = cfg.train.sample_from_ema_after
@@ -131,7 +130,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
             rollout_velocity = ema_snapshot.velocity_fn(model, cfg.sampling.guidance) if from_ema else None
             rollouts, data, metrics = collect_forward(setup, velocity_fn=rollout_velocity)
             if data is not None:
-                with setup.training(forward_rows(data, cfg)) as bar:
+                with setup.training(forward_rows(data, cfg.train)) as bar:
                     metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
                                                run.epoch, ema_snapshot=ema_snapshot, ema=setup.ema,
                                                health=run.health, progress=bar))

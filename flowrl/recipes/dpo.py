@@ -129,8 +129,9 @@ class PairSet:
         return out
 
     def epoch(self, model, epoch: int, dist):
-        """This process's share of the epoch as :class:`flowrl.rl.forward.ForwardData`: rows ``2j`` (chosen,
-        advantage +1) and ``2j + 1`` (rejected, -1) of pair ``j``, whose group id is ``j``.
+        """This process's share of the epoch as :class:`flowrl.rl.forward.ForwardData`: rows ``2j`` (the chosen
+        image, ``chosen`` True) and ``2j + 1`` (the rejected one, ``chosen`` False) of pair ``j``, whose group id is
+        ``j``; offline pairs have labels, not advantages (``advantages`` is None).
 
         Raises:
             ModelLoadError: the model adapter cannot encode images.
@@ -172,10 +173,10 @@ class PairSet:
                              "to the model's resolution")
         pair_ids = torch.arange(first, first + per_process).repeat_interleave(2)
         cond = model.encode_prompts(prompts, metadata) if edits else model.encode_prompts(prompts)
-        return ForwardData(x0=x0, cond={k: v.cpu() for k, v in cond.items()},
-                           advantages=torch.tensor([1.0, -1.0]).repeat(per_process), group_ids=pair_ids,
+        return ForwardData(x0=x0, cond={k: v.cpu() for k, v in cond.items()}, advantages=None, group_ids=pair_ids,
                            sample_ids=torch.arange(2 * first, 2 * (first + per_process)),
-                           valid=torch.ones(2 * per_process, dtype=torch.bool))
+                           valid=torch.ones(2 * per_process, dtype=torch.bool),
+                           chosen=torch.tensor([True, False]).repeat(per_process))
 
 
 def _pixels(image) -> torch.Tensor:
@@ -190,7 +191,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     """Diffusion-DPO over the epoch's pairs; one optimizer step per minibatch of pairs.
 
     Args:
-        data: the epoch's pairs as :class:`flowrl.rl.forward.ForwardData` (:meth:`PairSet.epoch`).
+        data: the epoch's pairs as :class:`flowrl.rl.forward.ForwardData` (:meth:`PairSet.epoch`), each row labelled
+            chosen or rejected (``data.chosen``).
         sigmas: the sampling schedule (for ``train.times.mode`` ``schedule`` / ``stratified``).
 
     Returns:
@@ -203,13 +205,14 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.forward import ForwardEpoch
 
     train = cfg.train
-    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, whole_groups=True, ema=ema,
+    training = ForwardEpoch(model, optimizer, data, sigmas, cfg.train, dist, epoch, seed=cfg.run.seed,
+                            grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, whole_groups=True, ema=ema,
                             health=health, progress=progress)
     for minibatch in training.minibatches():
-        for batch in minibatch:  # whole pairs, ordered by pair: each pair's chosen row before its rejected row
+        for batch in minibatch:  # whole pairs, in pair order: the i-th chosen row and the i-th rejected row pair up
             with torch.no_grad():
                 v_ref = training.velocity(batch, reference=True)
-            chosen = batch.advantages > 0
+            chosen = batch.chosen  # [m] bool: the pairs' labels
             err, err_ref = velocity_error(training.velocity(batch), batch.target), velocity_error(v_ref, batch.target)
             loss = diffusion_dpo_loss(err[chosen], err[~chosen], err_ref[chosen], err_ref[~chosen], beta=train.beta,
                                       label_smoothing=train.label_smoothing).mean()
@@ -244,7 +247,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
             with setup.precision():
                 data = pairs.epoch(model, run.epoch, setup.dist)
             metrics = {"train/pairs_seen": (run.epoch + 1) * cfg.pairs.pairs_per_epoch, "train/pair_set": len(pairs)}
-            with setup.training(forward_rows(data, cfg)) as bar:
+            with setup.training(forward_rows(data, cfg.train)) as bar:
                 metrics.update(train_epoch(model, setup.optimizer, data, sigmas, cfg, setup.dist, run.epoch,
                                            ema=setup.ema, health=run.health, progress=bar))
             setup.end_epoch(metrics, images=0)

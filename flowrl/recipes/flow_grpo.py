@@ -42,7 +42,7 @@ Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -62,11 +62,11 @@ class TrainConfig:
     kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # the KL weight to the reference (Flow-GRPO's beta)
     # flowrl: kl_coef multiplies the exact Gaussian KL; flow_grpo: a Flow-GRPO beta, beta_t = beta |dt_t|.
     kl_coef_units: Literal["flowrl", "flow_grpo"] = "flowrl"
-    # CRD's reward-adaptive anchor: sample i's KL weight is kl_coef (m + r_i (1 - m)), r_i = clip(A_i, +-kl_adv_clip)
-    # / (2 kl_adv_clip) + 0.5 and m = kl_floor / kl_coef: rewarded samples are held to the base, unrewarded ones free.
+    # CRD's reward-adaptive anchor: sample i's KL weight is kl_coef (m + r_i (1 - m)), r_i = clip(A_i, +-c) / (2 c)
+    # + 0.5 with c = advantage.clip, and m = kl_floor / kl_coef: rewarded samples are held to the base, unrewarded
+    # ones free.
     kl_reward_adaptive: bool = False
     kl_floor: float = field(default=1e-4, metadata=bounds(ge=0))  # the KL weight at reward weight 0
-    kl_adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
     # full: back-propagate through both CFG branches; cond_only: detach the unconditional one (Flow-GRPO).
     cfg_grad: Literal["full", "cond_only"] = "full"
     # Drop samples whose advantage is 0 at every trained step before averaging (Flow-GRPO).
@@ -75,7 +75,9 @@ class TrainConfig:
     inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
     minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
     micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # samples per backward, per process
-    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # None: no EMA
+    # The evaluation EMA of the trained weights (None: none), decayed once per optimizer step (as
+    # flowrl.rl.setup.UpdateConfig's, the one meaning of ema_decay).
+    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))
     # GRPO-Guard's RatioNorm: clip exp((log rho + KL(old, new)) std) instead of rho, and divide each step's policy
     # loss by |dt| (docs/algorithms.md, section 5). Its published clip ranges are ~1/50 of Flow-GRPO's.
     ratio_norm: bool = False
@@ -84,10 +86,8 @@ class TrainConfig:
     # Flow-DPPO: the exact KL(old || new) of a step (per element with sampling.reduction=mean) beyond which a row
     # that keeps moving the way its advantage pushes is masked.
     dppo_threshold: float = field(default=1e-5, metadata=bounds(gt=0))
-    # Elastic Reset: every every_epochs epochs the policy <- its EMA (decay ema_decay per epoch), the EMA <- the base.
+    # Elastic Reset: every every_epochs epochs the policy <- its own EMA (decay_per_epoch), that EMA <- the base.
     elastic_reset: ElasticResetConfig | None = None
-
-    RENAMED: ClassVar[dict[str, str]] = {"kl_beta": "kl_coef", "kl_beta_units": "kl_coef_units"}
 
     @property
     def needs_old_means(self) -> bool:
@@ -128,13 +128,13 @@ def _kl_weights(cfg: TrainConfig, sigmas: torch.Tensor) -> torch.Tensor:
     return torch.full((sigmas.numel() - 1,), cfg.kl_coef, dtype=torch.float64)
 
 
-def reward_adaptive_kl_scale(train: TrainConfig, advantages: torch.Tensor) -> torch.Tensor:
+def reward_adaptive_kl_scale(train: TrainConfig, advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
     """``[b]`` CRD's per-sample KL scale ``m + r (1 - m)`` (``r = reward_weights(A)``, ``m = kl_floor / kl_coef``)
-    for advantages ``[b]``: 1 at advantage ``+kl_adv_clip`` and above, ``m`` at ``-kl_adv_clip`` and below
-    (docs/trainers.md, "CRD"); it multiplies each step's ``kl_coef`` weight."""
+    for advantages ``[b]``: 1 at advantage ``+adv_clip`` (``advantage.clip``) and above, ``m`` at ``-adv_clip`` and
+    below (docs/trainers.md, "CRD"); it multiplies each step's ``kl_coef`` weight."""
     from flowrl.core.forward_losses import reward_adaptive_kl_weight, reward_weights
 
-    r = reward_weights(advantages, adv_clip=train.kl_adv_clip)
+    r = reward_weights(advantages, adv_clip=adv_clip)
     return reward_adaptive_kl_weight(r, kl_coef=1.0, kl_floor=train.kl_floor / train.kl_coef)
 
 
@@ -161,8 +161,8 @@ def _policy_loss(train: TrainConfig, out, old_logp: torch.Tensor, old_mean: torc
         return dppo_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std,
                                 threshold=train.dppo_threshold, reduction=reduction), kl_old
     return ratio_norm_policy_loss(out.log_prob, old_logp, advantages, out.mean, old_mean, out.std, dt,
-                                  clip_range=train.clip_range, clip_range_high=train.clip_range_high, dual_clip=train.dual_clip,
-                                  reduction=reduction), kl_old
+                                  clip_range=train.clip_range, clip_range_high=train.clip_range_high,
+                                  dual_clip=train.dual_clip, reduction=reduction), kl_old
 
 
 def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: torch.Tensor, cfg: Config, dist,
@@ -246,7 +246,7 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                     kl_rows = gaussian_kl(out.mean, ref_mean, out.std, reduction=cfg.sampling.reduction)  # [b]
                     kl = kl_rows.mean()
                     if train.kl_reward_adaptive:
-                        scale = reward_adaptive_kl_scale(train, adv).to(kl_rows.dtype)
+                        scale = reward_adaptive_kl_scale(train, adv, cfg.advantage.clip).to(kl_rows.dtype)
                         loss = loss + float(kl_weights[t]) * (scale * kl_rows).mean()
                         extra["train/kl_scale"] = scale.mean()
                     else:
@@ -275,7 +275,8 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run Flow-GRPO as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
     from flowrl.rl.setup import ImageTraining
 
-    setup = ImageTraining(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay, reference=cfg.train.kl_coef > 0)
+    setup = ImageTraining(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay,
+                          reference=cfg.train.kl_coef > 0)
     run, model = setup.run, setup.model
     elastic = None
     if cfg.train.elastic_reset is not None:

@@ -36,7 +36,8 @@ import torch
 from flowrl.config import RunConfig, bounds
 from flowrl.recipes import Recipe
 from flowrl.rl.epoch_advantages import AdvantageConfig
-from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig
+from flowrl.rl.forward import ForwardTrainConfig
+from flowrl.rl.setup import ForwardConfig
 from flowrl.rl.param_snapshots import SnapshotConfig
 
 __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
@@ -46,7 +47,6 @@ __all__ = ["TrainConfig", "Config", "train_epoch", "main", "RECIPE"]
 class TrainConfig(ForwardTrainConfig):
     beta: float = field(default=1.0, metadata=bounds(gt=0))  # b, the implicit policies' step (paper's beta)
     kl_coef: float = field(default=1e-4, metadata=bounds(ge=0))  # weight of mean_d (v - v_ref)^2
-    adv_clip: float = field(default=5.0, metadata=bounds(gt=0))  # advantage clip in r, and the loss scale
     # The old snapshot (sampler and v_old): DiffusionNFT's default decay min(0.001 s, 0.5).
     old: SnapshotConfig = field(default_factory=lambda: SnapshotConfig(start=0, initial=0.0, slope=0.001,
                                                                        maximum=0.5))
@@ -76,7 +76,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.forward import ForwardEpoch
 
     train = cfg.train
-    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
+    training = ForwardEpoch(model, optimizer, data, sigmas, train, dist, epoch, seed=cfg.run.seed,
+                            grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, ema=ema, health=health,
                             progress=progress)
     for minibatch in training.minibatches():
         for batch in minibatch:
@@ -84,7 +85,7 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
                 v_old = training.velocity(batch, snapshot=old)
                 v_ref = training.velocity(batch, reference=True) if train.kl_coef > 0 else None
             out = nft_loss(training.velocity(batch), v_old, v_ref, batch.x_t, batch.x0, batch.t, batch.advantages,
-                           beta=train.beta, kl_coef=train.kl_coef, adv_clip=train.adv_clip)
+                           beta=train.beta, kl_coef=train.kl_coef, adv_clip=cfg.advantage.clip)
             training.backward(out.loss, batch, policy_loss=out.policy_loss, kl_loss=out.kl_loss, **out.stats)
         training.step()
     return training.metrics()
@@ -108,7 +109,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
             sample_with = old.velocity_fn(model, cfg.sampling.guidance)  # the old snapshot samples
             rollouts, data, metrics = collect_forward(setup, velocity_fn=sample_with)
             if data is not None:
-                with setup.training(forward_rows(data, cfg)) as bar:
+                with setup.training(forward_rows(data, cfg.train)) as bar:
                     metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
                                                run.epoch, old=old, ema=setup.ema, health=run.health, progress=bar))
             metrics["train/old_decay"] = old.update(model, optimizer_steps(setup.optimizer))

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
-
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
 from flowrl.recipes import Recipe
-from flowrl.run.harness import CheckpointConfig
+from flowrl.rl.optim import OptimConfig
+from flowrl.run.harness import CheckpointConfig, EvalSchedule, LogConfig
 
 __all__ = ["Config", "main", "RECIPE"]
 
@@ -30,18 +29,6 @@ __all__ = ["Config", "main", "RECIPE"]
 class DataConfig:
     batch_size: int = field(default=64, metadata=bounds(ge=1))
     steps_per_epoch: int = field(default=250, metadata=bounds(ge=1))
-
-
-@dataclass
-class OptimConfig:
-    lr: float = field(default=8e-4, metadata=bounds(gt=0))
-    weight_decay: float = field(default=0.01, metadata=bounds(ge=0))
-    warmup_steps: int = field(default=200, metadata=bounds(ge=0))
-    # Cosine decay to `min_lr_ratio * lr` over `decay_epochs` epochs (None: run.max_epochs), so a run can
-    # stop early on a longer schedule and still be reproduced exactly.
-    min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
-    decay_epochs: int | None = field(default=None, metadata=bounds(ge=1))
-    grad_clip: float = field(default=1.0, metadata=bounds(gt=0))
 
 
 @dataclass
@@ -59,11 +46,8 @@ class LossConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(EvalSchedule):
     every_epochs: int = field(default=4, metadata=bounds(ge=1))
-    # Also evaluate each time training time (evaluation excluded) passes a multiple of this, as the RL runs do.
-    every_minutes: float | None = field(default=None, metadata=bounds(gt=0))
-    at_start: bool = True
     num_prompts: int = field(default=120, metadata=bounds(ge=1))
     steps: int = field(default=20, metadata=bounds(ge=1))
     guidance: float = field(default=1.0, metadata=bounds(ge=0))
@@ -74,10 +58,15 @@ class Config:
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/shapes_pretrain", max_epochs=40))
     model: ShapesModelConfig = field(default_factory=ShapesModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    # The learning-rate schedule steps after every optimizer step (flowrl.rl.optim.SCHEDULE_UNITS) and anneals:
+    # decay_epochs is a number of epochs (a run can then stop early on a longer schedule and still be reproduced
+    # exactly), or `run` (over run.max_epochs).
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=8e-4, weight_decay=0.01, warmup_steps=200,
+                                                                   decay_epochs="run"))
     ema: EmaConfig = field(default_factory=EmaConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=1, every_minutes=5.0))
     # The guidance scale stored with the saved model as its default.
     default_guidance: float = field(default=1.0, metadata=bounds(ge=0))
@@ -87,12 +76,14 @@ class Config:
     # match the folder's architecture (the folder's own config is used; a mismatch is an error).
     init: str | None = None
 
-    RENAMED: ClassVar[dict[str, str]] = {"checkpoint_minutes": "checkpoint.every_minutes"}
-
     def check(self) -> None:
-        if self.optim.warmup_steps > self.run.max_epochs * self.data.steps_per_epoch:
-            fail("optim.warmup_steps", f"{self.optim.warmup_steps} is longer than the whole run "
+        warmup = self.optim.warmup_epochs * self.data.steps_per_epoch + self.optim.warmup_steps
+        if warmup > self.run.max_epochs * self.data.steps_per_epoch:
+            fail("optim.warmup_steps", f"the warm-up's {warmup} optimizer steps are longer than the whole run "
                  f"({self.run.max_epochs} epochs x {self.data.steps_per_epoch} steps)")
+        if self.optim.decay_epochs is None:
+            fail("optim.decay_epochs", "pretraining anneals its learning rate: give a number of epochs or run (over "
+                 "run.max_epochs); for a constant rate after the warm-up set optim.min_lr_ratio=1")
 
 
 def _batch(cfg: Config, model: ShapesModel, step: int):
@@ -165,20 +156,21 @@ def _trainable(model: ShapesModel) -> list[torch.nn.Parameter]:
 def main(cfg: Config) -> int:
     from diffusers.training_utils import EMAModel
 
+    from flowrl.config import to_dict
+    from flowrl.rl.optim import build_optimizer
     from flowrl.run.harness import Run
-    from flowrl.run.updates import optimizer_step, warmup_cosine
+    from flowrl.run.updates import optimizer_step
 
-    run = Run(cfg, "pretrain", plots={"loss": ["train/loss"], "eval": ["eval/shapes/"]},
+    run = Run(cfg.run, "pretrain", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None,
+              reward=None, config=to_dict(cfg), plots={"loss": ["train/loss"], "eval": ["eval/shapes/"]},
               units={"loss": "flow-matching loss", "eval": "held-out accuracy"},
               steps_per_epoch=cfg.data.steps_per_epoch)
     model = _initial_model(cfg)
     model.text_encoder.requires_grad_(True).train()
     model.train()
     params = _trainable(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    decay_steps = (cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(decay_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+    optimizer, scheduler = build_optimizer(params, cfg.optim, schedule_unit="step",
+                                           steps_per_epoch=cfg.data.steps_per_epoch, max_epochs=cfg.run.max_epochs)
     ema = EMAModel(params, decay=cfg.ema.decay, use_ema_warmup=True, inv_gamma=1.0, power=cfg.ema.warmup_power)
     run.track(unet=model.denoiser, text_encoder=model.text_encoder, optimizer=optimizer, scheduler=scheduler, ema=ema)
     run.checkpoint_files(lambda directory: _save_model(model, ema, directory / "model"))

@@ -28,7 +28,8 @@ import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
-from flowrl.rl.forward import ForwardConfig, ForwardTrainConfig, TimesConfig
+from flowrl.rl.forward import ForwardTrainConfig, TimesConfig
+from flowrl.rl.setup import ForwardConfig
 
 __all__ = ["TrainConfig", "Config", "selected", "train_epoch", "main", "RECIPE"]
 
@@ -92,7 +93,8 @@ def train_epoch(model, optimizer, data, sigmas, cfg: Config, dist, epoch: int, *
     from flowrl.rl.forward import ForwardEpoch
 
     train = cfg.train
-    training = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch, ema=ema, health=health,
+    training = ForwardEpoch(model, optimizer, data, sigmas, train, dist, epoch, seed=cfg.run.seed,
+                            grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, ema=ema, health=health,
                             progress=progress)
     for minibatch in training.minibatches():
         for batch in minibatch:
@@ -130,7 +132,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                 data.valid = data.valid & keep[local]
                 metrics["train/kept_frac"] = float(keep.float().mean())
                 if int(keep.sum()):
-                    with setup.training(forward_rows(data, cfg)) as bar:
+                    with setup.training(forward_rows(data, cfg.train)) as bar:
                         metrics.update(train_epoch(model, setup.optimizer, data, setup.sigmas, cfg, setup.dist,
                                                    run.epoch, ema=setup.ema, health=run.health, progress=bar))
             setup.end_epoch(metrics, rollouts)

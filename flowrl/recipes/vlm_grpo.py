@@ -12,9 +12,10 @@ Dr.GRPO); Yu et al. 2025 (DAPO); Ahmadian et al. 2024 (RLOO for LLMs); Zheng et 
    plus the environment's per-turn rewards (e.g. -0.05 per tool call), plus DAPO's overlong penalty. DAPO's
    dynamic sampling drops groups whose rewards are all equal and plays more rounds until the epoch has
    ``groups_per_epoch`` informative groups (at most ``max_sampling_rounds``).
-3. Advantages on the whole epoch (``flowrl.core``): group (GRPO, DAPO, GSPO), group without std (Dr.GRPO),
-   or leave-one-out (RLOO) per episode; or per turn with GiGPO / discounted turn returns / TRLOO. Each token of an
-   action gets its turn's advantage.
+3. Advantages on the whole epoch (``flowrl.core``, the ``advantage`` section in the image recipes' vocabulary):
+   the ``outcome`` estimator with the ``group`` normaliser (GRPO, DAPO, GSPO; without std for Dr.GRPO) or the
+   leave-one-out one (``rloo``, RLOO) per episode; or per turn with the GiGPO / discounted turn return / TRLOO
+   estimators. Each token of an action gets its turn's advantage.
 4. Off-policy (several minibatches or inner epochs), old log-probs are re-scored with the same inputs and
    micro-batches training will use, before any update; on-policy (one minibatch, one inner epoch) that pass
    is skipped and the training forward's own log-probs, detached, are the old ones (ratio exactly 1, the
@@ -40,15 +41,16 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.policies.config import PolicyConfig, build_policy
 from flowrl.recipes import Recipe
-from flowrl.run.harness import CheckpointConfig, LogConfig
+from flowrl.rl.optim import OptimConfig
+from flowrl.run.harness import CheckpointConfig, EvalSchedule, LogConfig
 
 __all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "train_epoch", "build_policy"]
 
@@ -58,9 +60,12 @@ __all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "train_epoch", "bu
 
 @dataclass(frozen=True)
 class Variant:
-    """The defaults one algorithm sets; a config value that is not null overrides them."""
+    """The defaults one algorithm sets; a config value that is not null overrides them (:meth:`Config.variant`).
 
-    estimator: Literal["group", "rloo"] = "group"
+    ``normalizer`` is the outcome normalisation of :mod:`flowrl.core.estimators`, as ``advantage.normalizer`` of the
+    image recipes: ``group`` (group mean, and the std of ``std_scope``) or ``rloo`` (the leave-one-out baseline)."""
+
+    normalizer: Literal["group", "rloo"] = "group"
     std_scope: Literal["group", "batch", "none"] = "group"
     aggregation: str = "seq_mean_token_mean"
     clip_range: float = 0.2
@@ -77,8 +82,8 @@ VARIANTS: dict[str, Variant] = {
     "dr_grpo": Variant(std_scope="none", aggregation="seq_mean_token_sum_norm"),
     # DAPO: clip-higher, token-level mean, dynamic sampling, soft overlong penalty.
     "dapo": Variant(aggregation="token_mean", clip_range_high=0.28, dynamic_sampling=True, overlong_penalty=True),
-    # RLOO: leave-one-out baseline, no std.
-    "rloo": Variant(estimator="rloo", std_scope="none", aggregation="seq_mean_token_mean"),
+    # RLOO: the leave-one-out normaliser, no std.
+    "rloo": Variant(normalizer="rloo", std_scope="none", aggregation="seq_mean_token_mean"),
     # GSPO: sequence-level ratio exp(mean_t log ratio), clipped to a very narrow range.
     "gspo": Variant(ratio="sequence", clip_range=3e-4, clip_range_high=4e-4),
 }
@@ -117,31 +122,30 @@ class SamplingConfig:
 class AlgorithmConfig:
     variant: str = "grpo"  # grpo | dr_grpo | dapo | rloo | gspo
     # null: the variant's default (see VARIANTS)
-    estimator: Literal["group", "rloo"] | None = None
-    std_scope: Literal["group", "batch", "none"] | None = None
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                          "seq_mean_token_sum_norm"] | None = None
     dynamic_sampling: bool | None = None
     overlong_penalty: bool | None = None
     overlong_cache: int | None = field(default=None, metadata=bounds(ge=1))  # None: a quarter of the budget
-    eps: float = field(default=1e-4, metadata=bounds(gt=0))
-    adv_clip: float = field(default=5.0, metadata=bounds(gt=0))
-    # Turn-level credit: outcome (every token gets its episode's advantage), gigpo, turn_return, trloo.
-    turn_credit: Literal["outcome", "gigpo", "turn_return", "trloo"] = "outcome"
-    gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))
-    step_weight: float = field(default=1.0, metadata=bounds(ge=0))
     kl: Literal["none", "k3"] = "none"
 
-    def resolved(self, train: "TrainConfig | None" = None) -> Variant:
-        """The variant's settings with this config's (and ``train``'s clip ranges') non-null values over them."""
-        base = VARIANTS[self.variant]
-        values = {name: getattr(self, name) if getattr(self, name, None) is not None else getattr(base, name)
-                  for name in Variant.__dataclass_fields__ if hasattr(self, name)}
-        if train is not None:
-            values.update({n: getattr(train, n) for n in ("clip_range", "clip_range_high")
-                           if getattr(train, n) is not None})
-        return Variant(**{**{n: getattr(base, n) for n in ("clip_range", "clip_range_high")}, **values},
-                       ratio=base.ratio)
+
+@dataclass
+class AdvantageConfig:
+    """The ``advantage`` section: from episode rewards to per-turn advantages, with the names the image recipes use
+    (:class:`flowrl.rl.epoch_advantages.AdvantageConfig`)."""
+
+    # The estimator of flowrl.core.estimators: outcome (every token gets its episode's advantage) or turn-level
+    # credit: gigpo, turn_return, trloo.
+    estimator: Literal["outcome", "gigpo", "turn_return", "trloo"] = "outcome"
+    # The outcome normalisation: group (the group mean, and the std of std_scope) or rloo (the leave-one-out
+    # baseline); null: the variant's (see VARIANTS).
+    normalizer: Literal["group", "rloo"] | None = None
+    std_scope: Literal["group", "batch", "none"] | None = None  # normalizer=group: whose std divides; null: variant's
+    eps: float = field(default=1e-4, metadata=bounds(gt=0))
+    clip: float = field(default=5.0, metadata=bounds(gt=0))  # advantages are clipped to [-clip, clip]
+    gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))  # turn-level credit: the discount
+    step_weight: float = field(default=1.0, metadata=bounds(ge=0))  # gigpo: the weight of the anchor-state term
 
 
 @dataclass
@@ -156,25 +160,14 @@ class TrainConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = field(default=1e-5, metadata=bounds(gt=0))
-    weight_decay: float = field(default=0.0, metadata=bounds(ge=0))
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_epochs: int = field(default=0, metadata=bounds(ge=0))
-    grad_clip: float = field(default=1.0, metadata=bounds(gt=0))
-
-
-@dataclass
 class RewardConfig:
     # name -> weight, or name -> {weight, kwargs} (flowrl/envs/rewards.py: exact, numeric, format, vlm_judge)
     answer: dict[str, Any] = field(default_factory=lambda: {"exact": 1.0})
 
 
 @dataclass
-class EvalConfig:
-    every_epochs: int | None = field(default=None, metadata=bounds(ge=1))
+class EvalConfig(EvalSchedule):
     every_minutes: float | None = field(default=10.0, metadata=bounds(gt=0))
-    at_start: bool = True
     num_examples: int = field(default=500, metadata=bounds(ge=1))
     batch_size: int = field(default=100, metadata=bounds(ge=1))
     baselines: bool = True  # shapes_zoom: also the one-turn overview and full-resolution crop baselines
@@ -187,25 +180,33 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    # The learning-rate schedule steps once per epoch (flowrl.rl.optim.SCHEDULE_UNITS).
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, weight_decay=0.0))
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=20))
 
-    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock",
-                                         "algorithm.kl_beta": "train.kl_coef", "algorithm.clip_low": "train.clip_range",
-                                         "algorithm.clip_high": "train.clip_range_high"}
+    def variant(self) -> Variant:
+        """The algorithm's settings: its variant's (:data:`VARIANTS`) with this config's non-null values over them
+        (``algorithm.aggregation`` / ``dynamic_sampling`` / ``overlong_penalty``, ``advantage.normalizer`` /
+        ``std_scope``, ``train.clip_range`` / ``clip_range_high``)."""
+        chosen = {"normalizer": self.advantage.normalizer, "std_scope": self.advantage.std_scope,
+                  "aggregation": self.algorithm.aggregation, "dynamic_sampling": self.algorithm.dynamic_sampling,
+                  "overlong_penalty": self.algorithm.overlong_penalty, "clip_range": self.train.clip_range,
+                  "clip_range_high": self.train.clip_range_high}
+        return replace(VARIANTS[self.algorithm.variant], **{k: v for k, v in chosen.items() if v is not None})
 
     def check(self) -> None:
         a = self.algorithm
         if a.variant not in VARIANTS:
             fail("algorithm.variant", f"got {a.variant!r}, expected one of {', '.join(VARIANTS)}")
-        v = a.resolved()
-        if v.ratio == "sequence" and a.turn_credit != "outcome":
-            fail("algorithm.turn_credit", "gspo's sequence-level ratio needs one advantage per episode; use "
-                 "turn_credit: outcome")
+        v = self.variant()
+        if v.ratio == "sequence" and self.advantage.estimator != "outcome":
+            fail("advantage.estimator", "gspo's sequence-level ratio needs one advantage per episode; use "
+                 "estimator: outcome")
         if a.kl != "none" and self.train.kl_coef == 0:
             fail("train.kl_coef", f"algorithm.kl is {a.kl!r} but train.kl_coef is 0; set kl_coef > 0 or kl: none")
         if not self.reward.answer:
@@ -230,20 +231,27 @@ class Config:
 
 
 def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: Config, dist, epoch: int,
-                progress=None) -> dict[str, float]:
+                progress=None, health=None) -> dict[str, float]:
     """The clipped-loss updates of one epoch on this process's shard.
 
     Off-policy updates (several minibatches or inner epochs) re-score the old (and reference) log-probs
     before any update. On-policy (one minibatch, one inner epoch) there is no such pass: the old log-probs
     are the training forward's own, detached (ratio exactly 1, the same gradient), and the rollout's are
     compared with them for ``train/rollout_logp_gap``.
+
+    Args:
+        turn_adv: ``[N, K]`` per-turn advantages of the epoch's ``N`` episodes.
+        health: the run's :class:`flowrl.run.updates.UpdateHealth`: every optimizer step goes through
+            :func:`flowrl.run.updates.optimizer_step`, which skips (and counts) an update whose loss or gradient is
+            not finite, so ``run.max_nonfinite_updates`` stops a run whose updates keep failing.
     """
     from flowrl.core.losses import aggregate, clipped_policy_loss, kl_estimate
     from flowrl.envs.epoch import (micro_batches, minibatch_plan, rollout_logp_gap, shard, token_advantages,
                                    trained_conversation)
     from flowrl.envs.rollout import sample_seed
+    from flowrl.run.updates import optimizer_step
 
-    a, v, t = cfg.algorithm, cfg.algorithm.resolved(cfg.train), cfg.train
+    a, v, t = cfg.algorithm, cfg.variant(), cfg.train
     temperature = cfg.sampling.temperature
     N = len(batch.episodes)
     on_policy = t.inner_epochs == 1 and t.minibatches == 1
@@ -325,9 +333,10 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
             count += w
             if progress is not None:
                 progress(len(micro))
-        grad_norm = dist.clip_grad_norm_(params, cfg.optim.grad_clip)
-        sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(grad_norm)
-        optimizer.step()
+        # Clip, step; a non-finite gradient skips the update (the weights stay finite) and counts toward
+        # run.max_nonfinite_updates.
+        grad_norm = optimizer_step(optimizer, params, dist, grad_clip=cfg.optim.grad_clip, health=health)
+        sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + grad_norm
         steps += 1
     metrics = {k: v_ / max(count, 1.0) for k, v_ in sums.items() if k != "train/grad_norm"}
     # Per-process diagnostics are averaged over processes (token-weighted here, equal weights across ranks).
@@ -347,12 +356,16 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
     from flowrl.envs.evaluate import evaluate_with_baselines
     from flowrl.envs.registry import get_env
+    from flowrl.config import to_dict
     from flowrl.envs.rewards import AnswerRewards
-    from flowrl.run.checkpoints import PolicyWeights
+    from flowrl.rl.optim import build_optimizer
+    from flowrl.run.checkpoints import TrainableWeights
     from flowrl.run.harness import Run
 
     short = cfg.env.name.removeprefix("shapes_")
-    run = Run(cfg, "vlm_grpo", dist=dist, counters=("episodes_sampled",),
+    # The policy computes in model.dtype; the reference clock's probe keeps the CPU's default precision.
+    run = Run(cfg.run, "vlm_grpo", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None,
+              reward=str(cfg.reward.answer), config=to_dict(cfg), dist=dist, counters=("episodes_sampled",),
               plots={"reward": ["train/reward_mean", "train/reward/"], "eval": [f"eval/{short}/"],
                      "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref", "train/entropy"],
                      "agent": ["train/tool_calls/", "train/malformed_per_episode", "train/turn_limit_per_episode",
@@ -365,12 +378,11 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     policy.train()
     env_spec = get_env(cfg.env.name)
     answer_rewards = AnswerRewards(cfg.reward.answer)
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                  weight_decay=cfg.optim.weight_decay)
-    warmup = cfg.optim.warmup_epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: min(1.0, (e + 1) / warmup) if warmup else 1.0)
+    variant = cfg.variant()
+    optimizer, scheduler = build_optimizer(policy.trainable_parameters(), cfg.optim, schedule_unit="epoch",
+                                           max_epochs=cfg.run.max_epochs)
     module = dist.prepare(policy.model) if dist.world_size > 1 else policy.model
-    run.track(model=PolicyWeights(policy), optimizer=optimizer, scheduler=scheduler)
+    run.track(model=TrainableWeights(policy), optimizer=optimizer, scheduler=scheduler)
     # Every process evaluates the same set (greedy, deterministic); only the main one logs.
     run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
         policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
@@ -379,13 +391,16 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     with run:
         while run.next_epoch():
             start = time.perf_counter()
-            batch = collect_epoch(policy, cfg, run.epoch, dist, answer_rewards, env_spec)
+            batch = collect_epoch(policy, run.epoch, dist, answer_rewards, env_spec, env=cfg.env,
+                                  sampling=cfg.sampling, variant=variant, seed=cfg.run.seed,
+                                  overlong_cache=cfg.algorithm.overlong_cache)
             collected = time.perf_counter()
-            metrics = epoch_metrics(batch, cfg)
+            metrics = epoch_metrics(batch, cfg.env.name)
             if run.check_rewards(metrics, len(batch.episodes)):
-                turn_adv = turn_advantages(batch, cfg)
+                turn_adv = turn_advantages(batch, cfg.advantage, variant)
                 with run.updating():
-                    metrics.update(train_epoch(policy, module, optimizer, batch, turn_adv, cfg, dist, run.epoch))
+                    metrics.update(train_epoch(policy, module, optimizer, batch, turn_adv, cfg, dist, run.epoch,
+                                               health=run.health))
             scheduler.step()
             metrics.update({"time/sampling_s": collected - start, "time/training_s": time.perf_counter() - collected})
             run.end_epoch(metrics, episodes_sampled=int(batch.stats["episodes"]))

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.policies.shapes_vlm import ShapesVLMConfig
 from flowrl.recipes import Recipe
-from flowrl.run.harness import CheckpointConfig
+from flowrl.rl.optim import OptimConfig
+from flowrl.run.harness import CheckpointConfig, EvalSchedule, LogConfig
 
 __all__ = ["Config", "main", "RECIPE"]
 
@@ -63,19 +64,7 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = field(default=1e-3, metadata=bounds(gt=0))
-    weight_decay: float = field(default=0.01, metadata=bounds(ge=0))
-    warmup_steps: int = field(default=100, metadata=bounds(ge=0))
-    min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
-    # Cosine decay over this many epochs (None: run.max_epochs), so a run stopped early and resumed with a
-    # longer max_epochs keeps its schedule.
-    decay_epochs: int | None = field(default=None, metadata=bounds(ge=1))
-    grad_clip: float = field(default=1.0, metadata=bounds(gt=0))
-
-
-@dataclass
-class EvalConfig:
+class EvalConfig(EvalSchedule):
     every_epochs: int = field(default=2, metadata=bounds(ge=1))
     at_start: bool = True  # evaluate before the first step (off for a model built from scratch: it scores 0)
     num_examples: int = field(default=500, metadata=bounds(ge=1))
@@ -91,15 +80,21 @@ class Config:
     # a saved model folder to continue from, or `shapes_vlm` for the shipped model (None: build from `model`)
     init_from: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    # The learning-rate schedule steps after every optimizer step (flowrl.rl.optim.SCHEDULE_UNITS) and anneals:
+    # decay_epochs is a number of epochs, or `run` (over run.max_epochs; a run stopped early and resumed with a longer
+    # max_epochs then changes its schedule: a number keeps it).
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=0.01, warmup_steps=100,
+                                                                   decay_epochs="run"))
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_epochs=1, every_minutes=5.0))
-
-    RENAMED: ClassVar[dict[str, str]] = {"threads": "run.threads", "clock": "run.clock",
-                                         "checkpoint_minutes": "checkpoint.every_minutes"}
 
     def check(self) -> None:
         from flowrl.data.vqa import SCENE_QUESTION_KINDS
+
+        if self.optim.decay_epochs is None:
+            fail("optim.decay_epochs", "supervised training anneals its learning rate: give a number of epochs or "
+                 "run (over run.max_epochs); for a constant rate after the warm-up set optim.min_lr_ratio=1")
 
         if self.data.answer_format == "reasoning" and (self.data.describe or self.data.scene_questions):
             fail("data.answer_format", "reasoning answers already describe the scene; set data.describe=false and "
@@ -136,7 +131,8 @@ def batch_conversations(cfg: Config, step: int) -> list:
     reasoning = cfg.data.answer_format == "reasoning"
     conversations = []
     for e in examples:
-        turns = [Turn("user", e.question, [e.image()]), Turn("assistant", reasoning_answer(e) if reasoning else e.answer)]
+        turns = [Turn("user", e.question, [e.image()]),
+                 Turn("assistant", reasoning_answer(e) if reasoning else e.answer)]
         for question, answer in scene_questions(e.scene, kinds, questions_rng) if kinds else ():
             turns += [Turn("user", question), Turn("assistant", answer)]
         if cfg.data.describe:
@@ -189,12 +185,16 @@ def _evaluate(cfg: Config, policy, epoch: int, output_dir) -> dict[str, float]:
 
 def main(cfg: Config) -> int:
     from flowrl.policies import TokenPolicy
+    from flowrl.config import to_dict
     from flowrl.policies.shapes_vlm import build_model
-    from flowrl.run.checkpoints import PolicyWeights
+    from flowrl.rl.optim import build_optimizer
+    from flowrl.run.checkpoints import TrainableWeights
     from flowrl.run.harness import Run
-    from flowrl.run.updates import optimizer_step, warmup_cosine
+    from flowrl.run.updates import optimizer_step
 
-    run = Run(cfg, "vlm_sft", plots={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/zoom/accuracy"]},
+    run = Run(cfg.run, "vlm_sft", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None,
+              reward=None, config=to_dict(cfg),
+              plots={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/zoom/accuracy"]},
               units={"loss": "mean NLL of the answer tokens", "eval": "held-out accuracy"},
               steps_per_epoch=cfg.data.steps_per_epoch)
     if cfg.init_from:
@@ -206,11 +206,9 @@ def main(cfg: Config) -> int:
         policy = TokenPolicy(model, processor)
     policy.train()
     params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    decay_steps = (cfg.optim.decay_epochs or cfg.run.max_epochs) * cfg.data.steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(decay_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
-    run.track(model=PolicyWeights(policy), optimizer=optimizer, scheduler=scheduler)
+    optimizer, scheduler = build_optimizer(params, cfg.optim, schedule_unit="step",
+                                           steps_per_epoch=cfg.data.steps_per_epoch, max_epochs=cfg.run.max_epochs)
+    run.track(model=TrainableWeights(policy), optimizer=optimizer, scheduler=scheduler)
     run.evaluation(lambda epoch, should_stop: _evaluate(cfg, policy, epoch, run.output_dir))
 
     with run:

@@ -11,7 +11,7 @@ authors' argument: the policy re-climbs the reward quickly from the EMA, while t
 Config (``train.elastic_reset`` of Flow-GRPO; None: off)::
 
     train:
-      elastic_reset: {every_epochs: 10, ema_decay: 0.9}
+      elastic_reset: {every_epochs: 10, decay_per_epoch: 0.9}
 
 State: the EMA's tensors and the reset count are checkpointed (``run.track(elastic_reset=...)``), so a resumed
 run resets at the same epochs to the same weights. The base tensors are copied when the object is built, which
@@ -35,7 +35,9 @@ __all__ = ["ElasticResetConfig", "ElasticReset"]
 @dataclass
 class ElasticResetConfig:
     every_epochs: int = field(default=10, metadata=bounds(ge=1))  # a reset after every this many epochs
-    ema_decay: float = field(default=0.9, metadata=bounds(gt=0, lt=1))  # the EMA's decay per epoch
+    # The decay of Elastic Reset's own EMA, applied once per epoch (not per optimizer step: ``ema_decay`` means the
+    # evaluation EMA's decay per optimizer step in every config).
+    decay_per_epoch: float = field(default=0.9, metadata=bounds(gt=0, lt=1))
 
 
 class ElasticReset:
@@ -56,7 +58,7 @@ class ElasticReset:
         """After epoch ``epoch`` (from 0) has updated the policy: pull the EMA toward it, and reset when
         ``epoch + 1`` is a multiple of ``every_epochs``. Returns ``train/elastic_reset`` (1 on a reset epoch) and
         ``train/elastic_resets`` (resets so far)."""
-        self.ema.update(model, decay=self.cfg.ema_decay)
+        self.ema.update(model, decay=self.cfg.decay_per_epoch)
         reset = (epoch + 1) % self.cfg.every_epochs == 0
         if reset:
             self.reset(model)

@@ -29,12 +29,10 @@ from typing import Iterator, Literal
 import torch
 
 from flowrl.config import bounds, fail
-from flowrl.rl.setup import OnlineConfig, UpdateConfig
-from flowrl.rl.sampling import SamplingConfig
+from flowrl.rl.setup import UpdateConfig
 
 __all__ = ["TimesConfig", "ForwardTrainConfig", "ForwardData", "ForwardBatch", "schedule_positions", "draw_times",
-           "forward_noise", "training_guidance", "ForwardEpoch", "forward_rows", "collect_forward", "check_forward_config",
-           "groups_stay_local"]
+           "forward_noise", "training_guidance", "ForwardEpoch", "forward_rows", "collect_forward", "groups_stay_local"]
 
 # Stream tags keep the draws of this module independent of the rollout's.
 STREAM_TIMES = 0x7D1E5
@@ -164,17 +162,21 @@ class ForwardData:
     Attributes:
         x0: ``[n, *S]`` clean samples in the model's latent space (float32).
         cond: the text conditioning ``{key: [n, ...]}``.
-        advantages: ``[n]`` (group advantages; Diffusion-DPO: +1 chosen, -1 rejected).
-        group_ids / sample_ids: ``[n]`` int64 global ids.
+        advantages: ``[n]`` per-sample advantages of an online epoch; None for offline preference pairs, which
+            have labels instead (``chosen``).
+        group_ids / sample_ids: ``[n]`` int64 global ids (a preference pair is a group of two).
         valid: ``[n]`` bool, rows that take part (finite reward).
+        chosen: ``[n]`` bool preference labels of offline pairs (Diffusion-DPO): True for the chosen image of its
+            pair, False for the rejected one; None for rollouts.
     """
 
     x0: torch.Tensor
     cond: dict[str, torch.Tensor]
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None
     group_ids: torch.Tensor
     sample_ids: torch.Tensor
     valid: torch.Tensor
+    chosen: torch.Tensor | None = None
 
     @classmethod
     def from_rollouts(cls, rollouts, advantages: torch.Tensor, valid: torch.Tensor) -> "ForwardData":
@@ -190,8 +192,9 @@ class ForwardBatch:
     Attributes:
         rows: ``[m]`` local rows of the :class:`ForwardData`.
         t: ``[m]`` noise levels; ``x0``, ``eps``, ``x_t``, ``target`` (``u = eps - x0``): ``[m, *S]``.
-        cond: the rows' conditioning; ``advantages`` / ``group_ids``: ``[m]``.
+        cond: the rows' conditioning; ``advantages`` (None for preference pairs) / ``group_ids``: ``[m]``.
         training_pass: the :class:`flowrl.rl.passes.TrainingPass` it belongs to (its weight and sync flag).
+        chosen: ``[m]`` bool preference labels (offline pairs; None for rollouts).
     """
 
     rows: torch.Tensor
@@ -201,9 +204,10 @@ class ForwardBatch:
     x_t: torch.Tensor
     target: torch.Tensor
     cond: dict[str, torch.Tensor]
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None
     group_ids: torch.Tensor
     training_pass: object = None
+    chosen: torch.Tensor | None = None
 
 
 class _StagedMinibatch:
@@ -230,28 +234,32 @@ class _StagedMinibatch:
         self.eps = torch.stack([forward_noise(tuple(data.x0.shape[1:]), ids, seed=seed, epoch=epoch, inner=inner,
                                               unit=u) for u in units]).to(device)
         self.cond = {k: stage_rows(v, order, device) for k, v in data.cond.items()}
-        self.advantages = stage_rows(data.advantages, order, device)
+        self.advantages = None if data.advantages is None else stage_rows(data.advantages, order, device)
+        self.chosen = None if data.chosen is None else stage_rows(data.chosen, order, device)
 
     def batch(self, p, sl: slice) -> ForwardBatch:
         """The noised points of pass ``p`` (its rows are ``sl`` of the staging)."""
         x0, t, eps = self.x0[sl], self.t[p.unit, sl], self.eps[self.unit_at[p.unit], sl]
         tt = t.view(-1, *([1] * (x0.ndim - 1)))
         return ForwardBatch(rows=p.rows, t=t, x0=x0, eps=eps, x_t=(1 - tt) * x0 + tt * eps, target=eps - x0,
-                            cond={k: v[sl] for k, v in self.cond.items()}, advantages=self.advantages[sl],
-                            group_ids=self.data.group_ids[p.rows], training_pass=p)
+                            cond={k: v[sl] for k, v in self.cond.items()},
+                            advantages=None if self.advantages is None else self.advantages[sl],
+                            group_ids=self.data.group_ids[p.rows], training_pass=p,
+                            chosen=None if self.chosen is None else self.chosen[sl])
 
 
-def training_guidance(model, sampling) -> float:
+def training_guidance(model, rollout_guidance: float) -> float:
     """The guidance the policy is trained at: none (1.0) for a model with classifier-free guidance (the
-    forward-process trainers train CFG-free), the rollout's for a guidance-distilled model (FLUX.1-dev reads
-    its guidance as an input, so training at another value would train another function)."""
-    return 1.0 if model.uses_cfg else sampling.guidance
+    forward-process trainers train CFG-free), the rollout's (``sampling.guidance``) for a guidance-distilled model
+    (FLUX.1-dev reads its guidance as an input, so training at another value would train another function)."""
+    return 1.0 if model.uses_cfg else rollout_guidance
 
 
 class ForwardEpoch:
     """One epoch of a forward-process objective, driven by the recipe's own loop::
 
-        epoch = ForwardEpoch(model, optimizer, data, sigmas, cfg, dist, epoch_index, whole_groups=True)
+        epoch = ForwardEpoch(model, optimizer, data, sigmas, cfg.train, dist, epoch_index, seed=cfg.run.seed,
+                             grad_clip=cfg.optim.grad_clip, guidance=cfg.sampling.guidance, whole_groups=True)
         for minibatch in epoch.minibatches():            # one optimizer step each
             for batch in minibatch:                      # a micro-batch's rows noised at one training time
                 with torch.no_grad():
@@ -274,22 +282,27 @@ class ForwardEpoch:
         model / optimizer: the policy adapter and its (prepared) optimizer.
         data: this process's :class:`ForwardData`.
         sigmas: the rollout schedule ``[T + 1]`` (for ``times.mode`` ``schedule`` / ``stratified``).
-        cfg: the recipe's config; its ``train`` section is a :class:`ForwardTrainConfig` (``run.seed``,
-            ``optim.grad_clip`` and ``sampling.guidance`` are read too).
+        train: the recipe's ``train`` section (a :class:`ForwardTrainConfig`).
         dist / epoch: the run's :class:`flowrl.dist.Dist` and the epoch index (it seeds every draw).
+        seed: the run's seed (``run.seed``), which with the epoch seeds every draw.
+        grad_clip: the gradient clip of the optimizer step (``optim.grad_clip``).
+        guidance: the rollout's guidance (``sampling.guidance``): the training guidance of a guidance-distilled
+            model (:func:`training_guidance`).
         ema / health / progress: the evaluation EMA, the run's update health, a progress bar (rows of passes).
     """
 
-    def __init__(self, model, optimizer, data: ForwardData, sigmas: torch.Tensor, cfg, dist, epoch: int, *,
-                 whole_groups: bool = False, ema=None, health=None, progress=None):
+    def __init__(self, model, optimizer, data: ForwardData, sigmas: torch.Tensor, train: ForwardTrainConfig, dist,
+                 epoch: int, *, seed: int, grad_clip: float, guidance: float, whole_groups: bool = False, ema=None,
+                 health=None, progress=None):
         from flowrl.rl.passes import MetricMeans
 
         self.model, self.optimizer, self.data, self.sigmas = model, optimizer, data, sigmas
-        self.cfg, self.dist, self.epoch, self.whole_groups = cfg, dist, epoch, whole_groups
+        self.train, self.dist, self.epoch, self.whole_groups = train, dist, epoch, whole_groups
+        self.seed, self.grad_clip = seed, grad_clip
         self.ema, self.health, self.progress = ema, health, progress
-        self.guidance = training_guidance(model, cfg.sampling)
+        self.guidance = training_guidance(model, guidance)
         self.params = model.trainable_parameters()
-        self.units = list(range(cfg.train.times.count))
+        self.units = list(range(train.times.count))
         self.stats, self.grad_norms = MetricMeans(), MetricMeans()
         self._n_global = 0
 
@@ -297,7 +310,7 @@ class ForwardEpoch:
         """Each minibatch's passes as noised :class:`ForwardBatch` es (built lazily, one at a time)."""
         from flowrl.rl.passes import global_count, minibatch_rows, training_passes
 
-        t, data, seed = self.cfg.train, self.data, self.cfg.run.seed
+        t, data, seed = self.train, self.data, self.seed
         # The partition must agree across processes, so it is drawn over the global number of ids.
         ids = data.group_ids if self.whole_groups else data.sample_ids
         total = int(self.dist.gather(ids.max().view(1)).max()) + 1
@@ -316,8 +329,8 @@ class ForwardEpoch:
 
     def _noised(self, passes, times: torch.Tensor, inner: int) -> Iterator[ForwardBatch]:
         """The passes' noised points, one at a time; the minibatch is staged on the device at the first."""
-        staged = _StagedMinibatch(self.data, passes, times, self.cfg.train.times, seed=self.cfg.run.seed,
-                                  epoch=self.epoch, inner=inner, device=self.model.device)
+        staged = _StagedMinibatch(self.data, passes, times, self.train.times, seed=self.seed, epoch=self.epoch,
+                                  inner=inner, device=self.model.device)
         for p, sl in zip(passes, staged.slices):
             yield staged.batch(p, sl)
 
@@ -359,8 +372,8 @@ class ForwardEpoch:
         from flowrl.run.updates import optimizer_step
 
         self.stats.flush()  # the step's one read of its statistics, before the gradient norm's
-        norm = optimizer_step(self.optimizer, self.params, self.dist, grad_clip=self.cfg.optim.grad_clip,
-                              ema=self.ema, health=self.health)
+        norm = optimizer_step(self.optimizer, self.params, self.dist, grad_clip=self.grad_clip, ema=self.ema,
+                              health=self.health)
         self.grad_norms.add(1.0, **{"train/grad_norm": norm})
         return norm
 
@@ -373,41 +386,22 @@ class ForwardEpoch:
                 "train/lr": self.optimizer.param_groups[0]["lr"]}
 
 
-@dataclass
-class ForwardConfig(OnlineConfig):
-    """The sections of a forward-process recipe: :class:`OnlineConfig` with deterministic (ODE) rollouts by
-    default, checked by :func:`check_forward_config`. A recipe adds its ``train`` section (and its defaults)."""
-
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
-
-    def check(self) -> None:
-        check_forward_config(self)
-
-
-def check_forward_config(cfg) -> None:
-    """Config checks every forward-process recipe shares (call from its ``Config.check``): a per-sample
-    advantage estimator, and enough rollout-schedule positions for the training times."""
-    if cfg.advantage.needs:
-        fail("advantage.estimator", f"{cfg.advantage.estimator!r} assigns credit to denoising steps; this trainer "
-             "uses one advantage per sample: choose outcome")
-    cfg.train.times.check_schedule(cfg.sampling.num_steps)
-
-
-def groups_stay_local(cfg, dist) -> None:
+def groups_stay_local(sampling, dist) -> None:
     """Raise a ConfigError unless every prompt group's samples are on one process (objectives that compare
-    a group's samples need the whole group in one pass)."""
+    a group's samples need the whole group in one pass). ``sampling``: the run's ``sampling`` section."""
     from flowrl.config import ConfigError
 
-    s = cfg.sampling
+    s = sampling
     if s.groups_per_epoch % dist.world_size:
         raise ConfigError("sampling.groups_per_epoch", f"{s.groups_per_epoch} groups do not split over "
                           f"{dist.world_size} processes; this trainer compares the samples of a group, so each "
                           f"process must hold whole groups: make groups_per_epoch a multiple of {dist.world_size}")
 
 
-def forward_rows(data: ForwardData, cfg) -> int:
-    """Rows the epoch's passes process (valid samples x training times x inner epochs): a progress bar's total."""
-    return int(data.valid.sum()) * cfg.train.times.count * cfg.train.inner_epochs
+def forward_rows(data: ForwardData, train: ForwardTrainConfig) -> int:
+    """Rows the epoch's passes process (valid samples x training times x inner epochs of the ``train`` section): a
+    progress bar's total."""
+    return int(data.valid.sum()) * train.times.count * train.inner_epochs
 
 
 def collect_forward(setup, *, velocity_fn=None):

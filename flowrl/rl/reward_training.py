@@ -58,7 +58,8 @@ class RewardTraining:
         Returns:
             The rewards' ``adv/*`` metrics (averaged over processes; prefixed by the reward's index when there
             are several; on epochs the schedule keeps the discriminator frozen, those of ``measure``, no step, so
-            ``adv/d_acc_fresh`` is a curve over every epoch), ``adv/d_epoch`` (1 on discriminator-only epochs) and ``adv/skipped_nonfinite``.
+            ``adv/d_acc_fresh`` is a curve over every epoch), ``adv/d_epoch`` (1 on discriminator-only epochs) and
+            ``adv/skipped_nonfinite``.
         """
         if not self.rewards:
             return {}

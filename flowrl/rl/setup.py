@@ -33,7 +33,7 @@ from typing import Iterator, Literal
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.config import RunConfig, bounds
+from flowrl.config import RunConfig, bounds, fail
 from flowrl.models.config import ModelConfig
 from flowrl.rl.epoch_advantages import AdvantageConfig
 from flowrl.eval.evaluate import EvalConfig
@@ -42,8 +42,8 @@ from flowrl.rl.sampling import SamplingConfig
 from flowrl.run.harness import CheckpointConfig, LogConfig
 from rewards.config import RewardConfig
 
-__all__ = ["DataConfig", "OnlineConfig", "UpdateConfig", "ImageTraining", "IMAGE_PLOTS", "IMAGE_PLOT_UNITS",
-           "reference_uses", "recorded_reference_declarations"]
+__all__ = ["DataConfig", "OnlineConfig", "ForwardConfig", "UpdateConfig", "ImageTraining", "IMAGE_PLOTS",
+           "IMAGE_PLOT_UNITS", "reference_uses", "recorded_reference_declarations"]
 
 
 @dataclass
@@ -78,7 +78,8 @@ IMAGE_PLOT_UNITS = {"reward": "training reward (mean +- std over the epoch)", "e
                     "hack_flow": "mean squared velocity gap to the base on the policy's samples",
                     "hack_image": "fraction (histogram shift: total variation to the base's colours)",
                     "hack_entropy": "colour entropy (bits, 512 cells)",
-                    "discriminator": "adversarial discriminator accuracy (fresh: before stepping on the epoch's samples)",
+                    "discriminator": "adversarial discriminator accuracy "
+                                     "(fresh: before stepping on the epoch's samples)",
                     "kinds": "share of the next epoch's groups drawn from each task kind"}
 
 
@@ -100,13 +101,31 @@ class OnlineConfig:
 
 
 @dataclass
+class ForwardConfig(OnlineConfig):
+    """The sections of a forward-process recipe (:mod:`flowrl.rl.forward`): :class:`OnlineConfig` with
+    deterministic (ODE) rollouts by default and checks every forward-process recipe shares: a per-sample advantage
+    estimator, and enough rollout-schedule positions for the training times. A recipe adds its ``train`` section
+    (a :class:`flowrl.rl.forward.ForwardTrainConfig`) and its defaults."""
+
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
+
+    def check(self) -> None:
+        if self.advantage.needs:
+            fail("advantage.estimator", f"{self.advantage.estimator!r} assigns credit to denoising steps; this "
+                 "trainer uses one advantage per sample: choose outcome")
+        self.train.times.check_schedule(self.sampling.num_steps)
+
+
+@dataclass
 class UpdateConfig:
     """The ``train`` fields that shape the update of every trainer but Flow-GRPO (which keeps its own)."""
 
     inner_epochs: int = field(default=1, metadata=bounds(ge=1, le=100))
     minibatches: int = field(default=1, metadata=bounds(ge=1, le=10_000))  # optimizer steps per inner epoch
     micro_batch_size: int = field(default=32, metadata=bounds(ge=1, le=4096))  # rows per backward, per process
-    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))  # evaluation EMA; None: none
+    # The evaluation EMA of the trained weights (None: none), decayed once per optimizer step: after n steps an update
+    # weighs ema_decay^n (flowrl.rl.optim.build_ema). The one meaning of `ema_decay` in every config.
+    ema_decay: float | None = field(default=None, metadata=bounds(gt=0, lt=1))
 
 
 def _pixels(model) -> tuple[int, int] | None:
@@ -150,17 +169,20 @@ class ImageTraining:
         from flowrl.data.prompt_groups import PromptGroups
         from flowrl.data.prompts import load_prompts
         from flowrl.eval.evaluate import Evaluator
+        from flowrl.config import to_dict
         from flowrl.rl.optim import build_ema, build_optimizer
         from flowrl.rl.reward_training import RewardTraining
         from flowrl.run.checkpoints import TrainableWeights
         from flowrl.run.harness import Run
 
         self.cfg, self.recipe, self.per_sample = cfg, recipe, per_sample
-        self.reference_uses = reference_uses(cfg, reference)  # why the reference is needed (empty: it is not)
+        self.reference_uses = reference_uses(cfg.sampling, cfg.eval, reference)  # why it is needed (empty: it is not)
         for declared in _RECORDERS:
             declared.append(reference)
-        self.run = run = Run(cfg, recipe, dist=dist, plots={**IMAGE_PLOTS, **(plot_groups or {})},
-                             units=IMAGE_PLOT_UNITS, counters=("images_sampled",))
+        self.run = run = Run(cfg.run, recipe, schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint,
+                             precision=cfg.sampling.precision, reward=str(cfg.reward.train), config=to_dict(cfg),
+                             dist=dist, plots={**IMAGE_PLOTS, **(plot_groups or {})}, units=IMAGE_PLOT_UNITS,
+                             counters=("images_sampled",))
         self.dist, s = run.dist, cfg.sampling
         from flowrl.hardware import check_bfloat16
 
@@ -196,13 +218,14 @@ class ImageTraining:
                                    else s.eval_guidance, dist=self.dist, output_dir=run.output_dir,
                                    logger=run.logger, heldout=cfg.reward.build_heldout(self.dist.device),
                                    kl_step=self.step, kl_guidance=s.guidance, fm_sigmas=model.sigmas(s.num_steps))
-        self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim)
+        self.optimizer, self.scheduler = build_optimizer(model.trainable_parameters(), cfg.optim,
+                                                         schedule_unit="epoch", max_epochs=cfg.run.max_epochs)
         # Together: FSDP2 swaps the optimizer's parameters for the sharded ones, DeepSpeed builds one engine.
         model.denoiser, self.optimizer = self.dist.prepare_training(
             model.denoiser, self.optimizer, micro_batch_size=cfg.train.micro_batch_size, grad_clip=cfg.optim.grad_clip)
         self.ema = build_ema(model.trainable_parameters(), ema_decay)  # the prepared (possibly sharded) ones
-        run.track(model=TrainableWeights(model), optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
-                  tracker=self.tracker)
+        run.track(model=TrainableWeights(model, module=model.denoiser), optimizer=self.optimizer,
+                  scheduler=self.scheduler, ema=self.ema, tracker=self.tracker)
         # sampling.base_last_steps: the base model takes the tail of every rollout and evaluation (from this level).
         self.tail_sigma = None
         if rollouts and s.base_last_steps:
@@ -222,9 +245,7 @@ class ImageTraining:
         """Build the model of ``cfg.model`` (unless one is given), move it to this process's device, keep the
         reference weights of a full fine-tune only when something uses them (:attr:`reference_uses`), and keep
         float32 master weights for a full fine-tune of a 16-bit model (before the optimizer sees them)."""
-        model_cfg = getattr(self.cfg, "model", None)
-        if isinstance(getattr(model_cfg, "dtype", None), str):
-            self.dist.check_model_dtype(model_cfg.dtype)  # the launch config's mixed precision must agree
+        self.dist.check_model_dtype(self.cfg.model.dtype)  # the launch config's mixed precision must agree
         if model is None:
             from flowrl.models.config import build_model
 
@@ -348,12 +369,12 @@ def recorded_reference_declarations() -> Iterator[list[bool]]:
         _RECORDERS.remove(declared)
 
 
-def reference_uses(cfg, objective: bool) -> list[str]:
-    """What uses the reference (base) model in a run of ``cfg``; empty when nothing does, and then a full fine-tune
-    keeps no frozen copy of its denoiser (a LoRA's reference is free: its adapters off).
+def reference_uses(sampling: SamplingConfig, eval_cfg: EvalConfig, objective: bool) -> list[str]:
+    """What uses the reference (base) model in a run; empty when nothing does, and then a full fine-tune keeps no
+    frozen copy of its denoiser (a LoRA's reference is free: its adapters off).
 
     Args:
-        cfg: the recipe's config (its ``sampling`` and ``eval`` sections are read where present).
+        sampling / eval_cfg: the run's ``sampling`` and ``eval`` sections.
         objective: the recipe's declaration: its objective uses the reference with this config.
 
     Returns:
@@ -365,14 +386,10 @@ def reference_uses(cfg, objective: bool) -> list[str]:
         count whenever they are enabled.
     """
     uses = ["the objective"] if objective else []
-    sampling = getattr(cfg, "sampling", None)
-    if getattr(sampling, "base_last_steps", None):
+    if sampling.base_last_steps:
         uses.append("sampling.base_last_steps")
-    ev = getattr(cfg, "eval", None)
-    if ev is not None:
-        hacking = getattr(ev, "hacking", None)
-        if hacking is not None and hacking.enabled:
-            uses.append("eval.hacking (the base model's images and hack/*_to_base)")
-        if getattr(ev, "grid_size", 0):
-            uses.append("eval.grid_size (the base model's column of the sample grid)")
+    if eval_cfg.hacking.enabled:
+        uses.append("eval.hacking (the base model's images and hack/*_to_base)")
+    if eval_cfg.grid_size:
+        uses.append("eval.grid_size (the base model's column of the sample grid)")
     return uses

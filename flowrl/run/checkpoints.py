@@ -24,33 +24,29 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TrainableWeights", "PolicyWeights", "RunCheckpoints"]
+__all__ = ["TrainableWeights", "RunCheckpoints"]
 
 
 class TrainableWeights:
-    """A model adapter's trained tensors (LoRA or the whole denoiser) as a checkpointable state."""
+    """The trained tensors of a model adapter or a token policy (its LoRA weights, or every trained weight) as a
+    checkpointable state.
 
-    def __init__(self, model):
-        self.model = model
+    Args:
+        model: a :class:`flowrl.models.base.FlowModel` or a :class:`flowrl.policies.TokenPolicy` (anything with
+            ``trainable_state_dict()`` / ``load_trainable_state_dict(state)``).
+        module: the network that holds the tensors when the run's distributed backend prepares it (FSDP2 / ZeRO
+            may shard it): an image model's denoiser. None for a network that is never sharded (a token policy),
+            whose state is always the model's own.
+    """
+
+    def __init__(self, model, *, module=None):
+        self.model, self.module = model, module
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.trainable_state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_trainable_state_dict(state)
-
-
-class PolicyWeights:
-    """A token policy's trained tensors (LoRA or every weight) as a checkpointable state."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.policy.trainable_state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.policy.load_trainable_state_dict(state)
 
 
 #: How long a process other than the main one waits, after a failure, for the main process's checkpoint.
@@ -99,7 +95,7 @@ class RunCheckpoints:
         """Objects whose state ``accelerator.save_state`` keeps: the prepared optimizer, and the trained weights
         when they are sharded (FSDP2 / ZeRO)."""
         if isinstance(obj, TrainableWeights):
-            return self.dist.shards_weights and self.dist.manages_module(obj.model.denoiser)
+            return self.dist.shards_weights and obj.module is not None and self.dist.manages_module(obj.module)
         return self.dist.manages(obj)
 
     def _in_state_file(self, obj: Any) -> bool:
@@ -108,8 +104,8 @@ class RunCheckpoints:
 
     def _state_of(self, obj: Any) -> Any:
         """``obj``'s state for ``state.pt``, whole (collective under FSDP2; None off the main process)."""
-        if isinstance(obj, TrainableWeights) and self.dist.manages_module(obj.model.denoiser):
-            return self.dist.trainable_state_dict(obj.model.denoiser)
+        if isinstance(obj, TrainableWeights) and obj.module is not None and self.dist.manages_module(obj.module):
+            return self.dist.trainable_state_dict(obj.module)
         state = obj.state_dict()
         return self.dist.gather_full(state) if self.dist.shards_weights else state
 
@@ -118,8 +114,10 @@ class RunCheckpoints:
         ``load_finetuned`` uses: the EMA when the run keeps one), so a checkpoint loads in plain diffusers."""
         from flowrl.run.checkpoint_files import LORA_DIR
 
-        weights = next((obj for obj in self.tracked.values() if isinstance(obj, TrainableWeights)), None)
-        if weights is None or getattr(weights.model, "lora", None) is None:
+        # An image model's weights (the ones with a denoiser); a token policy's adapters are saved by the recipe.
+        weights = next((obj for obj in self.tracked.values()
+                        if isinstance(obj, TrainableWeights) and obj.module is not None), None)
+        if weights is None or weights.model.lora is None:
             return None
         from flowrl.models.lora_files import lora_spec, lora_supported, write_diffusers_lora
 

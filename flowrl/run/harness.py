@@ -5,9 +5,11 @@ checkpoint before any failure surfaces.
 
 A recipe reads top to bottom (docs/architecture.md, "The run harness")::
 
-    run = Run(cfg, "my_recipe", plots={"loss": ["train/loss"]}, counters=("images_sampled",))
+    run = Run(cfg.run, "my_recipe", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint,
+              precision=cfg.sampling.precision, reward=str(cfg.reward.train), config=to_dict(cfg),
+              plots={"loss": ["train/loss"]}, counters=("images_sampled",))
     ...                                              # model, optimizer, rewards: the recipe's own
-    run.track(model=TrainableWeights(model), optimizer=optimizer, ...)
+    run.track(model=TrainableWeights(model, module=model.denoiser), optimizer=optimizer, ...)
     run.evaluation(lambda epoch, should_stop: evaluate(...))
     with run:                                        # resume; SIGINT/SIGTERM; checkpoint on failure
         while run.next_epoch():
@@ -35,13 +37,24 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.config import bounds, save_config
-from flowrl.run.checkpoints import PolicyWeights, TrainableWeights
+from flowrl.config import RunConfig, bounds, save_config
 
 #: ``Run.finish``'s exit status for a run that trained epochs of which none had a usable reward.
 NO_USABLE_REWARD = 3
 
-__all__ = ["NO_USABLE_REWARD", "LogConfig", "CheckpointConfig", "Run", "peak_memory_mb"]
+__all__ = ["NO_USABLE_REWARD", "EvalSchedule", "LogConfig", "CheckpointConfig", "Run", "peak_memory_mb"]
+
+
+@dataclass
+class EvalSchedule:
+    """When a run evaluates: before any training (``at_start``), every ``every_epochs`` epochs, every
+    ``every_minutes`` training minutes (evaluation excluded; None: not by that measure), and always at its last
+    epoch. Every recipe's ``eval`` section subclasses it (and may change its defaults), so these three keys mean
+    the same in every recipe."""
+
+    every_epochs: int | None = field(default=None, metadata=bounds(ge=1))
+    every_minutes: float | None = field(default=None, metadata=bounds(gt=0))
+    at_start: bool = True
 
 
 @dataclass
@@ -138,11 +151,20 @@ class EarlyStop:
 class Run:
     """One training run (see the module docstring for the shape of a recipe).
 
+    Every section the harness reads is an argument, so a recipe that lacks one fails at construction (a
+    ``TypeError``), not with a silent default.
+
     Args:
-        cfg: the recipe's config. It must have a ``run`` section (:class:`flowrl.config.RunConfig`); ``eval``
-            (``every_epochs``, optionally ``every_minutes`` and ``at_start``), ``log`` and ``checkpoint``
-            sections are read when present.
+        run: the ``run`` section (:class:`flowrl.config.RunConfig`).
         recipe: the recipe's registry name (written into ``config.yaml``, used in messages).
+        schedule: when to evaluate (:class:`EvalSchedule`: the recipe's ``eval`` section).
+        log / checkpoint: the ``log`` (:class:`LogConfig`) and ``checkpoint`` (:class:`CheckpointConfig`) sections.
+        precision: the precision the run computes in (``sampling.precision``; None: the CPU's default), which the
+            reference clock's probe uses (``run.clock=reference``).
+        reward: the training reward as the config names it, quoted in the run-health messages (None for a
+            supervised recipe, which has none).
+        config: the resolved config, as plain data (:func:`flowrl.config.to_dict`), written to ``config.yaml``
+            when the run starts.
         dist: an injected :class:`flowrl.dist.Dist` (tests); by default one is created.
         plots: ``{plot name: [metric keys, prefixes or globs]}`` drawn to ``plots/<name>.png`` (the time plots
             are added); ``units``: their y-axis labels.
@@ -152,9 +174,10 @@ class Run:
             ``step`` counter; checkpoints count steps).
     """
 
-    def __init__(self, cfg, recipe: str, *, dist=None, plots: dict[str, list[str]] | None = None,
-                 units: dict[str, str] | None = None, counters: tuple[str, ...] = (),
-                 steps_per_epoch: int | None = None):
+    def __init__(self, run: RunConfig, recipe: str, *, schedule: EvalSchedule, log: LogConfig,
+                 checkpoint: CheckpointConfig, precision: str | None, reward: str | None, config: dict, dist=None,
+                 plots: dict[str, list[str]] | None = None, units: dict[str, str] | None = None,
+                 counters: tuple[str, ...] = (), steps_per_epoch: int | None = None):
         from flowrl.dist import Dist
         from flowrl.run.metrics import MetricsLogger
         from flowrl.run.checkpoints import RunCheckpoints
@@ -162,8 +185,12 @@ class Run:
         from flowrl.run.runtime import prepare_run
         from flowrl.run.updates import UpdateHealth
 
-        self.cfg, self.recipe = cfg, recipe
-        self.dist = dist or Dist(device=cfg.run.device, timeout_minutes=cfg.run.collective_timeout_minutes)
+        if not isinstance(config, dict):  # the root config object would drag every section into the harness
+            raise TypeError(f"Run(config=...) takes the resolved config as plain data (flowrl.config.to_dict), not "
+                            f"a {type(config).__name__}")
+        self.run_cfg, self.recipe, self.schedule, self.precision = run, recipe, schedule, precision
+        self.reward_name, self.config = reward, config
+        self.dist = dist or Dist(device=run.device, timeout_minutes=run.collective_timeout_minutes)
         self.steps_per_epoch = steps_per_epoch
         if self.dist.is_main:
             print(f"flowrl: {recipe} on {self.dist.describe()}", flush=True)
@@ -171,21 +198,20 @@ class Run:
                 print(f"flowrl: warning: {note}", file=sys.stderr, flush=True)
         # The folder is checked now (before the model loads) and claimed only when the run starts (__enter__): a run
         # that fails to start leaves nothing that blocks the corrected command, and an overwrite deletes nothing yet.
-        check_output_dir(cfg.run)
+        check_output_dir(run)
         self._lock = None
-        self.output_dir = prepare_run(cfg.run)
+        self.output_dir = prepare_run(run)
         groups = dict(plots or {})
         groups.update({"time_per_epoch": ["time/*_s"], "time_total": ["time/*_min"]})
         units = {**(units or {}), "time_per_epoch": "seconds per epoch", "time_total": "minutes"}
-        log = getattr(cfg, "log", None)
-        self.logger = MetricsLogger(self.output_dir, backends=log.backends if log else (), enabled=self.dist.is_main,
-                                    project=log.project if log else "flowrl", plot_groups=groups, plot_units=units)
+        self.logger = MetricsLogger(self.output_dir, backends=log.backends, enabled=self.dist.is_main,
+                                    project=log.project, plot_groups=groups, plot_units=units)
         self.health = UpdateHealth()  # updates skipped for non-finite losses or gradients
         self.epoch = 0
         names = tuple(counters) + (("step",) if steps_per_epoch else ())
         self.counters: dict[str, int] = {name: 0 for name in names}
         self.status = "finished"
-        self._checkpoint_cfg = getattr(cfg, "checkpoint", None) or CheckpointConfig()
+        self._checkpoint_cfg = checkpoint
         self._tracked: dict[str, Any] = {}
         self.checkpoints = RunCheckpoints(self.output_dir, self.dist, self._tracked, keep=self._checkpoint_cfg.keep,
                                           unit="step" if steps_per_epoch else "epoch", counters=names)
@@ -202,7 +228,7 @@ class Run:
         self._updating = self._stopping = self._started = self._cut_short = self._evaluating = False
         self._early_reason: str | None = None
         self._saved_at: tuple[int, int] | None = None
-        self._early_stop = EarlyStop(cfg.run.stop_on) if getattr(cfg.run, "stop_on", None) else None
+        self._early_stop = EarlyStop(run.stop_on) if run.stop_on is not None else None
         self._rewards_since_eval: list[float] = []
         if self._early_stop is not None:
             self.track(early_stop=self._early_stop)
@@ -218,14 +244,11 @@ class Run:
         self._extra_files = write
 
     def evaluation(self, evaluate: Callable[..., dict[str, float]]) -> None:
-        """``evaluate(epoch, should_stop) -> metrics``, run at the start (``eval.at_start``, default on), every
+        """``evaluate(epoch, should_stop) -> metrics``, run at the start (``eval.at_start``), every
         ``eval.every_epochs`` epochs and every ``eval.every_minutes`` training minutes, and at the last epoch.
         ``should_stop()`` turns True on SIGINT / SIGTERM: pass it to the sampler so that a long evaluation
         stops within a step (``flowrl.commands.sample.GenerationInterrupted``)."""
         self._evaluate = evaluate
-
-    def _eval_setting(self, name: str, default: Any) -> Any:
-        return getattr(getattr(self.cfg, "eval", None), name, default)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -288,17 +311,16 @@ class Run:
         from flowrl.run.folder import prepare_output_dir
         from flowrl.run.runtime import GracefulStop, make_deadline
 
-        _, self._lock = prepare_output_dir(self.cfg.run, self.dist, self.recipe)  # lock, overwrite, marker
+        run = self.run_cfg
+        _, self._lock = prepare_output_dir(run, self.dist, self.recipe)  # lock, overwrite, marker
         if self.dist.is_main:
-            save_config(self.cfg, self.output_dir / "config.yaml", extra={"recipe": self.recipe})
-        if self.cfg.run.resume:
+            save_config(self.config, self.output_dir / "config.yaml", extra={"recipe": self.recipe})
+        if run.resume:
             self._resume()
         # The reference clock probes in the precision the run computes in (rollouts and training).
-        precision = getattr(getattr(self.cfg, "sampling", None), "precision", None)
-        self._deadline = make_deadline(self.cfg.run.clock, self.cfg.run.max_minutes,
-                                       already_spent=self._train_minutes_before, scale=self.cfg.run.clock_scale,
-                                       precision=precision)
-        self._next_eval_minutes = _next_multiple(self._train_minutes_before, self._eval_setting("every_minutes", None))
+        self._deadline = make_deadline(run.clock, run.max_minutes, already_spent=self._train_minutes_before,
+                                       scale=run.clock_scale, precision=self.precision)
+        self._next_eval_minutes = _next_multiple(self._train_minutes_before, self.schedule.every_minutes)
         if self._next_eval_minutes is not None and self._owed_eval_minutes is not None:
             # The checkpoint's pending evaluation (one that failed or was stopped) comes first: the next multiple
             # of eval.every_minutes after the resumed minutes would skip it.
@@ -384,7 +406,7 @@ class Run:
         resumed run already logged that evaluation)."""
         if not self._started:
             self._started = True
-            if (self.epoch == 0 and self.counters.get("step", 0) == 0 and self._eval_setting("at_start", True)
+            if (self.epoch == 0 and self.counters.get("step", 0) == 0 and self.schedule.at_start
                     and self._evaluate is not None and not (self.dist.is_main and self._has_row(0))):
                 metrics = self._run_evaluation()
                 if metrics is None:
@@ -398,14 +420,14 @@ class Run:
                     if self.dist.is_main:
                         print(f"epoch {self.epoch}: " + ", ".join(
                             f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith(("accuracy", "mean"))))
-            total = self.cfg.run.max_epochs * (self.steps_per_epoch or 1)
+            total = self.run_cfg.max_epochs * (self.steps_per_epoch or 1)
             self._bar = tqdm(total=total, initial=self.counters.get("step", self.epoch), desc=self.recipe,
                              disable=not self.dist.is_main, dynamic_ncols=True)
         if not self._stopping and self.dist.any(self._stop.requested):
             self._stopping = True
             self.status = self._stop.reason
             self.save_checkpoint()
-        if self._stopping or self.epoch >= self.cfg.run.max_epochs:
+        if self._stopping or self.epoch >= self.run_cfg.max_epochs:
             return False
         self._epoch_start = time.perf_counter()
         self._cut_short = False
@@ -460,11 +482,10 @@ class Run:
         self._degenerate_epochs += 1
         what = ("every reward is NaN (the reward failed on every image)" if all_nan else
                 "every group's rewards are equal (train/zero_std_frac = 1: no learning signal)")
-        limit = self.cfg.run.max_degenerate_epochs
+        limit = self.run_cfg.max_degenerate_epochs
         if self._degenerate_epochs >= limit:
-            reward = getattr(getattr(self.cfg, "reward", None), "train", "the reward")
             raise RunError(f"stopped after epoch {self.epoch}: {what} in {limit} epochs in a row; check the reward "
-                           f"({reward}) or raise run.max_degenerate_epochs")
+                           f"({self.reward_name}) or raise run.max_degenerate_epochs")
         self._warn(f"flowrl: warning: epoch {self.epoch + 1}: {what}" + ("; skipping its update" if all_nan else "")
                    + f" ({self._degenerate_epochs} of {limit} allowed in a row)")
         return not all_nan
@@ -495,11 +516,11 @@ class Run:
         keep_best = False
         if "train/reward_mean" in metrics:
             self._rewards_since_eval.append(float(metrics["train/reward_mean"]))
-        cfg = self.cfg
-        every_epochs = self._eval_setting("every_epochs", None)
+        run = self.run_cfg
+        every_epochs = self.schedule.every_epochs
         due = (every_epochs is not None and row_epoch % every_epochs == 0) or (
             self._next_eval_minutes is not None and self.train_minutes() >= self._next_eval_minutes)
-        if self._evaluate is not None and (due or stopping or self.epoch == cfg.run.max_epochs):
+        if self._evaluate is not None and (due or stopping or self.epoch == run.max_epochs):
             try:
                 evaluation = self._run_evaluation()
             except BaseException:
@@ -509,7 +530,7 @@ class Run:
                 stopping = True
             else:
                 metrics.update(evaluation)
-                self._next_eval_minutes = _next_multiple(self.train_minutes(), self._eval_setting("every_minutes", None))
+                self._next_eval_minutes = _next_multiple(self.train_minutes(), self.schedule.every_minutes)
                 keep_best, stop_reason = self._check_early_stop(metrics)
                 if stop_reason is not None:
                     stopping, self._early_reason = True, stop_reason
@@ -524,8 +545,8 @@ class Run:
         postfix.update({"eval": f"{v:.3f}" for k, v in metrics.items() if k.startswith("eval/")
                         and k.endswith("/accuracy")})
         self._bar.set_postfix(**postfix)
-        nonfinite = self.health.in_a_row >= cfg.run.max_nonfinite_updates
-        if (self.epoch % self._checkpoint_cfg.every_epochs == 0 or stopping or self.epoch == cfg.run.max_epochs
+        nonfinite = self.health.in_a_row >= run.max_nonfinite_updates
+        if (self.epoch % self._checkpoint_cfg.every_epochs == 0 or stopping or self.epoch == run.max_epochs
                 or nonfinite or keep_best):
             self.save_checkpoint()
         if keep_best:
@@ -576,8 +597,8 @@ class Run:
         self.logger.close()
         code = {"SIGINT": 130, "SIGTERM": 143}.get(self.status, 0)
         if self.dist.is_main:
-            where = (f"step {self.counters['step']}/{self.cfg.run.max_epochs * self.steps_per_epoch}"
-                     if self.steps_per_epoch else f"epoch {self.epoch}/{self.cfg.run.max_epochs}")
+            where = (f"step {self.counters['step']}/{self.run_cfg.max_epochs * self.steps_per_epoch}"
+                     if self.steps_per_epoch else f"epoch {self.epoch}/{self.run_cfg.max_epochs}")
             print(f"flowrl: {self.recipe} stopped at {where} ({self.status}); outputs in {self.output_dir}")
         if code == 0 and self._reward_epochs and not self._usable_reward_epochs:
             code = NO_USABLE_REWARD

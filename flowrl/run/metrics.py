@@ -72,7 +72,8 @@ class MetricsLogger:
                 try:
                     import wandb
                 except ImportError as err:
-                    raise RuntimeError("log.backends has 'wandb' but wandb is not installed: pip install wandb") from err
+                    raise RuntimeError("log.backends has 'wandb' but wandb is not installed: "
+                                       "pip install wandb") from err
                 self._wandb = wandb.init(project=project, name=run_name, config=config,
                                          dir=str(self.output_dir), resume="allow")
 

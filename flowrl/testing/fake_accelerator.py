@@ -152,7 +152,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DEVICE_TYPE", "DEVICE", "install", "is_installed", "is_fake", "FakeDeviceTensor", "to_device", "to_cpu",
+__all__ = ["DEVICE_TYPE", "DEVICE",  # noqa: F822  (DEVICE is provided by the module __getattr__ at the end)
+           "install", "is_installed", "is_fake", "FakeDeviceTensor", "to_device", "to_cpu",
            "on_device", "fake_generator", "FakeDeviceGenerator", "count_syncs", "SyncCounter", "SyncEvent",
            "SyncError", "KINDS"]
 

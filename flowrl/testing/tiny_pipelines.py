@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_tiny", "TINY_FAMILIES", "build_tiny_sd3", "build_tiny_flux", "tiny_pipeline_components", "TINY_RESOLUTION",
-           "TINY_MAX_SEQUENCE_LENGTH", "TINY_CLIP_MAX_LENGTH"]
+__all__ = ["build_tiny", "TINY_FAMILIES", "build_tiny_sd3", "build_tiny_flux", "tiny_pipeline_components",
+           "TINY_RESOLUTION", "TINY_MAX_SEQUENCE_LENGTH", "TINY_CLIP_MAX_LENGTH"]
 
 #: Image side length the tiny pipelines are meant for: 64 px -> 8x8 latents (16 FLUX tokens).
 TINY_RESOLUTION = 64

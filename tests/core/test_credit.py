@@ -1,4 +1,5 @@
-"""Step-level credit (docs/algorithms.md, section 4): hand-built reward sequences and trajectories with known answers."""
+"""Step-level credit (docs/algorithms.md, section 4): hand-built reward sequences and trajectories with known
+answers."""
 
 import math
 

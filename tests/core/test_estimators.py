@@ -21,7 +21,8 @@ def test_registry_names_needs_and_unknown_name():
     assert ADVANTAGE_ESTIMATORS.get("outcome").needs == ()
     assert ADVANTAGE_ESTIMATORS.get("tp_grpo").needs == ("completion_rewards",)
     assert ADVANTAGE_ESTIMATORS.get("cosine").needs == ("step_weights",)
-    with pytest.raises(KeyError, match="unknown advantage estimator 'grpo'.*valid names: cosine, gigpo, outcome, tp_grpo, trloo, turn_return"):
+    with pytest.raises(KeyError, match="unknown advantage estimator 'grpo'.*"
+                                       "valid names: cosine, gigpo, outcome, tp_grpo, trloo, turn_return"):
         ADVANTAGE_ESTIMATORS.get("grpo")
 
 

@@ -135,7 +135,8 @@ def test_clipped_loss_hand_batch():
 
 
 def test_clip_higher_and_dual_clip():
-    # clip_range 0.2, clip_range_high 0.28: rho 1.5, A = 1 -> max(-1.5, -1.28) = -1.28; rho 0.5, A = -1 -> max(0.5, 0.8) = 0.8
+    # clip_range 0.2, clip_range_high 0.28: rho 1.5, A = 1 -> max(-1.5, -1.28) = -1.28;
+    # rho 0.5, A = -1 -> max(0.5, 0.8) = 0.8
     logp = torch.log(t(1.5, 0.5))
     out = clipped_policy_loss(
         logp, t(0.0, 0.0), t(1.0, -1.0), clip_range=0.2, clip_range_high=0.28, aggregation="seq_mean_token_sum"
@@ -450,8 +451,8 @@ def test_flow_dppo_hand_values():
     # (0.2, -1, 1) far, corrective: kept.  loss = (-e^0.2 - e^-0.2 + e^0.2) / 5 = -e^-0.2 / 5.
     logp = t(0.2, 0.2, -0.2, -0.2, 0.2, requires_grad=True)
     mean = t(0.1, 1.0, 1.0, 1.0, 1.0).reshape(5, 1)
-    out = dppo_policy_loss(logp, torch.zeros(5, dtype=D), t(1.0, 1.0, 1.0, -1.0, -1.0), mean, torch.zeros(5, 1, dtype=D),
-                           1.0, threshold=0.1)
+    out = dppo_policy_loss(logp, torch.zeros(5, dtype=D), t(1.0, 1.0, 1.0, -1.0, -1.0), mean,
+                           torch.zeros(5, 1, dtype=D), 1.0, threshold=0.1)
     close(out.loss, -math.exp(-0.2) / 5)
     close(out.clip_frac, 0.4)
     (grad,) = torch.autograd.grad(out.loss, logp)

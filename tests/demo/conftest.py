@@ -24,10 +24,10 @@ def run_flow_grpo(model_dir: Path, out: Path, **extra) -> Path:
 
     settings = {
         "model.path": str(model_dir), "run.output_dir": str(out), "run.max_minutes": "null", "run.max_epochs": 1,
-        "data.num_eval_prompts": 2, "sampling.num_steps": 3, "sampling.window.max_start": "null", "sampling.eval_num_steps": 2,
-        "sampling.groups_per_epoch": 1, "sampling.group_size": 4, "sampling.batch_size": 4,
-        "train.micro_batch_size": 4, "train.clip_range": 0.2, "optim.lr": 0.05, "eval.at_start": "false",
-        "eval.every_epochs": 1, "eval.grid_size": 0, "checkpoint.every_epochs": 1,
+        "data.num_eval_prompts": 2, "sampling.num_steps": 3, "sampling.window.max_start": "null",
+        "sampling.eval_num_steps": 2, "sampling.groups_per_epoch": 1, "sampling.group_size": 4,
+        "sampling.batch_size": 4, "train.micro_batch_size": 4, "train.clip_range": 0.2, "optim.lr": 0.05,
+        "eval.at_start": "false", "eval.every_epochs": 1, "eval.grid_size": 0, "checkpoint.every_epochs": 1,
         "reward.train": "{jpeg_compressibility: 1.0}", "reward.eval": "[shapes]",
     }
     settings.update(extra)

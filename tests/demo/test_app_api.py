@@ -112,7 +112,7 @@ def test_a_file_that_is_not_an_image_is_a_message(client, tmp_path):
     assert "Traceback" not in str(info.value)
 
 
-# ----------------------------------------------------------------------------------------------- what a visitor can reach
+# --------------------------------------------------------------------------------------------- what a visitor can reach
 
 
 def test_file_data_naming_a_url_is_never_fetched_by_the_server(client, monkeypatch, tmp_path):

@@ -181,8 +181,8 @@ def test_the_api_takes_an_uploaded_source_and_never_fetches_a_url(media_url, sou
 
     client = gradio_client.Client(media_url, verbose=False)
     grid, means, _, status, _, clips = client.predict(
-        ["kontext"], PROMPT, "0", 2, 2.5, "ode", 0.7, ["jpeg_compressibility"], gradio_client.handle_file(str(source_png)),
-        api_name="/compare")
+        ["kontext"], PROMPT, "0", 2, 2.5, "ode", 0.7, ["jpeg_compressibility"],
+        gradio_client.handle_file(str(source_png)), api_name="/compare")
     resized = np.asarray(Image.open(source_png).convert("RGB").resize((64, 64), Image.Resampling.BICUBIC))
     cell, label_w = _cell_geometry()
     with Image.open(grid) as image:

@@ -2,8 +2,6 @@
 
 import shutil
 
-from pathlib import Path
-
 import pytest
 import torch
 import yaml

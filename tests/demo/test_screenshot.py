@@ -17,7 +17,8 @@ from PIL import Image
 
 from flowrl.demo.headless import capture_compare, compare_in, find_chromedriver, find_chromium, open_page
 from flowrl.demo.render import grid_image
-from flowrl.eval.grid import FRAME_GAP, HEADER, LINE_HEIGHT, PAD  # grid_image's geometry (HEADER: the column labels on top)
+# grid_image's geometry (HEADER: the column labels on top)
+from flowrl.eval.grid import FRAME_GAP, HEADER, LINE_HEIGHT, PAD
 
 
 @pytest.fixture(scope="session")

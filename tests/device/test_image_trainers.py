@@ -88,7 +88,8 @@ def arguments(config: str, family: str, out: Path, prompts: Path, pairs: Path, p
         for key in [k for k in settings if k.startswith(("sampling.group", "sampling.batch", "data.train_prompts"))]:
             del settings[key]
         # Offline pairs: no training reward, so the evaluation's reward is one without weights.
-        settings.update({"pairs.path": str(pairs), "pairs.pairs_per_epoch": 2, "reward.eval": "[jpeg_incompressibility]"})
+        settings.update({"pairs.path": str(pairs), "pairs.pairs_per_epoch": 2,
+                         "reward.eval": "[jpeg_incompressibility]"})
         del settings["reward.train"]
     if "d3po" in config:
         settings.update({"sampling.window.max_start": "null", "train.micro_batch_size": 1})

@@ -146,7 +146,8 @@ def test_consistent_reward_judges_each_step_against_the_trace_before_it():
     # Judged against the trace's own listing, not the scene: a consistent trace over a wrong listing scores 1.
     assert score(exists, "red_square 2 2 ; red : red_square 2 2 ; circle : none", "no") == 1
     assert score(exists, f"{listing} ; red : red_circle 2 2 ; circle : red_circle 2 2", "yes") == pytest.approx(2 / 3)
-    assert score(exists, f"{listing} ; red : red_circle 2 2, red_triangle 2 6", "yes") == pytest.approx(1 / 3)  # a step missing
+    # a step missing
+    assert score(exists, f"{listing} ; red : red_circle 2 2, red_triangle 2 6", "yes") == pytest.approx(1 / 3)
     count = QuestionSpec("count", color="green", shape="circle")
     assert score(count, "green_circle 1 3, green_circle 4 4 ; green : green_circle 1 3, green_circle 4 4 ; "
                         "circle : green_circle 1 3, green_circle 4 4", "2") == 1
@@ -172,8 +173,8 @@ def test_consistent_reward_judges_each_step_against_the_trace_before_it():
     assert score(left, "red_circle 3 4, blue_square 3 2 ; red_circle 3 4 , blue_square 3 2 ; right left", "no") == 1
     # Every shipped trace is consistent; a task without a question spec is refused.
     examples = sample_vqa("train", 60, seed=5)
-    assert consistent_match([reasoning_answer(e) for e in examples], [task_from_example(e) for e in examples]).tolist() \
-        == [1.0] * 60
+    assert consistent_match([reasoning_answer(e) for e in examples],
+                            [task_from_example(e) for e in examples]).tolist() == [1.0] * 60
     assert consistent_match(["<answer> 1 </answer>"], [task_from_example(examples[0])]).item() == 0.0  # no trace
     with pytest.raises(ValueError, match="question spec"):
         consistent_match(["<think> none </think>"], [SimpleNamespace(question="q?", data=None)])

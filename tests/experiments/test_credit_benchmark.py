@@ -16,7 +16,8 @@ def test_credit_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path):
         "--model-path", str(tiny_shapes_dir), "--minutes", "5", "--max-epochs", "2", "--eval-every-minutes", "100",
         "--seeds", "0", "--methods", "outcome", "shuffled", "--num-eval-prompts", "2",
         "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results"),
-        "--set", "sampling.num_steps=3", "--set", "sampling.window.max_start=null", "--set", "sampling.eval_num_steps=2",
+        "--set", "sampling.num_steps=3", "--set", "sampling.window.max_start=null",
+        "--set", "sampling.eval_num_steps=2",
         "--set", "sampling.group_size=2", "--set", "sampling.groups_per_epoch=2", "--set", "sampling.batch_size=4",
         "--set", "train.micro_batch_size=4", "--set", "eval.grid_size=0",
     ])

@@ -98,7 +98,7 @@ def test_each_variant_sets_its_regulariser():
     assert "clip_margin: 0" in over["adversarial_clipped"]
     assert "train.kl_coef=0.01" in over["kl_low"] and "train.kl_coef=0.04" in over["kl_high"]
     assert "train.kl_reward_adaptive=true" in over["crd_anchor"] and "train.kl_floor=4e-05" in over["crd_anchor"]
-    assert over["elastic_reset"] == "train.elastic_reset={every_epochs: 10, ema_decay: 0.9}"
+    assert over["elastic_reset"] == "train.elastic_reset={every_epochs: 10, decay_per_epoch: 0.9}"
     assert over["base_tail"] == "sampling.base_last_steps=4"
     # Every variant's config loads (the window of the main job ends before the base's 4 steps).
     from flowrl.commands.train import load_recipe_config
@@ -114,7 +114,7 @@ def test_combined_variants_join_their_parts_and_refuse_a_shared_key(capsys):
     assert hacking.variant_overrides(args, "artifact_1+kl_high") == [
         *hacking.variant_overrides(args, "artifact_1"), *hacking.variant_overrides(args, "kl_high")]
     assert hacking.variant_overrides(args, "base_tail+elastic_reset") == [
-        "sampling.base_last_steps=4", "train.elastic_reset={every_epochs: 10, ema_decay: 0.9}"]
+        "sampling.base_last_steps=4", "train.elastic_reset={every_epochs: 10, decay_per_epoch: 0.9}"]
     assert [job["out"].name for job in hacking.jobs_for(args)][1] == "artifact_1+kl_high_s0"
     assert hacking.uses_artifact("kl_high+artifact_0.5") and not hacking.uses_artifact("kl_high+base_tail")
     from flowrl.commands.train import load_recipe_config

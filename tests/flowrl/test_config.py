@@ -136,7 +136,8 @@ def test_clock_scale_turns_measured_time_into_reference_minutes():
 
     # A CPU at half the reference speed (scale 0.5) needs twice the CPU time for the same budget; earlier
     # sessions' minutes (already scaled) are not scaled again.
-    slow, plain = make_deadline("cpu", 1.0, already_spent=0.25, scale=0.5), make_deadline("cpu", 1.0, already_spent=0.25)
+    slow = make_deadline("cpu", 1.0, already_spent=0.25, scale=0.5)
+    plain = make_deadline("cpu", 1.0, already_spent=0.25)
     start = time.process_time()
     while time.process_time() - start < 0.6:
         pass
@@ -223,41 +224,65 @@ def test_the_reference_clock_probe_measures_the_shapes_model_without_touching_th
     clock.close()
 
 
-def test_a_renamed_key_keeps_working_with_a_warning(capsys):
-    from flowrl.config import ConfigError, from_dict
-    from flowrl.recipes.vlm_sft import Config
-
-    cfg = from_dict(Config, {"clock": "cpu", "threads": 1})
-    assert cfg.run.clock == "cpu" and cfg.run.threads == 1
-    err = capsys.readouterr().err
-    assert "'clock' is deprecated; use 'run.clock'" in err
-    assert from_dict(Config, {"clock": "cpu", "run": {"clock": "cpu"}}).run.clock == "cpu"  # same value twice is fine
-    with pytest.raises(ConfigError, match="set twice"):
-        from_dict(Config, {"clock": "cpu", "run": {"clock": "wall"}})
-
-
-def test_vlm_grpo_old_clip_and_kl_keys_move_to_train_with_a_warning(capsys, tmp_path):
-    """``algorithm.kl_beta`` / ``clip_low`` / ``clip_high`` (a section's keys moved to another section) keep
-    working in a file, in a ``a.b=c`` override and in a plain mapping."""
-    from flowrl.config import ConfigError, from_dict
-    from flowrl.recipes.vlm_grpo import Config
+def test_a_renamed_key_is_a_one_line_error_naming_its_new_place(tmp_path):
+    """An old key is not migrated: the unknown-key error reads the one rename table (flowrl.config.RENAMED) and
+    says where the key is now, in a plain mapping, in an override and in a YAML file (and under its base)."""
     from pathlib import Path
 
     from flowrl.commands.train import load_recipe_config
+    from flowrl.config import RENAMED
+    from flowrl.recipes import nft, vlm_grpo, vlm_sft
 
-    cfg = from_dict(Config, {"algorithm": {"kl": "k3", "kl_beta": 0.05, "clip_low": 0.1, "clip_high": 0.3}})
-    assert (cfg.train.kl_coef, cfg.train.clip_range, cfg.train.clip_range_high) == (0.05, 0.1, 0.3)
-    assert cfg.algorithm.resolved(cfg.train).clip_range_high == 0.3
-    assert cfg.algorithm.resolved(cfg.train).clip_range == 0.1
-    err = capsys.readouterr().err
-    assert "'algorithm.kl_beta' is deprecated; use 'train.kl_coef'" in err
-    with pytest.raises(ConfigError, match="set twice"):
-        from_dict(Config, {"algorithm": {"kl_beta": 0.05}, "train": {"kl_coef": 0.1}})
-    config = tmp_path / "old.yaml"
-    config.write_text("base: " + str(Path(__file__).resolve().parents[2] / "configs/vlm/shapes_vqa_grpo.yaml")
-                      + "\nalgorithm:\n  kl: k3\n  kl_beta: 0.02\n  clip_high: 0.28\n")
-    _, cfg = load_recipe_config(str(config), ["algorithm.clip_low=0.15"])
-    assert (cfg.train.kl_coef, cfg.train.clip_range, cfg.train.clip_range_high) == (0.02, 0.15, 0.28)
-    assert cfg.algorithm.resolved(cfg.train).clip_range == 0.15
-    # Unset: the variant's defaults.
-    assert from_dict(Config, {"algorithm": {"variant": "dapo"}}).algorithm.resolved().clip_range_high == 0.28
+    root = Path(__file__).resolve().parents[2]
+    with pytest.raises(ConfigError) as info:
+        from_dict(nft.Config, {"train": {"adv_clip": 5.0}})
+    assert str(info.value) == "train.adv_clip: unknown key: it is now advantage.clip"
+    with pytest.raises(ConfigError, match=r"^clock: unknown key: it is now run.clock$"):
+        from_dict(vlm_sft.Config, {"clock": "cpu"})
+    with pytest.raises(ConfigError, match=r"^algorithm.turn_credit: unknown key: it is now advantage.estimator$"):
+        load_recipe_config(str(root / "configs/vlm/shapes_zoom_gigpo.yaml"), ["algorithm.turn_credit=gigpo"])
+    with pytest.raises(ConfigError, match=r"^train.elastic_reset.ema_decay: unknown key: it is now "
+                                          r"train.elastic_reset.decay_per_epoch$"):
+        load_recipe_config(str(root / "configs/shapes/flow_grpo.yaml"),
+                           ["train.elastic_reset={every_epochs: 3, ema_decay: 0.5}"])
+    old = tmp_path / "old.yaml"
+    old.write_text(f"base: {root / 'configs/vlm/shapes_vqa_grpo.yaml'}\nalgorithm:\n  kl: k3\n  kl_beta: 0.02\n")
+    with pytest.raises(ConfigError, match=r"^algorithm.kl_beta: unknown key in .*old.yaml: it is now train.kl_coef$"):
+        load_recipe_config(str(old), [])
+    # The new names load, and every old name's new place is a key of some recipe's config.
+    cfg = from_dict(vlm_grpo.Config, {"algorithm": {"kl": "k3"}, "advantage": {"clip": 3.0, "normalizer": "rloo"},
+                                      "train": {"kl_coef": 0.02, "clip_range": 0.1}})
+    assert (cfg.advantage.clip, cfg.variant().normalizer, cfg.variant().clip_range) == (3.0, "rloo", 0.1)
+    assert {"train.adv_clip", "train.kl_adv_clip", "algorithm.adv_clip"} <= set(RENAMED)
+    assert {RENAMED[k] for k in ("train.adv_clip", "train.kl_adv_clip", "algorithm.adv_clip")} == {"advantage.clip"}
+
+
+def test_the_rename_table_points_at_keys_that_exist():
+    import dataclasses
+    import typing
+
+    from flowrl.config import RENAMED, _section_type
+    from flowrl.recipes import RECIPES
+
+    def has(cls, dotted: str) -> bool:
+        for key in dotted.split("."):
+            fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+            if key not in fields:
+                return False
+            cls = _section_type(typing.get_type_hints(cls)[key])
+        return True
+
+    configs = [RECIPES.get(name).config_class for name in RECIPES.names()]
+    for old, new in RENAMED.items():
+        assert any(has(c, new.split(" ")[0]) for c in configs), f"{old} -> {new}: no recipe has {new}"
+        assert not any(has(c, old) for c in configs), f"{old} is still a key"
+
+
+def test_vlm_variants_fill_what_the_config_leaves_unset():
+    from flowrl.recipes.vlm_grpo import Config
+
+    # Unset: the variant's defaults; `rloo` is a normaliser in both the VLM and the image recipes.
+    assert from_dict(Config, {"algorithm": {"variant": "dapo"}}).variant().clip_range_high == 0.28
+    assert from_dict(Config, {"algorithm": {"variant": "rloo"}}).variant().normalizer == "rloo"
+    assert from_dict(Config, {"algorithm": {"variant": "rloo"},
+                              "advantage": {"normalizer": "group"}}).variant().normalizer == "group"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, ModelLoadError, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import ModelLoadError, unwrap
 
 KINDS = ["sd3", "flux"]
 PROMPTS = ["a red cat", "a blue square", "a red cat"]
@@ -79,7 +81,7 @@ def test_frozen_parts_and_train_mode(load, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_policy_reference_and_state_round_trip(load, kind):
-    model = load(kind, lora=LoraSettings(rank=4, alpha=8))
+    model = load(kind, lora=LoraConfig(rank=4, alpha=8))
     module = unwrap(model.denoiser)
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
@@ -135,7 +137,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(load, kind, lora):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(3)
-        model = load(kind, lora=LoraSettings(rank=4, alpha=8) if lora else None,
+        model = load(kind, lora=LoraConfig(rank=4, alpha=8) if lora else None,
                      gradient_checkpointing=checkpointing)
         assert unwrap(model.denoiser).gradient_checkpointing is checkpointing
         module = unwrap(model.denoiser)
@@ -159,7 +161,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(load, kind, lora):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_half_precision_base_with_float32_lora(load, kind):
-    model = load(kind, dtype="bf16", lora=LoraSettings(rank=4, alpha=8))
+    model = load(kind, dtype="bf16", lora=LoraConfig(rank=4, alpha=8))
     module = unwrap(model.denoiser)
     base_dtypes = {p.dtype for n, p in module.named_parameters() if "lora_" not in n}
     assert base_dtypes == {torch.bfloat16}

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ATOL = 1e-5
@@ -43,8 +45,8 @@ def _euler(velocity_fn, x, sigmas, cond):
 
 def _pipeline_images(model, x_t, steps, guidance):
     with torch.no_grad():
-        return model.pipeline(prompt=list(PROMPTS), latents=x_t.clone(), guidance_scale=guidance, num_inference_steps=steps,
-                              height=TINY_RESOLUTION, width=TINY_RESOLUTION,
+        return model.pipeline(prompt=list(PROMPTS), latents=x_t.clone(), guidance_scale=guidance,
+                              num_inference_steps=steps, height=TINY_RESOLUTION, width=TINY_RESOLUTION,
                               max_sequence_length=model.max_sequence_length, output_type="pt").images
 
 
@@ -103,7 +105,7 @@ def test_sigmas_equal_the_pipeline_schedule(tiny_klein, steps, resolution):
 
 
 def test_lora_targets_and_reference(tiny_klein):
-    model = load(tiny_klein, lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_klein, lora=LoraConfig(rank=4, alpha=8))
     module = unwrap(model.denoiser)
     adapted = [n for n, _ in module.named_modules() if n.endswith(".lora_A")]
     for target in model.default_lora_targets():

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ATOL = 1e-5
@@ -93,7 +95,7 @@ def test_lora_targets_and_a_klein_transformer_is_refused(tiny_dev, tmp_path):
     from flowrl.testing.tiny_flux2 import flux2_klein_components
     from flowrl.testing.tiny_flux2_dev import flux2_dev_components
 
-    model = load(tiny_dev, lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_dev, lora=LoraConfig(rank=4, alpha=8))
     adapted = [n for n, _ in unwrap(model.denoiser).named_modules() if n.endswith(".lora_A")]
     for target in model.default_lora_targets():
         assert any(n.removesuffix(".lora_A").endswith("." + target) for n in adapted), target

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ATOL = 1e-5
@@ -108,7 +110,7 @@ def test_a_prompt_without_its_source_is_refused(tiny_kontext):
 
 
 def test_lora_and_reference(tiny_kontext):
-    model = load(tiny_kontext, lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_kontext, lora=LoraConfig(rank=4, alpha=8))
     x, sigma = torch.randn(2, *model.latent_shape), torch.tensor(0.5)
     cond = model.encode_prompts(PROMPTS, rows(sources()))
     with model.reference():

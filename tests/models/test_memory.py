@@ -66,9 +66,9 @@ def test_full_finetune_reference_copy_only_when_frozen(load, kind):
 
 
 def test_lora_reference_needs_no_copy(load):
-    from flowrl.models.base import LoraSettings
+    from flowrl.config import LoraConfig
 
-    model = load("sd3", lora=LoraSettings(rank=4, alpha=8))
+    model = load("sd3", lora=LoraConfig(rank=4, alpha=8))
     before = _weight_storages(model)
     assert model.has_reference
     model.freeze_reference()  # a no-op for LoRA: its reference is the adapters off
@@ -122,9 +122,9 @@ def test_full_finetune_in_bf16_keeps_float32_master_weights(load, kind):
 
 
 def test_master_weights_leave_lora_and_float32_models_alone(load):
-    from flowrl.models.base import LoraSettings
+    from flowrl.config import LoraConfig
 
-    lora = load("sd3", dtype="bf16", lora=LoraSettings(rank=4, alpha=8))
+    lora = load("sd3", dtype="bf16", lora=LoraConfig(rank=4, alpha=8))
     lora.keep_float32_master_weights()
     base = {p.dtype for n, p in unwrap(lora.denoiser).named_parameters() if "lora_" not in n}
     assert base == {torch.bfloat16} and lora._autocast_dtype is None

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ATOL = 1e-5
@@ -148,7 +150,7 @@ def test_encode_images_inverts_the_normalisation(tiny_qwen):
 
 
 def test_lora_reference_and_state_round_trip(tiny_qwen):
-    model = load(tiny_qwen, lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_qwen, lora=LoraConfig(rank=4, alpha=8))
     module = unwrap(model.denoiser)
     adapted = [n for n, _ in module.named_modules() if n.endswith(".lora_A")]
     for target in model.default_lora_targets():
@@ -178,7 +180,7 @@ def test_gradient_checkpointing_and_bf16_base(tiny_qwen):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(3)
-        model = load(tiny_qwen, lora=LoraSettings(rank=4, alpha=8), gradient_checkpointing=checkpointing)
+        model = load(tiny_qwen, lora=LoraConfig(rank=4, alpha=8), gradient_checkpointing=checkpointing)
         with torch.no_grad():
             for name, p in unwrap(model.denoiser).named_parameters():
                 if "lora_B" in name:
@@ -192,7 +194,7 @@ def test_gradient_checkpointing_and_bf16_base(tiny_qwen):
     assert sum(bool(g.abs().max() > 0) for g in grads[0].values()) > 0.5 * len(grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-5, msg=name)
-    model = load(tiny_qwen, dtype="bf16", lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_qwen, dtype="bf16", lora=LoraConfig(rank=4, alpha=8))
     assert {p.dtype for p in model.trainable_parameters()} == {torch.float32}
     assert next(model.pipeline.vae.parameters()).dtype == torch.float32
     v = model.velocity(torch.randn(2, *model.latent_shape), torch.tensor(0.5), model.encode_prompts(PROMPTS))

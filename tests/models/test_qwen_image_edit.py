@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ATOL = 1e-5
@@ -98,7 +100,8 @@ def test_sampling_matches_the_pipeline(tiny_edit, steps, guidance):
     x_t = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(steps))
     pil, tensors = sources(steps)
     with torch.no_grad():
-        ours = _euler(model.velocity_fn(guidance), x_t, model.sigmas(steps), model.encode_prompts(PROMPTS, rows(tensors)))
+        ours = _euler(model.velocity_fn(guidance), x_t, model.sigmas(steps),
+                      model.encode_prompts(PROMPTS, rows(tensors)))
         torch.testing.assert_close(ours, _pipeline(model, x_t, pil, PROMPTS, steps, guidance, "latent"), rtol=0,
                                    atol=ATOL)
         torch.testing.assert_close(model.decode(ours), _pipeline(model, x_t, pil, PROMPTS, steps, guidance, "pt"),
@@ -173,7 +176,7 @@ def test_the_cache_keys_on_prompt_and_source_and_bad_input_is_refused(tiny_edit)
 
 
 def test_lora_and_reference(tiny_edit):
-    model = load(tiny_edit, lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_edit, lora=LoraConfig(rank=4, alpha=8))
     x, sigma = torch.randn(2, *model.latent_shape), torch.tensor(0.5)
     cond = model.encode_prompts(PROMPTS, rows(sources()[1]))
     guided = model.velocity_fn(4.0)

@@ -48,7 +48,8 @@ def test_loads_the_saved_checkpoint(saved, model):
         assert torch.equal(tensor, model.denoiser.state_dict()[name]), name
     for name, tensor in built.text_encoder.state_dict().items():
         assert torch.equal(tensor, model.text_encoder.state_dict()[name]), name
-    assert model.tokenize(["a red circle"])["input_ids"].tolist() == built.tokenize(["a red circle"])["input_ids"].tolist()
+    assert (model.tokenize(["a red circle"])["input_ids"].tolist()
+            == built.tokenize(["a red circle"])["input_ids"].tolist())
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

@@ -11,7 +11,9 @@ import copy
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 from flowrl.testing.tiny_wan import TINY_WAN_NUM_FRAMES, WAN22_BOUNDARY_RATIO
 
@@ -139,7 +141,7 @@ def test_encode_images_inverts_the_normalisation(tiny_wan):
 
 @pytest.mark.parametrize("kind", ["wan", "wan22"])
 def test_lora_reference_and_state_round_trip(tiny_wan, kind):
-    model = load(tiny_wan[kind], lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_wan[kind], lora=LoraConfig(rank=4, alpha=8))
     module = unwrap(model.denoiser)
     adapted = [n for n, _ in module.named_modules() if n.endswith(".lora_A")]
     for target in model.default_lora_targets():

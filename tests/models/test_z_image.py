@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.base import LoraSettings, unwrap
+from flowrl.config import LoraConfig
+
+from flowrl.models.base import unwrap
 from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
 
 ATOL = 1e-5
@@ -45,8 +47,8 @@ def _euler(velocity_fn, x, sigmas, cond):
 def _pipeline(model, x_t, steps, guidance, output_type):
     with torch.no_grad():
         # a copy: ZImagePipeline writes the chat-templated text back into the caller's prompt list
-        return model.pipeline(list(PROMPTS), latents=x_t.clone(), guidance_scale=guidance - 1.0, num_inference_steps=steps,
-                              height=TINY_RESOLUTION, width=TINY_RESOLUTION,
+        return model.pipeline(list(PROMPTS), latents=x_t.clone(), guidance_scale=guidance - 1.0,
+                              num_inference_steps=steps, height=TINY_RESOLUTION, width=TINY_RESOLUTION,
                               max_sequence_length=model.max_sequence_length, output_type=output_type).images
 
 
@@ -99,7 +101,7 @@ def test_sigmas_equal_the_scheduler(tiny_z, steps):
 
 
 def test_lora_targets_reference_and_gradients(tiny_z):
-    model = load(tiny_z, lora=LoraSettings(rank=4, alpha=8))
+    model = load(tiny_z, lora=LoraConfig(rank=4, alpha=8))
     module = unwrap(model.denoiser)
     adapted = [n for n, _ in module.named_modules() if n.endswith(".lora_A")]
     for target in model.default_lora_targets():

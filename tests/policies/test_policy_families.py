@@ -81,7 +81,8 @@ def test_image_tokens_equal_image_features(policy):
     image_kwargs = {k: v for k, v in inputs.tensors.items() if k in policy.family.image_keys}
     with torch.no_grad():
         features = base.get_image_features(**image_kwargs).pooler_output
-    rows = sum(f.shape[0] for f in features) if isinstance(features, (tuple, list)) else features.shape[0] * features.shape[1]
+    rows = (sum(f.shape[0] for f in features) if isinstance(features, (tuple, list))
+            else features.shape[0] * features.shape[1])
     assert rows == int(inputs.num_image_tokens.sum()) == sum(n_images) * TOKENS_PER_IMAGE
     with torch.no_grad():  # the model's own check of tokens against features passes
         policy.score(inputs)
@@ -137,9 +138,9 @@ def test_sampling_is_per_sample_and_reproducible(policy):
 
 
 def test_lora_reference_is_the_base_model(policy, tmp_path):
-    from flowrl.policies import LoraSpec
+    from flowrl.config import LoraConfig
 
-    lora = TokenPolicy.prepare(policy.base_model, policy.processor, lora=LoraSpec(rank=4, alpha=8))
+    lora = TokenPolicy.prepare(policy.base_model, policy.processor, lora=LoraConfig(rank=4, alpha=8))
     try:
         targets = [n for n, p in lora.model.named_parameters() if p.requires_grad]
         assert targets and all("lora_" in n for n in targets)
@@ -182,7 +183,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(policy):
     conversations, _ = _play(policy, _multi_turn(policy), turns=1)
     grads = []
     for checkpointing in (False, True):
-        p = TokenPolicy.prepare(copy.deepcopy(policy.base_model), policy.processor, gradient_checkpointing=checkpointing)
+        p = TokenPolicy.prepare(copy.deepcopy(policy.base_model), policy.processor,
+                                gradient_checkpointing=checkpointing)
         p.train()
         inputs = p.build_inputs(conversations)
         p.score(inputs).sum().backward()
@@ -251,7 +253,8 @@ def test_shared_prompts_give_the_unshared_tokens_and_logprobs(policy):
     lm = getattr(getattr(language, "model", language), "language_model", None) or getattr(language, "model", language)
     hook = lm.register_forward_pre_hook(
         lambda module, args, kwargs: batch_rows.append(
-            (kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None else kwargs["input_ids"]).shape[:2]),
+            (kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None
+             else kwargs["input_ids"]).shape[:2]),
         with_kwargs=True)
     try:
         shared = policy.generate(rows, seeds=seeds, max_new_tokens=4, share_prompts=True)

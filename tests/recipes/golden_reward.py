@@ -8,8 +8,6 @@ gradient is not constant. The random tiny model's images vary enough there that 
 
 from __future__ import annotations
 
-import torch
-
 from rewards import RewardOutput
 from rewards.base import Reward, to_image_tensor
 from rewards.registry import REWARDS

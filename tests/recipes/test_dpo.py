@@ -16,27 +16,30 @@ from flowrl.eval.generate import generate
 from toy import ToyFlow, expected_reward
 
 
-def toy_pairs(swap: bool, n: int = 512) -> ForwardData:
-    """Pairs of base-model samples of the toy flow; the one further right is preferred (or, swapped, the other)."""
+def toy_pairs(swap: bool, n: int = 512, rejected_first: bool = False) -> ForwardData:
+    """Pairs of base-model samples of the toy flow; the one further right is preferred (or, swapped, the other).
+    Labelled rows 2j, 2j + 1 of pair j: the chosen image first, or with ``rejected_first`` the rejected one."""
     x = generate(ToyFlow(), ["p"] * 2 * n, list(range(2 * n)), steps=10, guidance=1.0, batch_size=2 * n)
     a, b = x[:n], x[n:]
     right = (a[:, 0, 0, 0] > b[:, 0, 0, 0])[:, None, None, None]
     chosen, rejected = torch.where(right, a, b), torch.where(right, b, a)
     if swap:
         chosen, rejected = rejected, chosen
-    x0 = torch.stack([chosen, rejected], dim=1).flatten(0, 1)  # rows 2j, 2j + 1: pair j
-    return ForwardData(x0=x0, cond={"embedding": torch.zeros(2 * n, 1)}, advantages=torch.tensor([1.0, -1.0]).repeat(n),
+    rows = [rejected, chosen] if rejected_first else [chosen, rejected]
+    x0 = torch.stack(rows, dim=1).flatten(0, 1)  # rows 2j, 2j + 1: pair j
+    labels = torch.tensor([False, True] if rejected_first else [True, False]).repeat(n)
+    return ForwardData(x0=x0, cond={"embedding": torch.zeros(2 * n, 1)}, advantages=None,
                        group_ids=torch.arange(n).repeat_interleave(2), sample_ids=torch.arange(2 * n),
-                       valid=torch.ones(2 * n, dtype=torch.bool))
+                       valid=torch.ones(2 * n, dtype=torch.bool), chosen=labels)
 
 
-def run_updates(swap: bool, epochs: int = 8) -> tuple[float, float]:
+def run_updates(swap: bool, epochs: int = 8, rejected_first: bool = False) -> tuple[float, float]:
     cfg = from_dict(dpo.Config, {"pairs": {"path": "unused"}, "optim": {"lr": 3e-3},
                                  "train": {"beta": 20.0, "micro_batch_size": 256}})
     model, dist = ToyFlow(), Dist(cpu=True)
     model.freeze_reference()
     optimizer = torch.optim.Adam(model.trainable_parameters(), lr=cfg.optim.lr)
-    data = toy_pairs(swap)
+    data = toy_pairs(swap, rejected_first=rejected_first)
     before = expected_reward(model)
     for epoch in range(epochs):
         metrics = dpo.train_epoch(model, optimizer, data, model.sigmas(10), cfg, dist, epoch)
@@ -51,6 +54,15 @@ def test_updates_climb_the_reward_and_swapped_pairs_descend():
     assert after > before + 0.1, (before, after)
     before_swapped, after_swapped = run_updates(swap=True)
     assert after_swapped < before_swapped - 0.1, (before_swapped, after_swapped)
+
+
+def test_the_labels_say_which_image_is_chosen_not_the_row_order():
+    """Diffusion-DPO reads each row's label (``ForwardData.chosen``), not the sign of an advantage or the row's place
+    in its pair: with the rejected image first in every pair, the same pairs train the same way."""
+    chosen_first = run_updates(swap=False, epochs=2)
+    rejected_first = run_updates(swap=False, epochs=2, rejected_first=True)
+    assert rejected_first[1] == pytest.approx(chosen_first[1], rel=1e-4, abs=1e-6)
+    assert rejected_first[1] > rejected_first[0]
 
 
 class PixelModel:
@@ -83,7 +95,7 @@ def test_pair_set_uses_every_pair_once_per_pass_and_encodes_both_images(tmp_path
     # Row 2k is pair k's chosen image (value 2i / 255 -> [-1, 1]), row 2k + 1 its rejected one.
     expected = torch.tensor([[2 * i, 2 * i + 1] for i in j], dtype=torch.float32).flatten() / 255 * 2 - 1
     assert torch.allclose(data.x0[:, 0, 0, 0], expected)
-    assert data.advantages.tolist() == [1.0, -1.0, 1.0, -1.0]
+    assert data.chosen.tolist() == [True, False, True, False] and data.advantages is None
     assert data.group_ids.tolist() == [0, 0, 1, 1] and data.sample_ids.tolist() == [0, 1, 2, 3]
     assert data.cond["ids"].flatten().tolist() == [len(f"prompt {i}") for i in j for _ in range(2)]
 

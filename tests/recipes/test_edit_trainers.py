@@ -235,6 +235,6 @@ def test_sample_draws_the_source_beside_the_edits_and_eval_reads_editing_shards(
     assert "--source is for editing models" in capsys.readouterr().err
     summary = tmp_path / "eval.json"
     assert eval_main(["--model", tiny, "--resolution", str(TINY_RESOLUTION), "--reward", "jpeg_incompressibility",
-                      "--prompts", str(edits), "--steps", "2", "--guidance", str(GUIDANCE[family]), "--out", str(summary),
-                      "--no-progress"]) == 0, capsys.readouterr().err[-2000:]
+                      "--prompts", str(edits), "--steps", "2", "--guidance", str(GUIDANCE[family]),
+                      "--out", str(summary), "--no-progress"]) == 0, capsys.readouterr().err[-2000:]
     assert json.loads(summary.read_text())["settings"]["n"] == 4

@@ -3,8 +3,8 @@ pipeline of each newer model family (flowrl.models.families; SD3 / FLUX have the
 trainer's shipped shapes config with the model swapped: it trains (finite loss, a gradient), logs, evaluates and
 checkpoints. Wan (text-to-video) runs on 5-frame clips (2 latent frames); its Diffusion-DPO pairs are the same
 image pairs as the image families', which the Wan adapter encodes as still clips (each image repeated over every
-frame: flowrl has no video pair shards). Flow-GRPO's first pass re-scores its own rollout, so its logged ratio is 1 and the LoRA (B = 0 at
-init) equals the reference."""
+frame: flowrl has no video pair shards). Flow-GRPO's first pass re-scores its own rollout, so its logged ratio is 1
+and the LoRA (B = 0 at init) equals the reference."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def free_port() -> int:
 def launch(config: str, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
     from flowrl.testing import build_tiny_sd3
 
-    args = [f"model.name=sd3", f"model.path={build_tiny_sd3()}", "model.max_sequence_length=16",
+    args = ["model.name=sd3", f"model.path={build_tiny_sd3()}", "model.max_sequence_length=16",
             f"run.output_dir={out}", "run.max_minutes=null", "run.deterministic=true",
             "data.train_prompts=shapes:train", "data.eval_prompts=shapes:eval", "data.num_eval_prompts=4",
             "sampling.num_steps=4", "sampling.window.max_start=null", "sampling.eval_num_steps=2",

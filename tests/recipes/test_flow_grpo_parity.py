@@ -57,7 +57,8 @@ def flow_grpo_gradient(model, rollouts, advantages, *, guidance, noise_level, cl
     def transition_mean(x, t, **kw):
         sigma, sigma_next = float(sigmas[t]), float(sigmas[t + 1])
         timestep = torch.full((2 * len(x),), sigma * 1000.0)
-        out = denoiser(hidden_states=torch.cat([x, x]), timestep=timestep, encoder_hidden_states=embeds["prompt_embeds"],
+        out = denoiser(hidden_states=torch.cat([x, x]), timestep=timestep,
+                       encoder_hidden_states=embeds["prompt_embeds"],
                        pooled_projections=embeds["pooled_prompt_embeds"], return_dict=False)[0]
         v_uncond, v_text = out.chunk(2)
         v = v_uncond.detach() + guidance * (v_text - v_uncond.detach())

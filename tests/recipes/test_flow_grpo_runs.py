@@ -1,6 +1,5 @@
 """The Flow-GRPO recipe end to end on a tiny shapes model: exact resume, NaN rewards, clear errors."""
 
-import json
 import math
 import subprocess
 import sys
@@ -22,10 +21,11 @@ CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
 def tiny_overrides(model_dir, out, **extra) -> list[str]:
     settings = {
         "model.path": str(model_dir), "run.output_dir": str(out), "run.max_minutes": "null",
-        "run.deterministic": "true", "data.num_eval_prompts": 6, "sampling.num_steps": 4, "sampling.window.max_start": "null",
-        "sampling.eval_num_steps": 3, "sampling.groups_per_epoch": 2, "sampling.group_size": 4,
-        "sampling.batch_size": 8, "train.micro_batch_size": 4, "train.clip_range": 0.2, "optim.lr": 1e-3,
-        "eval.every_epochs": 2, "eval.every_minutes": "null", "checkpoint.every_epochs": 1, "eval.grid_size": 4,
+        "run.deterministic": "true", "data.num_eval_prompts": 6, "sampling.num_steps": 4,
+        "sampling.window.max_start": "null", "sampling.eval_num_steps": 3, "sampling.groups_per_epoch": 2,
+        "sampling.group_size": 4, "sampling.batch_size": 8, "train.micro_batch_size": 4, "train.clip_range": 0.2,
+        "optim.lr": 1e-3, "eval.every_epochs": 2, "eval.every_minutes": "null", "checkpoint.every_epochs": 1,
+        "eval.grid_size": 4,
         # The random tiny model draws no shapes; JPEG size varies per image, so advantages are non-zero.
         "reward.train": "{jpeg_incompressibility: 1.0}",
     }
@@ -109,9 +109,9 @@ def test_bad_config_missing_model_and_missing_checkpoint_are_one_line_errors(tin
     bad = cli(str(CONFIG), "sampling.group_sise=4")
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("flowrl train: config error: sampling.group_sise: unknown key (did you mean "
-                                  "'group_size'?); valid keys: num_steps, eval_num_steps, step, noise_level, reduction, "
-                                  "guidance, eval_guidance, window, group_size, groups_per_epoch, batch_size, "
-                                  "precision, base_last_steps")
+                                  "'group_size'?); valid keys: num_steps, eval_num_steps, step, noise_level, "
+                                  "reduction, guidance, eval_guidance, window, group_size, groups_per_epoch, "
+                                  "batch_size, precision, base_last_steps")
     missing = cli(str(CONFIG), f"model.path={tmp_path / 'nowhere'}", f"run.output_dir={tmp_path / 'o'}")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "shapes model at" in missing.stderr and "is missing model.json" in missing.stderr

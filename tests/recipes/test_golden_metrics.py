@@ -11,9 +11,10 @@ and preference trainer (CRD, DiffusionNFT, AWM, DGPO, Diffusion-DPO, D3PO); pret
 
 Tolerances are what float arithmetic allows across CPUs, thread counts and kernels (checked with
 ``OMP_NUM_THREADS=1`` / ``2``, ``ATEN_CPU_CAPABILITY=default`` / ``avx2`` with ``ONEDNN_MAX_CPU_ISA=AVX2``,
-and oneDNN disabled through ``FLOWRL_TEST_DISABLE_ONEDNN=1``): ``RELATIVE`` for every value, plus an absolute floor for the values that are
-zero up to rounding (``ABSOLUTE``: an on-policy surrogate loss is a sum of advantages that cancel; the first
-pass's approximate KL and ratio are 0 and 1 up to rounding). A formula error moves these metrics by far more.
+and oneDNN disabled through ``FLOWRL_TEST_DISABLE_ONEDNN=1``): ``RELATIVE`` for every value, plus an absolute
+floor for the values that are zero up to rounding (``ABSOLUTE``: an on-policy surrogate loss is a sum of advantages
+that cancel; the first pass's approximate KL and ratio are 0 and 1 up to rounding). A formula error moves these
+metrics by far more.
 
 Re-record (after an intended change, saying why in the commit) with
 ``FLOWRL_WRITE_GOLDEN=1 pytest tests/recipes/test_golden_metrics.py``.

@@ -35,7 +35,8 @@ def _flow_grpo_full_finetune(tmp_path, prompt_file, *extra):
         "model.name=sd3", f"model.path={build_tiny_sd3()}", "model.max_sequence_length=16", "model.lora=null",
         f"run.output_dir={tmp_path / 'run'}", "run.max_epochs=1", "run.max_minutes=null",
         f"data.train_prompts={prompt_file}", f"data.eval_prompts={prompt_file}", "data.num_eval_prompts=2",
-        "sampling.num_steps=3", "sampling.eval_num_steps=2", "sampling.window.max_start=null", "sampling.noise_level=0.5",
+        "sampling.num_steps=3", "sampling.eval_num_steps=2", "sampling.window.max_start=null",
+        "sampling.noise_level=0.5",
         "sampling.group_size=2", "sampling.groups_per_epoch=2", "sampling.batch_size=4", "train.micro_batch_size=4",
         "optim.lr=1e-3", "reward.train={jpeg_incompressibility: 1.0}", "reward.eval=[jpeg_incompressibility]",
         "eval.at_start=false", "eval.every_epochs=1", "eval.every_minutes=null",
@@ -102,7 +103,7 @@ def _declaration(monkeypatch, name: str, *overrides: str) -> tuple[bool, list[st
     with recorded_reference_declarations() as declared, pytest.raises(Stop):
         recipe.main(cfg)
     assert len(declared) == 1
-    return declared[0], reference_uses(cfg, declared[0])
+    return declared[0], reference_uses(cfg.sampling, cfg.eval, declared[0])
 
 
 @pytest.mark.parametrize("name", ["flow_grpo", "nft", "awm", "crd", "raft"])

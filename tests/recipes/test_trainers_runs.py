@@ -15,8 +15,8 @@ from flowrl.commands.train import load_recipe_config
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ("crd", "nft", "awm", "dgpo", "dpo", "d3po", "raft")
 # Extra state each trainer checkpoints beside the model, the optimizer and its schedule.
-SNAPSHOTS = {"crd": ("old", "rollout_snapshot"), "nft": ("old",), "awm": ("ema_snapshot",), "dgpo": ("ema_snapshot",), "dpo": (),
-             "d3po": (), "raft": ()}
+SNAPSHOTS = {"crd": ("old", "rollout_snapshot"), "nft": ("old",), "awm": ("ema_snapshot",), "dgpo": ("ema_snapshot",),
+             "dpo": (), "d3po": (), "raft": ()}
 
 
 def tiny_overrides(name: str, model_dir: Path, out: Path, pairs: Path, **extra) -> list[str]:

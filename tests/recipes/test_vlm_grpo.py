@@ -106,7 +106,7 @@ def test_bad_config_is_one_line(tiny_vlm):
 
     with pytest.raises(ConfigError, match="algorithm.variant"):
         load_recipe_config(str(ROOT / GRPO), ["algorithm.variant=ppo"])
-    with pytest.raises(ConfigError, match="turn_credit"):
+    with pytest.raises(ConfigError, match=r"^advantage.estimator: gspo's sequence-level ratio"):
         load_recipe_config(str(ROOT / ZOOM), ["algorithm.variant=gspo"])
     with pytest.raises(ConfigError, match="unknown answer reward"):
         load_recipe_config(str(ROOT / GRPO), ["reward.answer={exactt: 1.0}"])
@@ -115,17 +115,15 @@ def test_bad_config_is_one_line(tiny_vlm):
 
 
 def test_a_share_of_the_training_groups_ask_position_by_colour():
-    from types import SimpleNamespace
-
     from flowrl.envs.epoch import epoch_tasks
     from flowrl.envs.registry import get_env
     from flowrl.envs.vqa import vqa_tasks
 
     _, config = load_recipe_config(str(ROOT / GRPO), ["env.color_position_fraction=0.25"])
-    rounds = epoch_tasks(get_env("shapes_vqa"), config.env, 32, 3, ("count", "position"))
+    rounds = epoch_tasks(get_env("shapes_vqa"), 32, 3, ("count", "position"),
+                         color_position_fraction=config.env.color_position_fraction)
     assert sum(t.data.spec.other_color is not None for t in rounds) == 8
-    assert not any(t.data.spec.other_color for t in epoch_tasks(get_env("shapes_vqa"), SimpleNamespace(), 32, 3,
-                                                                  ("count", "position")))
+    assert not any(t.data.spec.other_color for t in epoch_tasks(get_env("shapes_vqa"), 32, 3, ("count", "position")))
 
     plain = vqa_tasks("train", 32, seed=3)
     mixed = vqa_tasks("train", 32, seed=3, color_position_fraction=0.25)
@@ -138,6 +136,36 @@ def test_a_share_of_the_training_groups_ask_position_by_colour():
     assert {t.kind for t in no_position} == {"count", "shape"}
     with pytest.raises(ValueError, match="train-only"):
         vqa_tasks("eval", 8, seed=3, color_position_fraction=0.25)
+
+
+def test_non_finite_updates_are_skipped_then_stop_with_the_last_finite_weights(tiny_vlm, tmp_path):
+    """Before: the recipe clipped and stepped the optimizer itself, so a NaN loss reached the weights and
+    run.max_nonfinite_updates never fired. Now every update goes through the guarded optimizer step, as the image
+    trainers' (tests/rl/test_run_health.py): skipped, counted, and the run stops with the last finite weights."""
+    import math
+
+    from flowrl.errors import RunError
+    from flowrl.policies import TokenPolicy
+
+    policy = TokenPolicy.from_pretrained(tiny_vlm)
+    initial = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    # The training forward's logits turn NaN (as a huge learning rate would); sampling (no gradient) is unaffected.
+    policy.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: output * math.nan if torch.is_grad_enabled() else output)
+    out = tmp_path / "run"
+    _, cfg = load_recipe_config(str(ROOT / GRPO), overrides(tiny_vlm, out, "run.max_epochs=6",
+                                                            "run.max_nonfinite_updates=2"))
+    with pytest.raises(RunError, match=r"stopped after epoch 2: 2 optimizer updates in a row had a non-finite loss or "
+                                       r"gradient and were skipped .*checkpoint of epoch 2 saved"):
+        from flowrl.recipes.vlm_grpo import main
+
+        main(cfg, policy=policy)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["train/skipped_updates"] for r in rows] == [1, 2]
+    state = load_state(latest_checkpoint(out))
+    assert state["epoch"] == 2
+    for key, value in initial.items():  # no update was applied: the saved weights are the initial, finite ones
+        assert torch.equal(state["model"][key], value), key
 
 
 def _run(command, env_extra=None):

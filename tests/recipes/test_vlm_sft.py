@@ -39,7 +39,8 @@ def test_sft_learns_and_saves_a_loadable_policy(tmp_path):
     import json
 
     answers = [json.loads(line) for line in (tmp_path / "eval_answers.jsonl").read_text().splitlines()]
-    assert [a["epoch"] for a in answers] == [1, 2, 3] and set(answers[-1]["vqa"]) == {"count", "color", "shape", "position", "exists"}
+    assert [a["epoch"] for a in answers] == [1, 2, 3]
+    assert set(answers[-1]["vqa"]) == {"count", "color", "shape", "position", "exists"}
     shape = answers[-1]["vqa"]["shape"]
     assert abs(max(shape.values()) / sum(shape.values()) - rows[-1]["eval/vqa/top_answer_share/shape"]) < 1e-9
     policy = TokenPolicy.from_pretrained(tmp_path / "model")

@@ -100,8 +100,8 @@ def forward_direction(recipe, train: dict, *, negate: bool, epochs: int = 8, sna
         train: the config's ``train`` section.
         negate: climb the wrong way (``advantage.negate``).
         snapshots: ``{keyword of train_epoch: (cfg) -> DecaySchedule}``, the recipe's snapshots.
-        rollout_snapshot: who samples: None (the policy), a keyword of ``snapshots``, or ``(cfg) -> DecaySchedule`` for a
-            snapshot that only samples.
+        rollout_snapshot: who samples: None (the policy), a keyword of ``snapshots``, or ``(cfg) -> DecaySchedule``
+            for a snapshot that only samples.
         update_snapshots: pull every snapshot toward the weights after each epoch.
         check: ``check(metrics)``, called after every epoch.
     """

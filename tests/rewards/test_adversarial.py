@@ -17,8 +17,8 @@ from PIL import Image
 
 import rewards
 from flowrl.data.shapes import prompt_rows
-from rewards.adversarial import (AdversarialReward, DiscriminatorSchedule, clipped_linear, discriminator_loss, head_reward,
-                                 hinge_loss, trainable_rewards)
+from rewards.adversarial import (AdversarialReward, DiscriminatorSchedule, clipped_linear, discriminator_loss,
+                                 head_reward, hinge_loss, trainable_rewards)
 from rewards.adversarial_refs import ImageReferences, ShapesReferences, load_references
 from rewards.backbones import BackboneFeatures
 from rewards.base import RewardError

@@ -126,7 +126,8 @@ class _Judge(BaseHTTPRequestHandler):
         self.server.questions.append(body["messages"][0]["content"][1]["text"])
         top = [{"token": "Yes", "logprob": math.log(0.3)}, {"token": "No", "logprob": math.log(0.6)}]
         answer = {"choices": [{"message": {"content": "No"},
-                               "logprobs": {"content": [{"token": "No", "logprob": math.log(0.6), "top_logprobs": top}]}}]}
+                               "logprobs": {"content": [{"token": "No", "logprob": math.log(0.6),
+                                                         "top_logprobs": top}]}}]}
         data = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")

@@ -8,7 +8,6 @@ import json
 import tarfile
 
 import pytest
-import torch
 
 import rewards
 from flowrl.cli import main as flowrl_main
@@ -108,7 +107,8 @@ def test_webdataset_shards(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     rows = read_jsonl(out)
-    assert [r["file"] for r in rows] == ["shard-000.tar:sample000", "shard-000.tar:sample001", "shard-000.tar:sample002"]
+    assert [r["file"] for r in rows] == ["shard-000.tar:sample000", "shard-000.tar:sample001",
+                                         "shard-000.tar:sample002"]
     assert [r["prompt"] for r in rows] == ["prompt 0", "prompt 1", "prompt 2"]
     assert "shard-000.tar:sample003" in printed
 
@@ -119,7 +119,8 @@ def test_webdataset_shards(tmp_path, capsys):
     (["--reward", "jpeg_compressibility", "--images", "/nowhere"], "'/nowhere' is not a folder of images"),
     (["--reward", "jpeg_compressibility", "--prompts", "PROMPTS3"], "has 3 prompt line(s) but"),
     (["--reward", "jpeg_compressibility", "NO_EMPTY_PROMPTS"], "no prompts for 4 image(s)"),
-    (["--reward", "jpeg_compressibility", "--reward-arg", "pickscore.model=x"], "'pickscore' is not one of the rewards"),
+    (["--reward", "jpeg_compressibility", "--reward-arg", "pickscore.model=x"],
+     "'pickscore' is not one of the rewards"),
     (["--reward", "jpeg_compressibility", "--reward-arg", "oops"], "must look like NAME.KEY=VALUE"),
     (["--reward", "jpeg_compressibility", "--reward-arg", "jpeg_compressibility.qualty=3"], "valid arguments: quality"),
     (["--reward", "aesthetic", "--reward-arg", "aesthetic.mlp_path=/nowhere/m.pth"], "aesthetic: checkpoint not found"),
@@ -133,7 +134,8 @@ def test_usage_mistakes_are_one_line_exit_2(image_dir, tmp_path, capsys, args, n
     defaults = {"--images": str(image_dir), "--out": str(tmp_path / "o.jsonl")}
     if "--prompts" not in args and "NO_EMPTY_PROMPTS" not in args:
         args = args + ["--empty-prompts"]
-    placeholders = {"PROMPTS3": str(tmp_path / "three.txt"), "DIR": str(image_dir), "OUTDIR": str(tmp_path / "dir.jsonl")}
+    placeholders = {"PROMPTS3": str(tmp_path / "three.txt"), "DIR": str(image_dir),
+                    "OUTDIR": str(tmp_path / "dir.jsonl")}
     (tmp_path / "dir.jsonl").mkdir()
     args = [placeholders.get(a, a) for a in args if a != "NO_EMPTY_PROMPTS"]
     for flag, value in defaults.items():

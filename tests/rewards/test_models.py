@@ -223,7 +223,8 @@ def test_vlm_judge_local_edit_sees_the_source(llava_dir, images, prompts):
     yes = [tok.convert_tokens_to_ids(t) for t in ("yes", "Yes")]
     no = [tok.convert_tokens_to_ids(t) for t in ("no", "No")]
     text = processor.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"}, {"type": "image"}, {"type": "text", "text": reward.question.replace("{prompt}", prompts[0])}]}],
+        {"type": "image"}, {"type": "image"},
+        {"type": "text", "text": reward.question.replace("{prompt}", prompts[0])}]}],
         add_generation_prompt=True, tokenize=False)
     pils = to_pil_images(torch.stack([src_a[0], images[0]]))
     with torch.no_grad():

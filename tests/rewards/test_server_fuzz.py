@@ -43,7 +43,8 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 def _png_claiming(width: int, height: int) -> bytes:
     """A tiny PNG whose header claims ``width x height`` pixels (a decompression-bomb header)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\0" * 64)) + _chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + _chunk(b"IEND", b""))
 
 
 def b64(data: bytes) -> str:

@@ -216,7 +216,7 @@ def test_openapi_schema_documents_the_contract():
     assert "get" in schema["paths"]["/health"]
 
 
-# ----------------------------------------------------------------------------------------------- browsers (CSRF, DNS rebinding)
+# --------------------------------------------------------------------------------------- browsers (CSRF, DNS rebinding)
 
 
 def _body() -> bytes:

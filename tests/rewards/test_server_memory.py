@@ -24,10 +24,11 @@ def test_table_bounds_the_measured_peak(name):
 
 
 def test_composed_rewards_cost_their_most_expensive_part_and_declared_costs_win():
-    shapes, jpeg = rewards.load("shapes"), rewards.load("jpeg_compressibility")
+    shapes = rewards.load("shapes")
     assert bytes_per_pixel(shapes) == MEASURED_BYTES_PER_PIXEL["shapes"]
     mixed = rewards.build_reward("shapes,jpeg_compressibility:0.5")
-    assert bytes_per_pixel(mixed) == max(MEASURED_BYTES_PER_PIXEL["shapes"], MEASURED_BYTES_PER_PIXEL["jpeg_compressibility"])
+    assert bytes_per_pixel(mixed) == max(MEASURED_BYTES_PER_PIXEL["shapes"],
+                                         MEASURED_BYTES_PER_PIXEL["jpeg_compressibility"])
     transformed = rewards.build_reward({"jpeg_compressibility": {"transform": {"centre": 1.0}}})
     assert bytes_per_pixel(transformed) == MEASURED_BYTES_PER_PIXEL["jpeg_compressibility"]
 

@@ -19,6 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shapes" / "flow_grpo.yaml"
 
 
+def harness(cfg, **kwargs):
+    """The :class:`flowrl.run.harness.Run` of an image recipe's config, given its sections as the recipes do."""
+    from flowrl.config import to_dict
+    from flowrl.run.harness import Run
+
+    return Run(cfg.run, "test", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint,
+               precision=cfg.sampling.precision, reward=str(cfg.reward.train), config=to_dict(cfg), **kwargs)
+
+
 class ServerAnswered500(RewardError):
     """Like an HTTP client's status error: the constructor takes the status too."""
 
@@ -79,11 +88,10 @@ def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
 def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shapes_dir, tmp_path):
     """A failure inside the update leaves no checkpoint of half-updated weights, and says so."""
     from flowrl.errors import RunError
-    from flowrl.run.harness import Run
     from flowrl.commands.train import load_recipe_config
 
     _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={tmp_path}", "eval.at_start=false"])
-    run = Run(cfg, "test")
+    run = harness(cfg)
     weights = {"w": torch.zeros(1)}
 
     class State:
@@ -125,17 +133,41 @@ def test_an_evaluation_that_failed_is_owed_after_the_resume(tmp_path, monkeypatc
                                                   "eval.every_epochs=null", "eval.every_minutes=10",
                                                   "run.max_minutes=null", "run.max_epochs=6",
                                                   *(["run.resume=true"] if resume else [])])
-        run = Run(cfg, "test")
+        run = harness(cfg)
         run.evaluation(evaluate)
         with run:
             while run.next_epoch():
                 run.end_epoch({"train/reward_mean": 0.5})
         run.finish()
 
-    with pytest.raises(RunError, match=r"evaluation of epoch 3: internal error RuntimeError: evaluation crashed \(checkpoint of "
-                                       r"epoch 3 saved"):
+    with pytest.raises(RunError, match=r"evaluation of epoch 3: internal error RuntimeError: evaluation crashed "
+                                       r"\(checkpoint of epoch 3 saved"):
         scripted(resume=False)
     scripted(resume=True)
     assert calls == [3, 4, 5, 6]  # owed at 12 minutes (epoch 3): epoch 4; then 20 (epoch 5) and the last epoch
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["epoch"] for r in rows if "eval/shapes/accuracy" in r] == [4, 5, 6]
+
+
+def test_the_harness_takes_the_sections_it_reads_and_saves_the_resolved_config(tmp_path):
+    """Run takes every section it reads as an argument: a missing one is a TypeError when the run is built (it was a
+    silent default: no checkpoint section meant every 5 epochs, no eval section no schedule), and the config it
+    writes to config.yaml is plain data, written only when the run starts."""
+    import yaml
+
+    from flowrl.commands.train import load_recipe_config
+    from flowrl.config import to_dict
+    from flowrl.run.harness import Run
+
+    _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={tmp_path / 'run'}", "checkpoint.every_epochs=7"])
+    with pytest.raises(TypeError, match="checkpoint"):
+        Run(cfg.run, "test", schedule=cfg.eval, log=cfg.log, precision=None, reward="r", config=to_dict(cfg))
+    with pytest.raises(TypeError, match="plain data"):
+        Run(cfg.run, "test", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None, reward="r",
+            config=cfg)
+    run = harness(cfg)
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing is claimed before the run starts
+    with run:
+        saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    run.finish()
+    assert saved == {"recipe": "test", **to_dict(cfg)} and saved["checkpoint"]["every_epochs"] == 7

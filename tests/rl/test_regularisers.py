@@ -23,13 +23,15 @@ from test_flow_grpo_runs import CONFIG, comparable, run  # noqa: E402  (tests/re
 
 def test_reward_adaptive_kl_scale_holds_rewarded_samples_and_frees_the_others():
     train = TrainConfig(kl_coef=0.1, kl_floor=0.01, kl_reward_adaptive=True)
-    scale = reward_adaptive_kl_scale(train, torch.tensor([-9.0, -5.0, 0.0, 2.5, 5.0, 7.0]))
+    scale = reward_adaptive_kl_scale(train, torch.tensor([-9.0, -5.0, 0.0, 2.5, 5.0, 7.0]), adv_clip=5.0)
     m = 0.01 / 0.1
     r = torch.tensor([0.0, 0.0, 0.5, 0.75, 1.0, 1.0])  # clip(A, +-5) / 10 + 0.5
     assert torch.allclose(scale.float(), m + r * (1 - m))
     # The floor equal to the weight: every sample gets the uniform KL.
-    assert torch.equal(reward_adaptive_kl_scale(TrainConfig(kl_coef=0.1, kl_floor=0.1), torch.tensor([-3.0, 3.0])),
-                       torch.ones(2))
+    assert torch.equal(reward_adaptive_kl_scale(TrainConfig(kl_coef=0.1, kl_floor=0.1), torch.tensor([-3.0, 3.0]),
+                                                adv_clip=5.0), torch.ones(2))
+    # The clip is the run's one advantage clip (advantage.clip): at 2.5, an advantage of 2.5 is fully rewarded.
+    assert torch.allclose(reward_adaptive_kl_scale(train, torch.tensor([2.5]), adv_clip=2.5).float(), torch.ones(1))
 
 
 def test_reward_adaptive_anchor_needs_a_kl_and_a_floor_below_it():
@@ -57,7 +59,7 @@ def weight(model) -> torch.Tensor:
 
 def test_elastic_reset_resets_the_policy_to_its_ema_and_the_ema_to_the_base():
     model = fake_model(1.0)  # the base: every weight 1
-    elastic = ElasticReset(model, ElasticResetConfig(every_epochs=2, ema_decay=0.75))
+    elastic = ElasticReset(model, ElasticResetConfig(every_epochs=2, decay_per_epoch=0.75))
     with torch.no_grad():
         model.denoiser.weight.fill_(5.0)
     assert elastic.end_epoch(model, 0) == {"train/elastic_reset": 0.0, "train/elastic_resets": 0.0}
@@ -70,7 +72,7 @@ def test_elastic_reset_resets_the_policy_to_its_ema_and_the_ema_to_the_base():
     assert torch.allclose(weight(model), torch.full((1, 2), 3.75))
     assert torch.equal(elastic.ema.tensors["weight"], torch.full((1, 2), 1.0))
     # The state restores the EMA and the count; the base is the building model's.
-    again = ElasticReset(fake_model(1.0), ElasticResetConfig(every_epochs=2, ema_decay=0.75))
+    again = ElasticReset(fake_model(1.0), ElasticResetConfig(every_epochs=2, decay_per_epoch=0.75))
     with torch.no_grad():
         elastic.ema.tensors["weight"].fill_(2.5)
     again.load_state_dict(elastic.state_dict())
@@ -79,7 +81,7 @@ def test_elastic_reset_resets_the_policy_to_its_ema_and_the_ema_to_the_base():
 
 def test_elastic_reset_run_resets_on_schedule_and_resumes_exactly(tiny_shapes_dir, tmp_path):
     # Stopped after 2 epochs, mid-period: the reset at the third epoch takes the EMA the checkpoint restored.
-    reset = {"train.elastic_reset": "{every_epochs: 3, ema_decay: 0.5}"}
+    reset = {"train.elastic_reset": "{every_epochs: 3, decay_per_epoch: 0.5}"}
     run(tiny_shapes_dir, tmp_path / "straight", **reset, **{"run.max_epochs": 4})
     run(tiny_shapes_dir, tmp_path / "resumed", **reset, **{"run.max_epochs": 2})
     run(tiny_shapes_dir, tmp_path / "resumed", **reset, **{"run.max_epochs": 4, "run.resume": "true"})

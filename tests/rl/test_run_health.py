@@ -80,7 +80,8 @@ def test_all_nan_rewards_warn_then_stop_with_an_error_and_a_checkpoint(tiny_shap
     code, err = train(capsys, *settings(tiny_shapes_dir, out, **{"reward.train": "{all_nan: 1.0}",
                                                                   "run.max_epochs": 5, "run.max_degenerate_epochs": 2}))
     assert code == 2
-    assert "warning: epoch 1: every reward is NaN (the reward failed on every image); skipping its update (1 of 2" in err
+    assert ("warning: epoch 1: every reward is NaN (the reward failed on every image); skipping its update (1 of 2"
+            in err)
     assert last_line(err).startswith("flowrl train: error: stopped after epoch 1: every reward is NaN (the reward "
                                      "failed on every image) in 2 epochs in a row; check the reward ({'all_nan': 1.0})")
     assert "checkpoint of epoch 1 saved" in last_line(err)
@@ -99,8 +100,8 @@ def test_non_finite_updates_are_skipped_then_stop_with_the_last_finite_weights(t
         lambda module, args, output: output.__class__(sample=output.sample * math.nan) if torch.is_grad_enabled()
         else output)
     recipe, cfg = load_recipe_config(*[a for a in [settings(tiny_shapes_dir, tmp_path / "run")[0]]],
-                                     settings(tiny_shapes_dir, tmp_path / "run", **{"run.max_epochs": 6,
-                                                                                    "run.max_nonfinite_updates": 2})[1:])
+                                     settings(tiny_shapes_dir, tmp_path / "run",
+                                              **{"run.max_epochs": 6, "run.max_nonfinite_updates": 2})[1:])
     from flowrl.errors import RunError
 
     with pytest.raises(RunError, match=r"stopped after epoch 2: 2 optimizer updates in a row had a non-finite loss or "

@@ -21,12 +21,14 @@ SCRIPT = {1: (0.50, 0.50), 2: (0.55, 0.55), 3: (0.60, 0.60), 4: (0.65, 0.58), 5:
 
 def scripted_run(out: Path, *extra: str, max_epochs: int = 8, resume: bool = False) -> tuple[object, list[float]]:
     """A Run whose epochs "train" a weight to the epoch number and whose evaluations read SCRIPT."""
+    from flowrl.config import to_dict
     from flowrl.run.harness import Run
 
     _, cfg = load_recipe_config(str(CONFIG), [f"run.output_dir={out}", "eval.at_start=false", "eval.every_epochs=1",
                                               f"run.max_epochs={max_epochs}", "eval.every_minutes=null",
                                               *(["run.resume=true"] if resume else []), *extra])
-    run = Run(cfg, "test")
+    run = Run(cfg.run, "test", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint,
+              precision=cfg.sampling.precision, reward=str(cfg.reward.train), config=to_dict(cfg))
     weight = {"w": torch.zeros(1)}
 
     class Weights:

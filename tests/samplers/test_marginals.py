@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from samplers import Window, cps_step, linear_sigmas, make_step, rollout, sde_step, shifted_sigmas
+from samplers import Window, cps_step, linear_sigmas, make_step, rollout, shifted_sigmas
 
 N_SAMPLES, DIM = 8000, 4
 N = N_SAMPLES * DIM
@@ -139,7 +139,8 @@ def test_cps_contracts_variance_under_posterior_mean_predictions(gaussian_flow):
     flow, a = gaussian_flow, 0.7
     s, sn = 0.5, 0.4999
     xs = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
-    out = cps_step(flow.velocity(xs, torch.full((2,), s)).float(), xs.float(), s, sn, noise_level=a, noise=torch.zeros(2, 1))
+    out = cps_step(flow.velocity(xs, torch.full((2,), s)).float(), xs.float(), s, sn, noise_level=a,
+                   noise=torch.zeros(2, 1))
     alpha = (out.mean[1] - out.mean[0]).item()
     ratio = (alpha**2 * flow.var(s) + out.std[0].item() ** 2) / flow.var(sn)
     r = s * s / flow.var(s)

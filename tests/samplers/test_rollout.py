@@ -70,7 +70,8 @@ def test_sliding_window_advances_every_k_and_wraps():
 def test_rollout_trains_exactly_the_window(gaussian_flow):
     x = initial_noise(SHAPE, make_sample_seeds(0, 0, range(4)))
     w = Window("fixed", start=3, size=2)
-    traj = rollout(gaussian_flow, x, _sigmas(), step="flow_sde", window=w, sample_seeds=make_sample_seeds(1, 0, range(4)))
+    traj = rollout(gaussian_flow, x, _sigmas(), step="flow_sde", window=w,
+                   sample_seeds=make_sample_seeds(1, 0, range(4)))
     assert traj.train_mask.tolist() == [False] * 3 + [True] * 2 + [False] * 5
     assert traj.trained_steps == [3, 4] and traj.window_start == 3
     assert (traj.stds[:, 3:5] > 0).all() and (traj.stds[:, :3] == 0).all() and (traj.stds[:, 5:] == 0).all()
@@ -178,7 +179,8 @@ def test_sample_trajectory_independent_of_batch(gaussian_flow, step_name):
     kw = dict(step=step_name, window=Window("random", size=3), iteration=4, seed=11, store_x0=True)
     batch = rollout(gaussian_flow, x, _sigmas(), sample_seeds=seeds, **kw)
     for b in (0, 3, 7):
-        alone = rollout(gaussian_flow, initial_noise(SHAPE, seeds[b : b + 1]), _sigmas(), sample_seeds=seeds[b : b + 1], **kw)
+        alone = rollout(gaussian_flow, initial_noise(SHAPE, seeds[b : b + 1]), _sigmas(),
+                        sample_seeds=seeds[b : b + 1], **kw)
         assert torch.equal(alone.latents[0], batch.latents[b])
         assert torch.equal(alone.log_probs[0], batch.log_probs[b])
         assert torch.equal(alone.x0_preds[0], batch.x0_preds[b])

@@ -69,11 +69,15 @@ def test_matches_diffusers_scheduler(name, config, kw, n):
 def test_matches_flux_pipeline_schedule(n, image_seq_len):
     # FluxPipeline passes its own base sigmas linspace(1, 1/n, n) plus mu from calculate_shift.
     mu = calculate_shift(image_seq_len)
-    expected = _scheduler_sigmas(n, {"use_dynamic_shifting": True, "shift": 3.0}, sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
+    expected = _scheduler_sigmas(
+        n, {"use_dynamic_shifting": True, "shift": 3.0}, sigmas=np.linspace(1.0, 1 / n, n), mu=mu
+    )
     assert torch.equal(flux_pipeline_sigmas(n, image_seq_len), expected)
     # mu may also come from image_seq_len directly
     assert torch.equal(
-        diffusers_flow_sigmas(n, use_dynamic_shifting=True, image_seq_len=image_seq_len, sigmas=np.linspace(1.0, 1 / n, n)),
+        diffusers_flow_sigmas(
+            n, use_dynamic_shifting=True, image_seq_len=image_seq_len, sigmas=np.linspace(1.0, 1 / n, n)
+        ),
         expected,
     )
 

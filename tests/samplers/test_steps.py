@@ -172,7 +172,9 @@ def test_sde_step_reproduces_flow_grpo(t):
     noise_std = std_dev_t * math.sqrt(-dt)
     z = torch.randn(x.shape, generator=_gen(t + 10), dtype=torch.float64)
     prev = prev_mean + noise_std * z
-    log_prob = (-((prev - prev_mean) ** 2) / (2 * noise_std**2) - math.log(noise_std) - math.log(math.sqrt(2 * math.pi)))
+    log_prob = (
+        -((prev - prev_mean) ** 2) / (2 * noise_std**2) - math.log(noise_std) - math.log(math.sqrt(2 * math.pi))
+    )
     log_prob = log_prob.mean(dim=(1, 2, 3))
 
     g = flow_grpo_noise_scale(sig.float(), a)[t]
@@ -194,9 +196,11 @@ def test_bf16_inputs_compute_in_float32(kind):
     vb, xb = v.to(torch.bfloat16), x.to(torch.bfloat16)
     z = torch.randn(x.shape, generator=_gen(5))
     if kind == "euler":
-        call = lambda v_, x_: euler_step(v_, x_, 0.6, 0.5)
+        def call(v_, x_):
+            return euler_step(v_, x_, 0.6, 0.5)
     else:
-        call = lambda v_, x_: STOCHASTIC[kind](v_, x_, 0.6, 0.5, noise=z)
+        def call(v_, x_):
+            return STOCHASTIC[kind](v_, x_, 0.6, 0.5, noise=z)
     out_b, out_upcast, out_f = call(vb, xb), call(vb.float(), xb.float()), call(v, x)
     for field in StepOutput._fields:
         assert getattr(out_b, field).dtype == torch.float32, field
