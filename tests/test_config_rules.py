@@ -56,12 +56,13 @@ def root_reads(source: str, sections: set[str]) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr in sections and _holder(node.value):
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
+            found.append((node.lineno, node.col_offset, f"{node.lineno}: {ast.unparse(node)}"))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
               and len(node.args) >= 2 and _holder(node.args[0]) and isinstance(node.args[1], ast.Constant)
               and node.args[1].value in sections):
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
-    return sorted(set(found), key=lambda s: int(s.split(":")[0]))
+            found.append((node.lineno, node.col_offset, f"{node.lineno}: {ast.unparse(node)}"))
+    # In source order (line, then column): a set's order would follow string hashing, which differs per process.
+    return [text for _, _, text in sorted(set(found))]
 
 
 def test_below_the_recipes_code_takes_sections_not_the_root_config():
