@@ -75,6 +75,7 @@ def test_the_family_table_marks_exactly_the_editing_adapters():
     assert {n for n, f in FAMILIES.items() if f.edits} == {"flux_kontext", "qwen_image_edit"}
 
 
+@pytest.mark.slow
 def test_stand_ins_only_where_weights_are_missing(tmp_path):
     """OCR's weights ship with the ocr extra: it runs for real; pickscore's are not here: stand-in, said so."""
     result, report = dry(ROOT / "configs/sd3/flow_grpo_ocr.yaml", tmp_path / "ocr",

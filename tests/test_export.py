@@ -168,6 +168,7 @@ def shapes_run(model_dir: Path, out: Path, **extra) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_bad_exports_are_one_line_errors(tiny_shapes_dir, tmp_path, capsys):
     from flowrl.commands.export import main as export_main
 

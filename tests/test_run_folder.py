@@ -115,6 +115,7 @@ SUPERVISED = {
 
 
 @pytest.mark.parametrize("recipe", sorted(SUPERVISED))
+@pytest.mark.slow
 def test_supervised_recipes_keep_the_folder_contract(recipe, tmp_path, capsys):
     """Before: pretrain and vlm_sft skipped the guard: a fresh run into a used folder deleted its metrics and
     overwrote its config and model; run.overwrite was accepted and ignored."""

@@ -37,6 +37,7 @@ def ink(region: np.ndarray) -> float:
     return float((region.mean(axis=-1) < 140).mean())
 
 
+@pytest.mark.slow
 def test_compare_tab_shows_the_grid_with_images_and_captions(browser_binaries, demo_url, tmp_path):
     binary, driver = browser_binaries
     out = tmp_path / "compare.png"
@@ -105,6 +106,7 @@ def test_compare_tab_shows_the_grid_with_images_and_captions(browser_binaries, d
         assert word in info["hacking_text"], info["hacking_text"]
 
 
+@pytest.mark.slow
 def test_video_clips_and_the_editing_source_show_in_the_page(browser_binaries, media_url, source_png):
     from .conftest import MEDIA_FRAMES
 

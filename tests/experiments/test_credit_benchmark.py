@@ -5,12 +5,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from experiments import credit  # noqa: E402
 
 
+@pytest.mark.slow
 def test_credit_benchmark_trains_analyses_and_plots(tiny_shapes_dir, tmp_path):
     result = credit.main([
         "--model-path", str(tiny_shapes_dir), "--minutes", "5", "--max-epochs", "2", "--eval-every-minutes", "100",

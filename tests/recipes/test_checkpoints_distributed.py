@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowrl.run.checkpoint_files import checkpoints, latest_checkpoint, load_state
@@ -39,6 +40,7 @@ def comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
 
 
+@pytest.mark.slow
 def test_layout_old_checkpoints_and_a_corrupt_accelerate_part(tiny_shapes_dir, tmp_path, capsys):
     straight, old, corrupt = tmp_path / "straight", tmp_path / "old", tmp_path / "corrupt"
     run(tiny_shapes_dir, straight, **{"run.max_epochs": 2})

@@ -19,6 +19,7 @@ def prompt_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
+@pytest.mark.slow
 def test_one_epoch_on_tiny_pipeline_with_ratio_one(kind, prompt_file, tmp_path):
     torch.set_num_threads(1)
     path = build_tiny_sd3() if kind == "sd3" else build_tiny_flux()

@@ -110,6 +110,7 @@ def assert_same_weights(a_dir, b_dir, *, atol=0.0):
     return a, b
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_double_accumulation(tiny_shapes_dir, tmp_path):
     single, double = tmp_path / "one_process", tmp_path / "two_processes"
     # 8 samples per epoch: one process runs two micro-batches of 4 (accumulation 2) ...
@@ -178,6 +179,7 @@ def test_fsdp2_on_two_cpu_processes_resumes_and_equals_one_process(tiny_shapes_d
         assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-5 * max(1.0, a["train/grad_norm"])
 
 
+@pytest.mark.slow
 def test_the_launch_configs_mixed_precision_reaches_the_run_and_must_agree_with_model_dtype(tiny_shapes_dir, tmp_path):
     launch = LAUNCH + ["--config_file", "configs/accelerate/cpu_2proc.yaml", "--num_processes", "1",
                        "--mixed_precision", "bf16", "-m", "flowrl", "train", CONFIG]

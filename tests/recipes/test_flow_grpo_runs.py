@@ -42,6 +42,7 @@ def comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tiny_shapes_dir, tmp_path):
     run(tiny_shapes_dir, tmp_path / "straight", **{"run.max_epochs": 4})
     run(tiny_shapes_dir, tmp_path / "resumed", **{"run.max_epochs": 2})
@@ -105,6 +106,7 @@ def cli(*args) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_bad_config_missing_model_and_missing_checkpoint_are_one_line_errors(tiny_shapes_dir, tmp_path):
     bad = cli(str(CONFIG), "sampling.group_sise=4")
     assert bad.returncode == 2
@@ -142,6 +144,7 @@ def run_config(name: str, model_dir, out, **extra) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", ["grpo_guard", "flow_dppo"])
+@pytest.mark.slow
 def test_ratio_norm_and_flow_dppo_configs_train(name, tiny_shapes_dir, tmp_path):
     rows = run_config(name, tiny_shapes_dir, tmp_path / name, **{"run.max_epochs": 2, "eval.every_epochs": 100,
                                                                  "checkpoint.every_epochs": 100})
@@ -152,6 +155,7 @@ def test_ratio_norm_and_flow_dppo_configs_train(name, tiny_shapes_dir, tmp_path)
     assert all(math.isfinite(r["train/loss"]) for r in trained)
 
 
+@pytest.mark.slow
 def test_flow_dppo_on_policy_is_flow_grpo(tiny_shapes_dir, tmp_path):
     # One optimizer step per epoch: the policy equals the sampling one, the KL is 0, nothing is masked, and Flow-DPPO's
     # -A rho is Flow-GRPO's unclipped surrogate: the same loss and gradient.
@@ -170,6 +174,7 @@ def test_flow_dppo_on_policy_is_flow_grpo(tiny_shapes_dir, tmp_path):
         torch.testing.assert_close(wb[key], value, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_ratio_norm_on_policy_scales_the_gradient_by_std_over_dt(tiny_shapes_dir, tmp_path):
     # On-policy the normalised log-ratio (log rho + KL) std has gradient std * grad log rho (the KL is quadratic in the
     # mean shift, so flat at 0), and RatioNorm divides by |dt|: with one trained step the whole gradient is Flow-GRPO's

@@ -151,6 +151,7 @@ def _compare(case: str, rows: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_online_recipes_match_their_goldens(case, tiny_shapes_dir, pairs_dir, tmp_path):
     config, extra = CASES[case]
     settings = {**TINY_ONLINE, **extra, "model.path": str(tiny_shapes_dir)}
@@ -160,6 +161,7 @@ def test_online_recipes_match_their_goldens(case, tiny_shapes_dir, pairs_dir, tm
 
 
 @pytest.mark.parametrize("case", sorted(OTHER_RECIPES))
+@pytest.mark.slow
 def test_supervised_recipes_match_their_goldens(case, tmp_path):
     config, settings = OTHER_RECIPES[case]
     _compare(case, _metrics(config, settings, tmp_path / case))

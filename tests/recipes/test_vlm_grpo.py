@@ -66,6 +66,7 @@ def test_ratio_is_exactly_one_before_the_first_update(tiny_vlm, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["grpo", "dr_grpo", "dapo", "rloo", "gspo"])
+@pytest.mark.slow
 def test_every_variant_takes_a_step(tiny_vlm, tmp_path, variant):
     extra = [f"algorithm.variant={variant}"]
     if variant == "grpo":
@@ -88,6 +89,7 @@ def test_zoom_agent_with_gigpo(tiny_vlm, tmp_path):
     assert {"train/tool_calls/count", "train/tool_calls/color", "eval/zoom/accuracy"} <= set(m)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tiny_vlm, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_recipe(GRPO, overrides(tiny_vlm, straight, "run.max_epochs=2", "checkpoint.every_epochs=1"))

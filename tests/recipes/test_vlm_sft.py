@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowrl.run.checkpoint_files import latest_checkpoint, load_state
@@ -25,6 +26,7 @@ def _run(out: Path, *extra: str) -> None:
     assert recipe.main(cfg) == 0
 
 
+@pytest.mark.slow
 def test_sft_learns_and_saves_a_loadable_policy(tmp_path):
     from flowrl.policies import TokenPolicy
 
@@ -47,6 +49,7 @@ def test_sft_learns_and_saves_a_loadable_policy(tmp_path):
     assert policy.family.name == "qwen3_vl"
 
 
+@pytest.mark.slow
 def test_sft_resumes_exactly(tmp_path):
     _run(tmp_path / "a", "run.max_epochs=2", "optim.decay_epochs=2")
     _run(tmp_path / "b", "run.max_epochs=1", "optim.decay_epochs=2")

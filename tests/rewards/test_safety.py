@@ -49,6 +49,7 @@ def test_ocr_refuses_weights_that_are_not_plain_tensors(evil_dir):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_ocr_reads_verified_copies_of_a_user_folder(tmp_path, ocr_reward):
     import easyocr_en_models
     from PIL import Image, ImageDraw, ImageFont

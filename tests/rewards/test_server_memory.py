@@ -15,6 +15,7 @@ from rewards.memory import (DEFAULT_BYTES_PER_PIXEL, MEASURED_BYTES_PER_PIXEL, b
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self peak-RSS counters")
 @pytest.mark.parametrize("name", ["shapes", "jpeg_compressibility"])
+@pytest.mark.slow
 def test_table_bounds_the_measured_peak(name):
     measured = measure_bytes_per_pixel(name, size=512)
     table = MEASURED_BYTES_PER_PIXEL[name]

@@ -133,6 +133,7 @@ def run(model_dir, out: Path, *extra: str, epochs: int = 2) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_every_evaluation_logs_the_panel_from_zero_drift_at_the_start(tiny_shapes_dir, tmp_path):
     rows = run(tiny_shapes_dir, tmp_path / "run", "reward.heldout=[jpeg_compressibility]")
     evals = [r for r in rows if "eval/shapes/mean" in r]
@@ -153,6 +154,7 @@ def test_every_evaluation_logs_the_panel_from_zero_drift_at_the_start(tiny_shape
         assert (tmp_path / "run" / "plots" / f"{name}.png").exists(), name
 
 
+@pytest.mark.slow
 def test_an_ode_trainer_logs_the_flow_matching_distance_and_no_kl(tiny_shapes_dir, tmp_path):
     # DGPO rolls out with the ODE: its rollout step has no transition density, so hack/kl_to_base would be 0 whatever
     # the weights and is not logged; hack/fm_to_base is 0 before training and grows as the policy moves.
@@ -183,6 +185,7 @@ ADVERSARIAL = ["reward.train={jpeg_incompressibility: 1.0, adversarial: {weight:
 ALTERNATING = [*ADVERSARIAL, "reward.discriminator.d_on_generator_epochs=true"]
 
 
+@pytest.mark.slow
 def test_the_discriminator_trains_on_its_epochs_and_the_policy_on_the_others(tiny_shapes_dir, tmp_path):
     rows = [r for r in run(tiny_shapes_dir, tmp_path / "run", *ADVERSARIAL, epochs=4) if "adv/d_epoch" in r]
     assert [r["adv/d_epoch"] for r in rows] == [1.0, 0.0, 1.0, 0.0]
@@ -195,6 +198,7 @@ def test_the_discriminator_trains_on_its_epochs_and_the_policy_on_the_others(tin
     assert (tmp_path / "run" / "plots" / "discriminator.png").is_file()
 
 
+@pytest.mark.slow
 def test_the_discriminator_resumes_exactly(tiny_shapes_dir, tmp_path):
     straight = run(tiny_shapes_dir, tmp_path / "straight", *ALTERNATING, epochs=3)
     run(tiny_shapes_dir, tmp_path / "resumed", *ALTERNATING, epochs=2)

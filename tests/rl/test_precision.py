@@ -34,6 +34,7 @@ def run(model_dir, out: Path, precision: str, *extra: str) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_bf16_rollouts_differ_rescore_on_policy_and_leave_the_evaluation_alone(tiny_shapes_dir, tmp_path):
     fp32 = run(tiny_shapes_dir, tmp_path / "fp32", "float32")
     bf16 = run(tiny_shapes_dir, tmp_path / "bf16", "bfloat16")
@@ -44,6 +45,7 @@ def test_bf16_rollouts_differ_rescore_on_policy_and_leave_the_evaluation_alone(t
     assert b["train/approx_kl"] < 1e-6 and b["train/grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_eval_precision_bfloat16_changes_only_the_evaluation(tiny_shapes_dir, tmp_path):
     fp32 = run(tiny_shapes_dir, tmp_path / "fp32", "float32")
     bf16_eval = run(tiny_shapes_dir, tmp_path / "bf16_eval", "float32", "eval.precision=bfloat16")

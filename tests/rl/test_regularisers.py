@@ -79,6 +79,7 @@ def test_elastic_reset_resets_the_policy_to_its_ema_and_the_ema_to_the_base():
     assert again.resets == 1 and torch.equal(again.ema.tensors["weight"], torch.full((1, 2), 2.5))
 
 
+@pytest.mark.slow
 def test_elastic_reset_run_resets_on_schedule_and_resumes_exactly(tiny_shapes_dir, tmp_path):
     # Stopped after 2 epochs, mid-period: the reset at the third epoch takes the EMA the checkpoint restored.
     reset = {"train.elastic_reset": "{every_epochs: 3, decay_per_epoch: 0.5}"}
@@ -171,6 +172,7 @@ def test_base_last_steps_config_keeps_the_window_before_the_tail():
         load_recipe_config(str(CONFIG), ["sampling.base_last_steps=10"])
 
 
+@pytest.mark.slow
 def test_a_run_with_the_base_tail_trains_its_own_steps_and_evaluates_the_pipeline(tiny_shapes_dir, tmp_path):
     # 4 steps, window of 1 at steps 0..1, the base takes steps 2 and 3.
     tail = {"sampling.base_last_steps": 2, "sampling.window": "{mode: random, start: 0, size: 1, max_start: 1}",
@@ -182,6 +184,7 @@ def test_a_run_with_the_base_tail_trains_its_own_steps_and_evaluates_the_pipelin
     assert any("eval/shapes/accuracy" in r for r in rows if r["epoch"] == 2)
 
 
+@pytest.mark.slow
 def test_reward_adaptive_anchor_in_a_run_scales_each_samples_kl(tiny_shapes_dir, tmp_path):
     """A floor equal to the weight is the uniform KL (the same loss); a low floor frees the unrewarded samples
     (mean scale below 1, a smaller loss at the same KL to the base)."""

@@ -62,6 +62,7 @@ class WrongCount:
         return RewardOutput(torch.zeros(len(prompts) + 1))
 
 
+@pytest.mark.slow
 def test_a_short_run_that_never_had_a_usable_reward_does_not_exit_0(tiny_shapes_dir, tmp_path, capsys):
     """Before: a 2-epoch run with every reward NaN (fewer epochs than run.max_degenerate_epochs) printed
     "finished" and exited 0, so a scheduler read a run that learned nothing as a success."""
@@ -115,6 +116,7 @@ def test_non_finite_updates_are_skipped_then_stop_with_the_last_finite_weights(t
         assert torch.equal(state["model"][key], value), key
 
 
+@pytest.mark.slow
 def test_run_folders_fresh_resume_overwrite(tiny_shapes_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(capsys, *settings(tiny_shapes_dir, out, **{"run.max_epochs": 1}))[0] == 0
@@ -138,6 +140,7 @@ def test_run_folders_fresh_resume_overwrite(tiny_shapes_dir, tmp_path, capsys):
     assert code == 2 and "run.output_dir: " in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_corrupt_or_partial_newest_checkpoint_falls_back_to_the_previous_one(tiny_shapes_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(capsys, *settings(tiny_shapes_dir, out, **{"run.max_epochs": 2, "checkpoint.every_epochs": 1,
@@ -201,6 +204,7 @@ def test_bad_rewards_and_sizes_are_config_or_one_line_errors(tiny_shapes_dir, tm
     assert code == 2 and "model.json is not a flowrl model description" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_resume_after_a_failure_in_epoch_one_logs_each_epoch_once(tiny_shapes_dir, tmp_path, capsys):
     class FailFirst:
         calls = 0
