@@ -65,6 +65,7 @@ _SHRINK: list[tuple[str, Any]] = [
     ("eval.at_start", False), ("eval.every_epochs", 1), ("eval.every_minutes", None),
     ("eval.batch_size", lambda v: min(v, 2)), ("eval.grid_size", lambda v: min(v, 2)),
     ("eval.num_prompts", lambda v: min(v, 2)), ("eval.steps", lambda v: min(v, 2)),
+    ("eval.num_examples", lambda v: min(v, 4)), ("eval.num_zoom_examples", lambda v: min(v, 2)),  # VLM episodes
     ("checkpoint.every_epochs", 1), ("optim.warmup_steps", lambda v: min(v, 1)),
 ]
 
