@@ -47,6 +47,17 @@ def require_dir(path: str | os.PathLike, reward: str, what: str, fix: str) -> Pa
     return p
 
 
+def require_files(path: str | os.PathLike, reward: str, what: str, files: tuple[str, ...], fix: str) -> Path:
+    """The folder ``path`` (:func:`require_dir`) when it holds every one of ``files``; otherwise a RewardError naming
+    the missing files, the expected ones and ``fix``."""
+    folder = require_dir(path, reward, what, fix)
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise RewardError(f"{reward}: {what} folder {str(folder)!r} lacks {', '.join(missing)} (expected "
+                          f"{' and '.join(files)}). {fix}")
+    return folder
+
+
 def refuse_pickle_only(path: str | os.PathLike, reward: str, library: str, class_name: str) -> None:
     """A local model folder whose weights are only pickles (``pytorch_model.bin``) is a RewardError naming
     the conversion: transformers loads them with ``use_safetensors=True`` only, as unpickling can run code."""

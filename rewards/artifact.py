@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._loading import require_dir, resolve_device
+from ._loading import require_files, resolve_device
 from .base import Reward, RewardError, RewardOutput
 
 __all__ = ["ArtifactReward", "ArtifactClassifier", "ARTIFACT_QUESTION", "train_artifact_classifier",
@@ -87,11 +87,7 @@ def load_classifier(path: str | Path, reward: str = "artifact") -> tuple[Artifac
     """The classifier saved in ``path`` and its config."""
     fix = ("Train one with `flowrl train-reward artifact --synthetic shapes --out DIR` (or --clean/--artifact "
            "image folders) and pass path=DIR.")
-    folder = require_dir(path, reward, "artifact classifier", fix)
-    missing = [name for name in CLASSIFIER_FILES if not (folder / name).is_file()]
-    if missing:
-        raise RewardError(f"{reward}: {str(folder)!r} lacks {', '.join(missing)} (expected "
-                          f"{' and '.join(CLASSIFIER_FILES)}). {fix}")
+    folder = require_files(path, reward, "artifact classifier", CLASSIFIER_FILES, fix)
     try:
         config = json.loads((folder / "config.json").read_text())
         if config.get("arch") != "artifact_cnn":

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._loading import require_dir, resolve_device
+from ._loading import require_dir, require_files, resolve_device
 from .base import RewardError
 
 __all__ = ["BackboneFeatures", "Backbone", "Dinov2Backbone", "ShapesEncoder", "ShapesEncoderNet", "load_backbone",
@@ -142,11 +142,7 @@ class Dinov2Backbone(Backbone):
         if path is None:
             raise RewardError(f"{reward}: the dinov2 backbone needs backbone_path=<folder with "
                               f"{' and '.join(DINOV2_FILES)}>; nothing is downloaded. {fix}")
-        folder = require_dir(path, reward, "DINOv2", fix)
-        missing = [name for name in DINOV2_FILES if not (folder / name).is_file()]
-        if missing:
-            raise RewardError(f"{reward}: DINOv2 folder {str(folder)!r} lacks {', '.join(missing)} (expected "
-                              f"{' and '.join(DINOV2_FILES)}). {fix}")
+        folder = require_files(path, reward, "DINOv2", DINOV2_FILES, fix)
         try:
             self.model = Dinov2Model.from_pretrained(str(folder), local_files_only=True, dtype=dtype,
                                                      use_safetensors=True)

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from flowrl.data.shapes import COLORS, NUMBER_WORDS, RELATIONS, SHAPES, TASK_KINDS, PromptParseError, PromptSpec, \
     parse_prompt
 
-from ._loading import require_dir, resolve_device
+from ._loading import require_files, resolve_device
 from .backbones import ShapesEncoderNet, rms_normalize, shapes_resize
 from .base import Reward, RewardError, RewardOutput
 
@@ -291,11 +291,7 @@ def load_proxy(path: str | Path, reward: str = "shapes_proxy") -> tuple[ShapesPr
     """
     from safetensors import SafetensorError
 
-    folder = require_dir(path, reward, "shapes proxy", TRAIN_FIX)
-    missing = [name for name in PROXY_FILES if not (folder / name).is_file()]
-    if missing:
-        raise RewardError(f"{reward}: {str(folder)!r} lacks {', '.join(missing)} (expected "
-                          f"{' and '.join(PROXY_FILES)}). {TRAIN_FIX}")
+    folder = require_files(path, reward, "shapes proxy", PROXY_FILES, TRAIN_FIX)
     try:
         config = json.loads((folder / "config.json").read_text())
         if not isinstance(config, dict) or config.get("arch") != ARCH:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._loading import require_dir
+from ._loading import require_files
 from .base import RewardError
 
 __all__ = ["ProxyPool", "POOL_FILES", "HELDOUT_STREAM", "pool_rows", "judge_images", "write_pool", "sample_pool",
@@ -212,11 +212,7 @@ def read_pool(path: str | Path) -> ProxyPool:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = require_dir(path, "shapes_proxy data", "pool", POOL_FIX)
-    missing = [name for name in POOL_FILES if not (folder / name).is_file()]
-    if missing:
-        raise RewardError(f"shapes_proxy data: {str(folder)!r} lacks {', '.join(missing)} (a pool holds "
-                          f"{' and '.join(POOL_FILES)}). {POOL_FIX}")
+    folder = require_files(path, "shapes_proxy data", "pool", POOL_FILES, POOL_FIX)
     try:
         document = json.loads((folder / "pool.json").read_text())
         if not isinstance(document, dict) or document.get("format") != POOL_FORMAT:
