@@ -19,6 +19,38 @@ def tiny_shapes_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """``tiny_dir(kind)``: the directory of the tiny pipeline ``kind`` (``"sd3"``, ``"flux"`` or a key of
+    ``flowrl.testing.TINY_FAMILIES``: ``"z_image"``, ``"flux2_klein"``, ``"flux2"`` (FLUX.2 [dev]), ``"qwen_image"``,
+    ``"qwen_image_edit"``, ``"flux_kontext"``, ``"wan"``, ``"wan22"``), built with ``flowrl.testing.build_tiny`` and
+    written with ``save_pretrained`` on its first request and reused for the rest of the session, so tests load it
+    through the real ``from_pretrained`` code. Built on one torch thread (see ``one_thread``). Built from the current
+    builder code into the session's temp folder, never the per-user cache, so an edited tiny builder is what runs;
+    the global torch random state is left as it was. A test must not write into the directory: copy it first."""
+    built: dict[str, Path] = {}
+    root = None
+
+    def _tiny_dir(kind: str) -> Path:
+        nonlocal root
+        if kind not in built:
+            import torch
+
+            from flowrl.testing import build_tiny
+
+            root = root or tmp_path_factory.mktemp("tiny_pipelines")
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with torch.random.fork_rng(devices=[]):  # a lazy build inside a test leaves its random draws alone
+                    built[kind] = build_tiny(kind, root / kind)
+            finally:
+                torch.set_num_threads(threads)
+        return built[kind]
+
+    return _tiny_dir
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's tests, restored after them: the tiny models' ops are far too small to gain

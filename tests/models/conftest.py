@@ -1,27 +1,17 @@
-"""Tiny SD3 / FLUX pipelines built once per session and written to disk, so every test loads them
-through the real ``from_pretrained`` code."""
+"""The model tests: ``load(kind)`` loads the tiny SD3 / FLUX pipeline that tests/conftest.py's ``tiny_dir`` builds
+once per session (every family's tiny pipeline comes from there), through the real ``from_pretrained`` code; each
+test is seeded and runs on one torch thread."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny_flux, build_tiny_sd3
+from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_pipelines")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see _one_thread
-    try:
-        return {"sd3": build_tiny_sd3(root / "sd3"), "flux": build_tiny_flux(root / "flux")}
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def load(tiny_dirs):
+def load(tiny_dir):
     """``load(kind, **kwargs)``: a fresh adapter for the tiny ``"sd3"`` or ``"flux"`` pipeline."""
 
     def _load(kind: str, **kwargs):
@@ -31,7 +21,7 @@ def load(tiny_dirs):
         cls = {"sd3": SD3Model, "flux": FluxModel}[kind]
         kwargs.setdefault("max_sequence_length", TINY_MAX_SEQUENCE_LENGTH)
         kwargs.setdefault("resolution", TINY_RESOLUTION)
-        return cls.from_pretrained(tiny_dirs[kind], **kwargs)
+        return cls.from_pretrained(tiny_dir(kind), **kwargs)
 
     return _load
 

@@ -57,10 +57,10 @@ def test_no_cache_and_bad_settings(load):
         from_dict(ModelConfig, {"prompt_cache_device": "gpu"})
 
 
-def test_build_model_applies_the_cache_settings(tiny_dirs):
+def test_build_model_applies_the_cache_settings(tiny_dir):
     from flowrl.models.config import ModelConfig, build_model
 
-    model = build_model(ModelConfig(name="sd3", path=str(tiny_dirs["sd3"]), resolution=64, max_sequence_length=16,
+    model = build_model(ModelConfig(name="sd3", path=str(tiny_dir("sd3")), resolution=64, max_sequence_length=16,
                                     prompt_cache_size=7, prompt_cache_device="model"), "cpu")
     assert (model.prompt_cache_size, model.prompt_cache_device) == (7, "model")
 
@@ -71,13 +71,13 @@ def test_build_model_applies_the_cache_settings(tiny_dirs):
     ("flash", "model.attention_backend: flash needs a CUDA device and this model runs on cpu (flash-attn runs on "
               "CUDA GPUs only); set model.attention_backend=native"),
 ])
-def test_a_backend_that_cannot_run_here_is_one_line_before_loading(tiny_dirs, monkeypatch, backend, message):
+def test_a_backend_that_cannot_run_here_is_one_line_before_loading(tiny_dir, monkeypatch, backend, message):
     import flowrl.models.registry as registry
     from flowrl.models.config import ModelConfig, build_model
 
     monkeypatch.setattr(registry, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
     with pytest.raises(ConfigError) as err:
-        build_model(ModelConfig(name="sd3", path=str(tiny_dirs["sd3"]), attention_backend=backend), "cpu")
+        build_model(ModelConfig(name="sd3", path=str(tiny_dir("sd3")), attention_backend=backend), "cpu")
     assert str(err.value) == message
 
 

@@ -40,9 +40,9 @@ def test_hub_id_offline_without_cached_weights(tmp_path, monkeypatch, kind, hub_
     assert info.value.__cause__ is None
 
 
-def test_incomplete_local_directory(tiny_dirs, tmp_path):
+def test_incomplete_local_directory(tiny_dir, tmp_path):
     broken = tmp_path / "sd3"
-    shutil.copytree(tiny_dirs["sd3"], broken)
+    shutil.copytree(tiny_dir("sd3"), broken)
     shutil.rmtree(broken / "text_encoder_3")
     with pytest.raises(ModelLoadError, match=r"missing component folder\(s\) text_encoder_3/"):
         SD3Model.from_pretrained(broken)
@@ -51,34 +51,34 @@ def test_incomplete_local_directory(tiny_dirs, tmp_path):
         SD3Model.from_pretrained(broken)
 
 
-def test_unreadable_local_weights_name_the_directory(tiny_dirs, tmp_path):
+def test_unreadable_local_weights_name_the_directory(tiny_dir, tmp_path):
     broken = tmp_path / "flux"
-    shutil.copytree(tiny_dirs["flux"], broken)
+    shutil.copytree(tiny_dir("flux"), broken)
     for weights in (broken / "transformer").glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="from its directory"):
         FluxModel.from_pretrained(broken)
 
 
-def test_registry_lists_and_loads_models(tiny_dirs):
+def test_registry_lists_and_loads_models(tiny_dir):
     from flowrl.models.registry import MODELS, available_models, load_model
     from flowrl.registry import UnknownNameError
 
     assert {"sd3", "flux", "shapes"} <= set(available_models())
-    model = load_model("sd3", tiny_dirs["sd3"], max_sequence_length=16, resolution=64,
+    model = load_model("sd3", tiny_dir("sd3"), max_sequence_length=16, resolution=64,
                        lora={"rank": 4, "alpha": 8})
     assert isinstance(model, SD3Model) and model.lora.rank == 4
-    flux = load_model("flux", path=tiny_dirs["flux"], max_sequence_length=16)
+    flux = load_model("flux", path=tiny_dir("flux"), max_sequence_length=16)
     assert isinstance(flux, FluxModel) and flux.latent_shape == (16, 8, 8)  # default: the VAE's sample_size
     assert MODELS.get("flux") == FluxModel.from_pretrained
     with pytest.raises(UnknownNameError, match="valid names: .*flux.*sd3"):
         load_model("sd4")
 
 
-def test_constructor_from_a_built_pipeline_and_options(tiny_dirs):
+def test_constructor_from_a_built_pipeline_and_options(tiny_dir):
     from diffusers import StableDiffusion3Pipeline
 
-    pipeline = StableDiffusion3Pipeline.from_pretrained(tiny_dirs["sd3"])
+    pipeline = StableDiffusion3Pipeline.from_pretrained(tiny_dir("sd3"))
     model = SD3Model(pipeline, resolution=(64, 128), max_sequence_length=8, guidance_scale=7.0)
     assert model.latent_shape == (16, 8, 16) and model.default_guidance == 7.0
     cond = model.encode_prompts(["a cat"])
@@ -99,14 +99,14 @@ def test_dtype_names():
         resolve_dtype("int8")
 
 
-def test_tiny_builders_are_deterministic_and_cached(tiny_dirs, tmp_path):
+def test_tiny_builders_are_deterministic_and_cached(tiny_dir, tmp_path):
     from safetensors.torch import load_file
 
     from flowrl.testing import build_tiny_sd3
 
     again = build_tiny_sd3(tmp_path / "again")
     for component in ("transformer", "vae", "text_encoder", "text_encoder_3"):
-        (a,) = (tiny_dirs["sd3"] / component).glob("*.safetensors")
+        (a,) = (tiny_dir("sd3") / component).glob("*.safetensors")
         (b,) = (again / component).glob("*.safetensors")
         first, second = load_file(a), load_file(b)
         assert first.keys() == second.keys()

@@ -137,11 +137,11 @@ def test_master_weights_leave_lora_and_float32_models_alone(load):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_vae_slicing_gives_the_same_images(tiny_dirs, kind):
+def test_vae_slicing_gives_the_same_images(tiny_dir, kind):
     from flowrl.models.config import build_model
 
-    sliced = build_model(_model_config(kind, tiny_dirs[kind]), "cpu")  # vae_slicing on by default
-    whole = build_model(_model_config(kind, tiny_dirs[kind], vae_slicing=False), "cpu")
+    sliced = build_model(_model_config(kind, tiny_dir(kind)), "cpu")  # vae_slicing on by default
+    whole = build_model(_model_config(kind, tiny_dir(kind), vae_slicing=False), "cpu")
     assert sliced.pipeline.vae.use_slicing and not whole.pipeline.vae.use_slicing
     assert not sliced.pipeline.vae.use_tiling
     calls = []
@@ -156,10 +156,10 @@ def test_vae_slicing_gives_the_same_images(tiny_dirs, kind):
     torch.testing.assert_close(images, reference, rtol=0, atol=1e-5)
 
 
-def test_vae_tiling_is_the_libraries_own(tiny_dirs):
+def test_vae_tiling_is_the_libraries_own(tiny_dir):
     from flowrl.models.config import build_model
 
-    model = build_model(_model_config("sd3", tiny_dirs["sd3"], vae_tiling=True), "cpu")
+    model = build_model(_model_config("sd3", tiny_dir("sd3"), vae_tiling=True), "cpu")
     assert model.pipeline.vae.use_tiling
     model.set_vae_memory(slicing=False, tiling=False)
     assert not model.pipeline.vae.use_tiling and not model.pipeline.vae.use_slicing
@@ -168,13 +168,13 @@ def test_vae_tiling_is_the_libraries_own(tiny_dirs):
 # ------------------------------------------------------------------------------------------- text encoders
 
 
-def test_text_encoder_offload_on_the_cpu_encodes_the_same(tiny_dirs):
+def test_text_encoder_offload_on_the_cpu_encodes_the_same(tiny_dir):
     """On the CPU lending is a no-op; the encoders leave the module tree (so `.to(device)` cannot bring them back)
     and encode exactly as when resident. The device path is tests/device/test_model_memory.py."""
     from flowrl.models.config import build_model
 
-    offloaded = build_model(_model_config("sd3", tiny_dirs["sd3"]), "cpu")  # offload_text_encoders on by default
-    resident = build_model(_model_config("sd3", tiny_dirs["sd3"], offload_text_encoders=False), "cpu")
+    offloaded = build_model(_model_config("sd3", tiny_dir("sd3")), "cpu")  # offload_text_encoders on by default
+    resident = build_model(_model_config("sd3", tiny_dir("sd3"), offload_text_encoders=False), "cpu")
     assert set(resident.text_encoders) == set(offloaded.text_encoders) == {"text_encoder", "text_encoder_2",
                                                                            "text_encoder_3"}
     assert not any(k.startswith("text_encoder") for k in offloaded.frozen)
