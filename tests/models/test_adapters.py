@@ -1,4 +1,5 @@
-"""Behaviour shared by the SD3 and FLUX adapters: shapes, prompt cache, LoRA, reference, checkpointing."""
+"""Behaviour shared by the SD3 and FLUX adapters: shapes, prompt cache, full fine-tuning's reference, checkpointing,
+half precision (LoRA, reference and state, for every family: test_families.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from flowrl.config import LoraConfig
 
-from flowrl.models.base import ModelLoadError, unwrap
+from flowrl.models.base import unwrap
 
 KINDS = ["sd3", "flux"]
 PROMPTS = ["a red cat", "a blue square", "a red cat"]
@@ -77,45 +78,6 @@ def test_frozen_parts_and_train_mode(load, kind):
     assert not any(m.training for m in model.frozen.modules())
     # full fine-tuning: every transformer weight is trainable
     assert len(model.trainable_parameters()) == len(list(model.denoiser.parameters()))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_lora_policy_reference_and_state_round_trip(load, kind):
-    model = load(kind, lora=LoraConfig(rank=4, alpha=8))
-    module = unwrap(model.denoiser)
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
-    assert names and all("lora_" in n for n in names)
-    assert all(p.dtype == torch.float32 for p in model.trainable_parameters())
-    # every default target names at least one adapted module
-    adapted = [n for n, _ in module.named_modules() if n.endswith(".lora_A")]
-    for target in model.default_lora_targets():
-        assert any(n.removesuffix(".lora_A").endswith("." + target) for n in adapted), target
-
-    x, sigma, cond = _inputs(model)
-    with model.reference():
-        base = model.velocity(x, sigma, cond)
-    torch.testing.assert_close(model.velocity(x, sigma, cond), base, rtol=0, atol=0)  # lora_B = 0 at init
-
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.5 * torch.randn_like(p))
-    policy = model.velocity(x, sigma, cond)
-    assert (policy - base).abs().max() > 1e-4
-    with model.reference():
-        torch.testing.assert_close(model.velocity(x, sigma, cond), base, rtol=0, atol=0)
-    torch.testing.assert_close(model.velocity(x, sigma, cond), policy, rtol=0, atol=0)  # adapters back on
-
-    state = model.trainable_state_dict()
-    assert set(state) == set(names)
-    with torch.no_grad():
-        for p in model.trainable_parameters():
-            p.zero_()
-    torch.testing.assert_close(model.velocity(x, sigma, cond), base, rtol=0, atol=0)
-    model.load_trainable_state_dict(state)
-    torch.testing.assert_close(model.velocity(x, sigma, cond), policy, rtol=0, atol=0)
-    with pytest.raises(ModelLoadError, match="trainable parameters"):
-        model.load_trainable_state_dict({k: v for k, v in list(state.items())[1:]})
 
 
 @pytest.mark.parametrize("kind", KINDS)

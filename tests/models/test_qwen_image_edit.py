@@ -1,6 +1,6 @@
-"""The Qwen-Image-Edit adapter reproduces ``QwenImageEditPipeline``: a flowrl Euler ODE rollout from the same noise
-and the same source images equals the pipeline's latents and images (true CFG on the negative prompt, which sees the
-source too, and no guidance), also for a source of another size; the cached rows equal the pipeline's
+"""The Qwen-Image-Edit adapter reproduces ``QwenImageEditPipeline`` for a source of another size (sampling from the
+same sources, with true CFG on the negative prompt, which sees the source too, and without, and LoRA:
+test_families.py); the cached rows equal the pipeline's
 ``encode_prompt`` with the image; the source changes the prediction through both the text encoder and the latents;
 the prompt cache keys on prompt and source; a prompt without its source, or too long, is refused in one line.
 
@@ -14,23 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.config import LoraConfig
-
-from flowrl.models.base import unwrap
-from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
 ATOL = 1e-5
 PROMPTS = ["make the cat blue", "turn the small square on the wooden table red"]  # different lengths: the mask
 
 
-@pytest.fixture(scope="module")
-def tiny_edit(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return build_tiny("qwen_image_edit")  # the per-user cache (tests/recipes/test_edit_trainers.py shares it)
-    finally:
-        torch.set_num_threads(threads)
+@pytest.fixture
+def tiny_edit(tiny_dir):
+    return tiny_dir("qwen_image_edit")  # tests/conftest.py: built once per session
 
 
 @pytest.fixture(autouse=True)
@@ -88,24 +80,6 @@ def _pipeline(model, x_t, image, prompts, steps, guidance, output_type):
         return QwenImageEditPipeline._unpack_latents(out, TINY_RESOLUTION, TINY_RESOLUTION,
                                                      model.vae_scale_factor)[:, :, 0]
     return out
-
-
-@pytest.mark.parametrize("steps,guidance", [(2, 4.0), (3, 1.0)])
-def test_sampling_matches_the_pipeline(tiny_edit, steps, guidance):
-    """Euler with velocity_fn(guidance) and sigmas(n) == QwenImageEditPipeline on the same sources, latents and
-    images (guided: each row's negative prompt with its own source, the norm-rescaled true CFG)."""
-    model = load(tiny_edit)
-    assert model.conditions_on_source and model.uses_cfg and model.default_guidance == 4.0
-    assert model.latent_shape == (16, 8, 8)
-    x_t = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(steps))
-    pil, tensors = sources(steps)
-    with torch.no_grad():
-        ours = _euler(model.velocity_fn(guidance), x_t, model.sigmas(steps),
-                      model.encode_prompts(PROMPTS, rows(tensors)))
-        torch.testing.assert_close(ours, _pipeline(model, x_t, pil, PROMPTS, steps, guidance, "latent"), rtol=0,
-                                   atol=ATOL)
-        torch.testing.assert_close(model.decode(ours), _pipeline(model, x_t, pil, PROMPTS, steps, guidance, "pt"),
-                                   rtol=0, atol=ATOL)
 
 
 def test_a_source_of_another_size_is_resized_as_the_pipeline_does(tiny_edit):
@@ -173,21 +147,3 @@ def test_the_cache_keys_on_prompt_and_source_and_bad_input_is_refused(tiny_edit)
     with pytest.raises(ValueError, match="encodes to 23 text tokens beside the source image's 16, more than "
                                          "max_sequence_length 16; shorten the instruction or raise"):
         model.encode_prompts(["make the cat on the mat next to the small bowl of soup blue and big"], rows(a[:1]))
-
-
-def test_lora_and_reference(tiny_edit):
-    model = load(tiny_edit, lora=LoraConfig(rank=4, alpha=8))
-    x, sigma = torch.randn(2, *model.latent_shape), torch.tensor(0.5)
-    cond = model.encode_prompts(PROMPTS, rows(sources()[1]))
-    guided = model.velocity_fn(4.0)
-    with model.reference():
-        base, base_guided = model.velocity(x, sigma, cond), guided(x, sigma, cond)
-    with torch.no_grad():
-        for name, p in unwrap(model.denoiser).named_parameters():
-            if "lora_B" in name:
-                p.add_(0.5 * torch.randn_like(p))
-    assert (model.velocity(x, sigma, cond) - base).abs().max() > 1e-4
-    assert (guided(x, sigma, cond) - base_guided).abs().max() > 1e-4
-    with model.reference():
-        torch.testing.assert_close(model.velocity(x, sigma, cond), base, rtol=0, atol=0)
-        torch.testing.assert_close(guided(x, sigma, cond), base_guided, rtol=0, atol=0)
