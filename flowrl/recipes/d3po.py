@@ -49,6 +49,7 @@ class Config(OnlineConfig):
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def check(self) -> None:
+        super().check()
         if self.sampling.step == "ode":
             fail("sampling.step", "D3PO compares the log-probabilities of stochastic steps; choose flow_sde, "
                  "dance_sde or cps")

@@ -101,6 +101,7 @@ class Config(OnlineConfig):
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def check(self) -> None:
+        super().check()
         if self.train.kl_reward_adaptive:
             if self.train.kl_coef == 0:
                 fail("train.kl_reward_adaptive", "the reward-adaptive anchor weights the KL to the base; set "

@@ -12,7 +12,7 @@ Dr.GRPO); Yu et al. 2025 (DAPO); Ahmadian et al. 2024 (RLOO for LLMs); Zheng et 
    plus the environment's per-turn rewards (e.g. -0.05 per tool call), plus DAPO's overlong penalty. DAPO's
    dynamic sampling drops groups whose rewards are all equal and plays more rounds until the epoch has
    ``groups_per_epoch`` informative groups (at most ``max_sampling_rounds``).
-3. Advantages on the whole epoch (``flowrl.core``, the ``advantage`` section in the image recipes' vocabulary):
+3. Advantages on the whole epoch (``flowrl.core``; the image recipes' ``advantage`` section, one class):
    the ``outcome`` estimator with the ``group`` normaliser (GRPO, DAPO, GSPO; without std for Dr.GRPO) or the
    leave-one-out one (``rloo``, RLOO) per episode; or per turn with the GiGPO / discounted turn return / TRLOO
    estimators. Each token of an action gets its turn's advantage.
@@ -49,6 +49,7 @@ import torch
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.policies.config import PolicyConfig, build_policy
 from flowrl.recipes import Recipe
+from flowrl.rl.epoch_advantages import TURN_INPUTS, AdvantageConfig
 from flowrl.rl.optim import OptimConfig
 from flowrl.run.harness import CheckpointConfig, EvalSchedule, LogConfig
 
@@ -131,24 +132,6 @@ class AlgorithmConfig:
 
 
 @dataclass
-class AdvantageConfig:
-    """The ``advantage`` section: from episode rewards to per-turn advantages, with the names the image recipes use
-    (:class:`flowrl.rl.epoch_advantages.AdvantageConfig`)."""
-
-    # The estimator of flowrl.core.estimators: outcome (every token gets its episode's advantage) or turn-level
-    # credit: gigpo, turn_return, trloo.
-    estimator: Literal["outcome", "gigpo", "turn_return", "trloo"] = "outcome"
-    # The outcome normalisation: group (the group mean, and the std of std_scope) or rloo (the leave-one-out
-    # baseline); null: the variant's (see VARIANTS).
-    normalizer: Literal["group", "rloo"] | None = None
-    std_scope: Literal["group", "batch", "none"] | None = None  # normalizer=group: whose std divides; null: variant's
-    eps: float = field(default=1e-4, metadata=bounds(gt=0))
-    clip: float = field(default=5.0, metadata=bounds(gt=0))  # advantages are clipped to [-clip, clip]
-    gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))  # turn-level credit: the discount
-    step_weight: float = field(default=1.0, metadata=bounds(ge=0))  # gigpo: the weight of the anchor-state term
-
-
-@dataclass
 class TrainConfig:
     inner_epochs: int = field(default=1, metadata=bounds(ge=1))
     minibatches: int = field(default=1, metadata=bounds(ge=1))  # optimizer steps per inner epoch
@@ -203,6 +186,7 @@ class Config:
         a = self.algorithm
         if a.variant not in VARIANTS:
             fail("algorithm.variant", f"got {a.variant!r}, expected one of {', '.join(VARIANTS)}")
+        self.advantage.check_loop("VLM episodes", TURN_INPUTS, normalizers=("group", "rloo"), controls=False)
         v = self.variant()
         if v.ratio == "sequence" and self.advantage.estimator != "outcome":
             fail("advantage.estimator", "gspo's sequence-level ratio needs one advantage per episode; use "

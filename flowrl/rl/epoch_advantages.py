@@ -18,23 +18,51 @@ import torch
 from flowrl.config import bounds, fail
 from flowrl.core.estimators import ADVANTAGE_ESTIMATORS, CreditBatch
 
-__all__ = ["AdvantageConfig", "compute_advantages", "advantage_options", "LOOP_INPUTS"]
+__all__ = ["AdvantageConfig", "compute_advantages", "advantage_options", "LOOP_INPUTS", "TURN_INPUTS"]
 
 #: The estimator inputs this loop can produce (:mod:`flowrl.rl.credit_inputs`).
 LOOP_INPUTS = {"completion_rewards", "step_weights"}
 
 
+#: The estimator inputs the VLM's episode loop produces (:func:`flowrl.envs.epoch.turn_advantages`).
+TURN_INPUTS = {"turn_rewards", "anchor_ids"}
+#: Options that apply only to one estimator or normaliser: ``{field: (the names it applies to, its meaning)}``.
+#: A value set for another one would be silently ignored, so :meth:`AdvantageConfig.check` refuses it.
+_TIED_OPTIONS = {
+    "gamma": (("gigpo", "turn_return", "trloo"), "the discount of turn-level credit"),
+    "step_weight": (("gigpo",), "the weight of GiGPO's anchor-state term"),
+    "tp_balance": (("tp_grpo",), "TP-GRPO's turning-point balance"),
+    "cosine_window": (("cosine",), "cosine credit's smoothing window"),
+    "cosine_alpha": (("cosine",), "cosine credit's outcome mix"),
+}
+
+
 @dataclass
 class AdvantageConfig:
+    """The ``advantage`` section of every RL recipe, the image trainers' and the VLM's: from rewards to
+    advantages with one estimator of :mod:`flowrl.core.estimators`.
+
+    Each loop produces some estimator inputs and reads some options (:meth:`check_loop`): the image loop's
+    denoising trajectories feed the step-credit estimators (``tp_grpo``, ``cosine``), the VLM's episodes the
+    turn-level ones (``gigpo``, ``turn_return``, ``trloo``); ``outcome`` runs in both."""
+
     estimator: str = "outcome"  # a name of flowrl.core.estimators.ADVANTAGE_ESTIMATORS
-    normalizer: Literal["group", "rloo", "per_prompt"] = "group"  # the outcome normalisation
-    std_scope: Literal["group", "batch", "none"] = "group"  # normalizer=group: whose std divides
+    # The outcome normalisation: group (the group mean, and the std of std_scope), rloo (the leave-one-out baseline)
+    # or per_prompt (per-prompt statistics across epochs; images only). null: the recipe's default (the image
+    # recipes: group; the VLM: its algorithm.variant's).
+    normalizer: Literal["group", "rloo", "per_prompt"] | None = None
+    # normalizer=group: whose std divides. null: the recipe's default (images: group; the VLM: its variant's).
+    std_scope: Literal["group", "batch", "none"] | None = None
     eps: float = field(default=1e-4, metadata=bounds(gt=0))
-    clip: float = field(default=5.0, metadata=bounds(gt=0))
+    clip: float = field(default=5.0, metadata=bounds(gt=0))  # advantages are clipped to [-clip, clip]
+    # Turn-level credit (the VLM): the discount, and GiGPO's weight of the anchor-state term.
+    gamma: float = field(default=0.95, metadata=bounds(ge=0, le=1))
+    step_weight: float = field(default=1.0, metadata=bounds(ge=0))
+    # normalizer=per_prompt: the rewards kept per prompt, and how many it needs before its own statistics are used.
     per_prompt_buffer: int = field(default=32, metadata=bounds(ge=1))
     per_prompt_min_count: int = field(default=16, metadata=bounds(ge=1))
-    negate: bool = False  # control runs only: climb the wrong way
-    shuffle: bool = False  # control runs only: permute whole advantage rows across the epoch
+    negate: bool = False  # control runs only (images): climb the wrong way
+    shuffle: bool = False  # control runs only (images): permute whole advantage rows across the epoch
     # tp_grpo: keep equal numbers of positive and negative turning points (largest magnitudes first).
     tp_balance: bool = False
     # cosine: average step contributions over windows of this many steps; alpha mixes in outcome credit.
@@ -42,14 +70,40 @@ class AdvantageConfig:
     cosine_alpha: float = field(default=0.0, metadata=bounds(ge=0, le=1))
 
     def check(self) -> None:
-        usable = [name for name in ADVANTAGE_ESTIMATORS.names()
-                  if set(ADVANTAGE_ESTIMATORS.get(name).needs) <= LOOP_INPUTS]
-        if self.estimator not in usable:
-            fail("estimator", f"got {self.estimator!r}; expected one of {', '.join(usable)} (the estimators of "
-                 "denoising trajectories)")
+        if self.estimator not in ADVANTAGE_ESTIMATORS.names():
+            fail("estimator", f"got {self.estimator!r}; expected one of {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        defaults = AdvantageConfig()
+        for name, (users, meaning) in _TIED_OPTIONS.items():
+            if getattr(self, name) != getattr(defaults, name) and self.estimator not in users:
+                fail(name, f"is {meaning} ({', '.join(users)}); estimator {self.estimator!r} would ignore it: "
+                     f"remove it or choose that estimator")
+        if self.normalizer != "per_prompt" and (self.per_prompt_buffer, self.per_prompt_min_count) != (
+                defaults.per_prompt_buffer, defaults.per_prompt_min_count):
+            fail("per_prompt_buffer", "per_prompt_buffer / per_prompt_min_count apply to normalizer: per_prompt only")
         if self.per_prompt_min_count > self.per_prompt_buffer:
             fail("per_prompt_min_count", f"{self.per_prompt_min_count} exceeds per_prompt_buffer "
                  f"{self.per_prompt_buffer} (a history never holds more rewards than the buffer)")
+
+    def check_loop(self, what: str, inputs: set[str], *, normalizers: tuple[str, ...] = ("group", "rloo",
+                   "per_prompt"), controls: bool = True) -> None:
+        """Refuse what the loop that reads this section cannot do (raised as ``advantage.<field>`` errors from
+        the recipe's ``check``).
+
+        Args:
+            what: the loop's samples in words, for the error (``"denoising trajectories"``).
+            inputs: the estimator inputs the loop produces (:data:`LOOP_INPUTS`, :data:`TURN_INPUTS`).
+            normalizers: the outcome normalisations it supports.
+            controls: whether it implements the ``negate`` / ``shuffle`` control runs.
+        """
+        usable = [n for n in ADVANTAGE_ESTIMATORS.names() if set(ADVANTAGE_ESTIMATORS.get(n).needs) <= inputs]
+        if self.estimator not in usable:
+            fail("advantage.estimator", f"got {self.estimator!r}; expected one of {', '.join(usable)} (the "
+                 f"estimators of {what})")
+        if self.normalizer is not None and self.normalizer not in normalizers:
+            fail("advantage.normalizer", f"got {self.normalizer!r}; the {what} support {', '.join(normalizers)}")
+        if not controls and (self.negate or self.shuffle):
+            fail("advantage.negate" if self.negate else "advantage.shuffle",
+                 f"the control runs are built for the image loop, not for {what}")
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -59,7 +113,8 @@ class AdvantageConfig:
 
 def advantage_options(cfg: AdvantageConfig, tracker=None) -> dict[str, Any]:
     """The estimator keyword options of an ``advantage`` section."""
-    return {"normalizer": cfg.normalizer, "std_scope": cfg.std_scope, "eps": cfg.eps, "clip": cfg.clip,
+    return {"normalizer": cfg.normalizer or "group", "std_scope": cfg.std_scope or "group", "eps": cfg.eps,
+            "clip": cfg.clip,
             "tp_balance": cfg.tp_balance, "tracker": tracker}
 
 

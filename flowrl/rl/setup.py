@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from flowrl.config import RunConfig, bounds, fail
 from flowrl.models.config import ModelConfig
-from flowrl.rl.epoch_advantages import AdvantageConfig
+from flowrl.rl.epoch_advantages import LOOP_INPUTS, AdvantageConfig
 from flowrl.eval.evaluate import EvalConfig
 from flowrl.rl.optim import OptimConfig
 from flowrl.rl.sampling import SamplingConfig
@@ -99,6 +99,9 @@ class OnlineConfig:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    def check(self) -> None:
+        self.advantage.check_loop("denoising trajectories", LOOP_INPUTS)
+
 
 @dataclass
 class ForwardConfig(OnlineConfig):
@@ -110,6 +113,7 @@ class ForwardConfig(OnlineConfig):
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
 
     def check(self) -> None:
+        super().check()
         if self.advantage.needs:
             fail("advantage.estimator", f"{self.advantage.estimator!r} assigns credit to denoising steps; this "
                  "trainer uses one advantage per sample: choose outcome")

@@ -286,3 +286,39 @@ def test_vlm_variants_fill_what_the_config_leaves_unset():
     assert from_dict(Config, {"algorithm": {"variant": "rloo"}}).variant().normalizer == "rloo"
     assert from_dict(Config, {"algorithm": {"variant": "rloo"},
                               "advantage": {"normalizer": "group"}}).variant().normalizer == "group"
+
+
+def test_one_advantage_section_for_images_and_the_vlm_refuses_what_its_loop_cannot_do():
+    """Images and the VLM read one ``AdvantageConfig``; each recipe refuses an estimator its loop cannot feed, a
+    normaliser it lacks, and an option the chosen estimator would silently ignore."""
+    from flowrl.recipes import dgpo, flow_grpo, vlm_grpo
+    from flowrl.rl.epoch_advantages import AdvantageConfig, advantage_options
+
+    assert type(vlm_grpo.Config().advantage) is type(flow_grpo.Config().advantage) is AdvantageConfig
+    # Unset normaliser / std scope: group / group for images (dgpo's default scope is batch), the variant's for VLM.
+    assert {k: advantage_options(flow_grpo.Config().advantage)[k] for k in ("normalizer", "std_scope")} == {
+        "normalizer": "group", "std_scope": "group"}
+    assert advantage_options(dgpo.Config().advantage)["std_scope"] == "batch"
+    assert from_dict(vlm_grpo.Config, {"algorithm": {"variant": "dr_grpo"}}).variant().std_scope == "none"
+    # Turn-level credit loads for the VLM and is refused by the image loop (and the reverse).
+    assert from_dict(vlm_grpo.Config, {"advantage": {"estimator": "gigpo", "step_weight": 0.5}}).advantage.gamma == 0.95
+    with pytest.raises(ConfigError, match=r"^advantage.estimator: got 'gigpo'; expected one of .*tp_grpo.* \(the "
+                                          r"estimators of denoising trajectories\)$"):
+        from_dict(flow_grpo.Config, {"advantage": {"estimator": "gigpo"}})
+    with pytest.raises(ConfigError, match=r"^advantage.estimator: got 'tp_grpo'; .*trloo.* \(the estimators of VLM "
+                                          r"episodes\)$"):
+        from_dict(vlm_grpo.Config, {"advantage": {"estimator": "tp_grpo"}})
+    with pytest.raises(ConfigError, match=r"^advantage.normalizer: got 'per_prompt'; the VLM episodes support "
+                                          r"group, rloo$"):
+        from_dict(vlm_grpo.Config, {"advantage": {"normalizer": "per_prompt"}})
+    with pytest.raises(ConfigError, match=r"^advantage.shuffle: the control runs are built for the image loop"):
+        from_dict(vlm_grpo.Config, {"advantage": {"shuffle": True}})
+    with pytest.raises(ConfigError, match=r"^advantage.gamma: is the discount of turn-level credit \(gigpo, "
+                                          r"turn_return, trloo\); estimator 'outcome' would ignore it"):
+        from_dict(vlm_grpo.Config, {"advantage": {"gamma": 0.5}})
+    with pytest.raises(ConfigError, match=r"^advantage.cosine_window: is cosine credit's smoothing window"):
+        from_dict(dgpo.Config, {"advantage": {"cosine_window": 4}})
+    with pytest.raises(ConfigError, match=r"^advantage.per_prompt_buffer: .* apply to normalizer: per_prompt only$"):
+        from_dict(flow_grpo.Config, {"advantage": {"per_prompt_buffer": 8, "per_prompt_min_count": 4}})
+    with pytest.raises(ConfigError, match=r"^advantage.estimator: got 'nope'; expected one of "):
+        from_dict(dgpo.Config, {"advantage": {"estimator": "nope"}})
