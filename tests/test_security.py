@@ -342,11 +342,9 @@ def pickle_weights(folder) -> list:
 
 
 @pytest.fixture
-def sd3_copy(tmp_path):
-    from flowrl.testing import build_tiny_sd3
-
+def sd3_copy(tmp_path, tiny_dir):
     folder = tmp_path / "sd3"
-    shutil.copytree(build_tiny_sd3(), folder)
+    shutil.copytree(tiny_dir("sd3"), folder)
     return folder
 
 

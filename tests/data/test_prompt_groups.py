@@ -101,3 +101,9 @@ def test_bad_kind_weights_name_the_field_and_the_kinds():
         PromptGroups(PROMPTS, METADATA, groups=2, group_size=1, seed=0, kind_weights={"a": -1})
     with pytest.raises(ConfigError, match=r"expected one of balanced, uniform, mixed"):
         PromptGroups(PROMPTS, METADATA, groups=2, group_size=1, seed=0, kind_weights="equal")
+
+
+def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^sampling.groups_per_epoch: groups_per_epoch x group_size = 3 x 3 = 9 "
+                                          r"samples per epoch do not split evenly over 2 processes"):
+        PromptGroups(["a"], None, groups=3, group_size=3, seed=0, num_processes=2, rank=0)

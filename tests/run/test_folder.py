@@ -15,7 +15,7 @@ from flowrl.run.checkpoint_files import checkpoints, save_checkpoint
 from flowrl.config import ConfigError, RunConfig
 from flowrl.run.folder import MARKER, prepare_output_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class OneProcess:
@@ -188,7 +188,7 @@ def test_after_a_failure_the_other_processes_wait_for_the_main_process_checkpoin
 
 
 def test_a_start_that_fails_leaves_nothing_that_blocks_the_corrected_command(tiny_shapes_dir, tmp_path, capsys,
-                                                                              monkeypatch):
+                                                                              monkeypatch, tiny_dir):
     """Before 2026-12-07 a run locked its folder and wrote config.yaml before the model loaded: a mistyped model path
     (a VLM's was even a traceback) left a folder that refused the corrected command ("holds an earlier run")."""
     from flowrl.policies.shapes_vlm import ShapesVLMConfig, build_model
@@ -213,10 +213,10 @@ def test_a_start_that_fails_leaves_nothing_that_blocks_the_corrected_command(tin
     import flowrl.hardware
 
     monkeypatch.setattr(flowrl.hardware, "REAL_SIZE_PARAMETERS", 1000)  # the tiny SD3 counts as real-size
-    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
     sd3 = tmp_path / "sd3_run"
-    args = [str(ROOT / "configs/sd3/tiny.yaml"), f"model.path={build_tiny('sd3')}", f"run.output_dir={sd3}",
+    args = [str(ROOT / "configs/sd3/tiny.yaml"), f"model.path={tiny_dir('sd3')}", f"run.output_dir={sd3}",
             f"model.resolution={TINY_RESOLUTION}", f"model.max_sequence_length={TINY_MAX_SEQUENCE_LENGTH}",
             "run.max_epochs=0", "eval.at_start=false"]
     assert main(args) == 2

@@ -1,6 +1,8 @@
-"""Bugs fixed with the online-loop redesign, each reproduced: a reward error whose constructor takes several
-arguments reaches the user as one line (not a TypeError), a step's default noise level is its own, and a
-group layout that does not fit the processes is a config error."""
+"""The run harness (flowrl/run/harness.py), each case a bug fixed with the online-loop redesign: a reward error whose
+constructor takes several arguments reaches the user as one line (not a TypeError) and the last epoch is saved, a
+failure while the weights change saves nothing inconsistent, an evaluation that failed is owed after the resume, and
+``Run`` takes every section it reads. (A step's default noise level: tests/rl/test_sampling.py; a group layout that
+does not fit the processes: tests/data/test_prompt_groups.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.config import ConfigError
 from flowrl.run.metrics import read_metrics
 from rewards import RewardError, RewardOutput
 from rewards.registry import REWARDS
@@ -65,24 +66,6 @@ def test_a_failing_remote_reward_is_one_line_and_the_last_epoch_is_saved(tiny_sh
                    f"crashed (checkpoint of epoch 1 saved in {out}/checkpoints; resume with run.resume=true)")
     assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1]
     assert (out / "checkpoints" / "epoch_0000001" / "state.pt").is_file()
-
-
-def test_every_step_takes_its_own_default_noise_level():
-    from flowrl.rl.sampling import SamplingConfig, rollout_step
-    from samplers import linear_sigmas
-
-    sigmas = linear_sigmas(4)
-    assert rollout_step(SamplingConfig(step="dance_sde"), sigmas).hyperparams["eta"] == 0.3
-    assert rollout_step(SamplingConfig(step="flow_sde"), sigmas).hyperparams["noise_level"] == 0.7
-    assert rollout_step(SamplingConfig(step="dance_sde", noise_level=0.5), sigmas).hyperparams["eta"] == 0.5
-
-
-def test_group_layout_that_does_not_split_over_processes_is_a_config_error():
-    from flowrl.data.prompt_groups import PromptGroups
-
-    with pytest.raises(ConfigError, match=r"^sampling.groups_per_epoch: groups_per_epoch x group_size = 3 x 3 = 9 "
-                                          r"samples per epoch do not split evenly over 2 processes"):
-        PromptGroups(["a"], None, groups=3, group_size=3, seed=0, num_processes=2, rank=0)
 
 
 def test_a_failure_while_the_weights_change_saves_nothing_inconsistent(tiny_shapes_dir, tmp_path):
