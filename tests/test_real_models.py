@@ -18,8 +18,6 @@ import pytest
 import torch
 from PIL import Image
 
-from flowrl.testing import build_tiny_sd3
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,14 +25,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def walk(tmp_path_factory):
+def walk(tmp_path_factory, tiny_dir):
     """The README's first steps: a tiny SD3 pipeline, `flowrl train configs/sd3/tiny.yaml` (shortened to two epochs
     and a higher learning rate so the LoRA moves the images), `flowrl export` as diffusers and merged."""
     from flowrl.commands.export import main as export_main
     from flowrl.commands.train import main as train_main
 
     root = tmp_path_factory.mktemp("walk")
-    tiny = build_tiny_sd3(root / "tiny_sd3")
+    tiny = tiny_dir("sd3")
     run = root / "runs" / "sd3_tiny"
     assert train_main([str(ROOT / "configs/sd3/tiny.yaml"), f"model.path={tiny}", f"run.output_dir={run}",
                        "run.max_epochs=2", "optim.lr=0.05", "sampling.groups_per_epoch=2"]) == 0

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny_flux, build_tiny_sd3
+from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat", "a blue square"]
 SEEDS = [3, 11]
 STEPS = 3
@@ -23,11 +23,11 @@ ATOL = 1e-5
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def train_lora_run(kind: str, out: Path, prompt_file: Path, **extra) -> Path:
-    """One Flow-GRPO epoch with LoRA r 4, alpha 8 at a high learning rate, so the adapter moves the images."""
+def train_lora_run(kind: str, path: Path, out: Path, prompt_file: Path, **extra) -> Path:
+    """One Flow-GRPO epoch of the tiny ``kind`` pipeline at ``path`` with LoRA r 4, alpha 8 at a high learning rate,
+    so the adapter moves the images."""
     from flowrl.commands.train import load_recipe_config
 
-    path = build_tiny_sd3() if kind == "sd3" else build_tiny_flux()
     settings = {
         "model.name": kind, "model.path": str(path), "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH,
         "model.lora": "{rank: 4, alpha: 8}", "run.output_dir": str(out), "run.max_epochs": 1,
@@ -47,13 +47,14 @@ def train_lora_run(kind: str, out: Path, prompt_file: Path, **extra) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_dir):
     root = tmp_path_factory.mktemp("export_runs")
     prompts = root / "prompts.txt"
     prompts.write_text("a red apple\na blue car\na cat on a mat\na bowl of soup\n")
     # SD3 keeps an EMA (two optimizer steps, so it differs from the raw weights); FLUX does not.
-    return {"sd3": train_lora_run("sd3", root / "sd3", prompts, **{"train.ema_decay": 0.5, "train.minibatches": 2}),
-            "flux": train_lora_run("flux", root / "flux", prompts)}
+    return {"sd3": train_lora_run("sd3", tiny_dir("sd3"), root / "sd3", prompts,
+                                  **{"train.ema_decay": 0.5, "train.minibatches": 2}),
+            "flux": train_lora_run("flux", tiny_dir("flux"), root / "flux", prompts)}
 
 
 def pipeline_class(kind):
@@ -89,33 +90,32 @@ def diffusers_images(pipe, kind: str) -> torch.Tensor:
                     output_type="pt").images.cpu()
 
 
-def base_pipeline(kind: str):
-    path = build_tiny_sd3() if kind == "sd3" else build_tiny_flux()
-    return pipeline_class(kind).from_pretrained(path)
+def base_pipeline(kind: str, tiny_dir):
+    return pipeline_class(kind).from_pretrained(tiny_dir(kind))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, kind, tmp_path):
+def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, kind, tmp_path, tiny_dir):
     from peft import PeftModel
 
     from flowrl.commands.export import main as export_main
 
     run = runs[kind]
     ours = flowrl_images(run)
-    base = diffusers_images(base_pipeline(kind), kind)
+    base = diffusers_images(base_pipeline(kind, tiny_dir), kind)
     assert (ours - base).abs().max() > 1e-3, "the LoRA must change the images for this test to mean anything"
 
     # The diffusers LoRA folder of `flowrl export` and the one every checkpoint holds.
     assert export_main([str(run), "--format", "diffusers", "--out", str(tmp_path / "diffusers")]) == 0
     for folder in (tmp_path / "diffusers", run / "checkpoints" / "epoch_0000001" / "lora"):
-        pipe = base_pipeline(kind)
+        pipe = base_pipeline(kind, tiny_dir)
         pipe.load_lora_weights(str(folder))
         torch.testing.assert_close(diffusers_images(pipe, kind), ours, rtol=0, atol=ATOL)
 
     # The PEFT adapter, loaded into the plain transformer with peft.
     assert export_main([str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
-    pipe = base_pipeline(kind)
+    pipe = base_pipeline(kind, tiny_dir)
     PeftModel.from_pretrained(pipe.transformer, str(tmp_path / "peft"))  # injects the adapter in place
     torch.testing.assert_close(diffusers_images(pipe, kind), ours, rtol=0, atol=ATOL)
 
@@ -127,7 +127,7 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, kind, t
 
 
 @pytest.mark.slow
-def test_ema_and_raw_weights_are_exported_as_asked(runs, tmp_path):
+def test_ema_and_raw_weights_are_exported_as_asked(runs, tmp_path, tiny_dir):
     """The SD3 run kept an EMA: the default export is the EMA (as load_finetuned), --no-ema the raw weights."""
     from flowrl.commands.export import main as export_main
 
@@ -136,7 +136,7 @@ def test_ema_and_raw_weights_are_exported_as_asked(runs, tmp_path):
     ema = flowrl_images(run)
     assert (raw - ema).abs().max() > 1e-4
     assert export_main([str(run), "--format", "diffusers", "--no-ema", "--out", str(tmp_path / "raw")]) == 0
-    pipe = base_pipeline("sd3")
+    pipe = base_pipeline("sd3", tiny_dir)
     pipe.load_lora_weights(str(tmp_path / "raw"))
     torch.testing.assert_close(diffusers_images(pipe, "sd3"), raw, rtol=0, atol=ATOL)
 

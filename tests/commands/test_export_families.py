@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat", "a blue square"]
 SEEDS = [3, 11]
 STEPS = 3
@@ -44,12 +44,13 @@ def model_name(family: str) -> str:
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def train_lora_run(family: str, out: Path, prompt_file: Path) -> Path:
-    """One Flow-GRPO epoch with LoRA r 4, alpha 8 at a high learning rate, so the adapter moves the images."""
+def train_lora_run(family: str, path: Path, out: Path, prompt_file: Path) -> Path:
+    """One Flow-GRPO epoch of the tiny ``family`` pipeline at ``path`` with LoRA r 4, alpha 8 at a high learning
+    rate, so the adapter moves the images."""
     from flowrl.commands.train import load_recipe_config
 
     settings = {
-        "model.name": model_name(family), "model.path": str(build_tiny(family)), "model.resolution": TINY_RESOLUTION,
+        "model.name": model_name(family), "model.path": str(path), "model.resolution": TINY_RESOLUTION,
         "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "model.lora": "{rank: 4, alpha: 8}",
         "run.output_dir": str(out), "run.max_epochs": 1, "run.max_minutes": "null",
         "data.train_prompts": str(prompt_file), "data.eval_prompts": str(prompt_file), "data.num_eval_prompts": 2,
@@ -81,17 +82,18 @@ class _Lazy(dict):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_dir):
     root = tmp_path_factory.mktemp("export_family_runs")
     prompts = root / "prompts.txt"
     prompts.write_text("a red apple\na blue car\na cat on a mat\na bowl of soup\n")
-    return _Lazy(lambda family: train_lora_run(family, root / family, prompts))  # trained when first asked for
+    # each trained when first asked for
+    return _Lazy(lambda family: train_lora_run(family, tiny_dir(family), root / family, prompts))
 
 
-def base_pipeline(family: str):
+def base_pipeline(family: str, tiny_dir):
     from flowrl.models.families import pipeline_class
 
-    pipe = pipeline_class(model_name(family)).from_pretrained(build_tiny(family))
+    pipe = pipeline_class(model_name(family)).from_pretrained(tiny_dir(family))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -131,7 +133,7 @@ def flowrl_images(run: Path, family: str) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family, tmp_path):
+def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family, tmp_path, tiny_dir):
     from peft import PeftModel
 
     from flowrl.commands.export import main as export_main
@@ -139,13 +141,13 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family,
 
     run = runs[family]
     ours = flowrl_images(run, family)
-    base = diffusers_images(base_pipeline(family), family)
+    base = diffusers_images(base_pipeline(family, tiny_dir), family)
     torch.testing.assert_close(flowrl_images(run, family), ours, rtol=0, atol=0)
     assert (ours - base).abs().max() > 1e-3, "the LoRA must change the images for this test to mean anything"
 
     assert export_main([str(run), "--format", "diffusers", "--out", str(tmp_path / "diffusers")]) == 0
     for folder in (tmp_path / "diffusers", run / "checkpoints" / "epoch_0000001" / "lora"):
-        pipe = base_pipeline(family)
+        pipe = base_pipeline(family, tiny_dir)
         pipe.load_lora_weights(str(folder))
         if family == "wan22":  # the low-noise expert's LoRA, into transformer_2
             from flowrl.models.lora_files import EXPERT_2_WEIGHTS
@@ -156,7 +158,7 @@ def test_exports_load_in_plain_diffusers_and_peft_and_match_flowrl(runs, family,
         torch.testing.assert_close(diffusers_images(pipe, family), ours, rtol=0, atol=ATOL)
 
     assert export_main([str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
-    pipe = base_pipeline(family)
+    pipe = base_pipeline(family, tiny_dir)
     if family == "wan22":
         from flowrl.models.wan import WanExperts
 
@@ -199,7 +201,7 @@ def _grid(path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike(runs, exported, family, tmp_path,
-                                                                                 capsys):
+                                                                                 capsys, tiny_dir):
     """`flowrl sample` of the run, of base + exported LoRA and of the merged pipeline draw the same grid (to a pixel
     level); `flowrl eval` scores the run; the demo shows the run and the merged pipeline with the same images."""
     import json
@@ -208,7 +210,7 @@ def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike
     from flowrl.demo.cli import make_state
     from flowrl.commands.sample import eval_main, sample_main
 
-    run, tiny = runs[family], build_tiny(family)
+    run, tiny = runs[family], tiny_dir(family)
     grids = {}
     for name, args in {"run": ["--run", str(run)],
                        "lora": ["--model", family, "--path", str(tiny), "--lora", str(exported[family]["lora"]),
@@ -246,7 +248,7 @@ def test_sample_eval_and_demo_see_the_run_its_lora_and_its_merged_pipeline_alike
 @pytest.mark.parametrize("family", ["wan", "wan22"])
 def test_sample_draws_the_run_its_lora_and_its_merged_pipeline_as_the_same_frame_strips_and_gifs(runs, exported,
                                                                                                  family, tmp_path,
-                                                                                                 capsys):
+                                                                                                 capsys, tiny_dir):
     """`flowrl sample` of a Wan run, of base + exported LoRA and of the merged pipeline: the same grid of frame
     strips (to a pixel level) and one animated GIF per video with the video's frames."""
     import numpy as np
@@ -254,7 +256,7 @@ def test_sample_draws_the_run_its_lora_and_its_merged_pipeline_as_the_same_frame
 
     from flowrl.commands.sample import sample_main
 
-    run, tiny = runs[family], build_tiny(family)
+    run, tiny = runs[family], tiny_dir(family)
     grids = {}
     for name, args in {"run": ["--run", str(run)],
                        "lora": ["--model", "wan", "--path", str(tiny), "--lora", str(exported[family]["lora"]),

@@ -98,15 +98,15 @@ def fake_run(root: Path, name: str, model: dict, *, seed: int) -> Path:
 
 
 @pytest.fixture(scope="session")
-def media_dirs(tmp_path_factory) -> dict[str, Path]:
+def media_dirs(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     """The tiny Wan (text-to-video) and FLUX.1-Kontext (editing) pipelines, and a runs folder holding one LoRA run
     of each (:func:`fake_run`)."""
-    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION, build_tiny
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        wan, kontext = build_tiny("wan"), build_tiny("flux_kontext")
+        wan, kontext = tiny_dir("wan"), tiny_dir("flux_kontext")
         runs = tmp_path_factory.mktemp("media_runs")
         common = {"resolution": TINY_RESOLUTION, "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH,
                   "dtype": "float32", "lora": {"rank": 4, "alpha": 8.0}}

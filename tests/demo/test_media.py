@@ -203,13 +203,13 @@ def test_the_api_takes_an_uploaded_source_and_never_fetches_a_url(media_url, sou
     assert fetched == []
 
 
-def test_qwen_image_edit_edits_the_uploaded_source_too(media_state, source_png, tmp_path):
+def test_qwen_image_edit_edits_the_uploaded_source_too(media_state, source_png, tmp_path, tiny_dir):
     """The demo's editing path is generic: a tiny Qwen-Image-Edit pipeline loaded by folder edits the uploaded
     source (drawn first, resized to its 64 px), as plain generation with that source does."""
     from flowrl.demo.models import load_base
-    from flowrl.testing import TINY_RESOLUTION, build_tiny
+    from flowrl.testing import TINY_RESOLUTION
 
-    model = load_base(str(build_tiny("qwen_image_edit")), resolution=TINY_RESOLUTION)
+    model = load_base(str(tiny_dir("qwen_image_edit")), resolution=TINY_RESOLUTION)
     assert model.conditions_on_source
     source = open_source(source_png, media_state.limits)
     result = compare({"qwen_edit": model}, [PROMPT], [0, 3], steps=2, guidance=4.0, sampler="ode", noise_level=None,
