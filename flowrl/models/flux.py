@@ -1,6 +1,6 @@
 """FLUX.1 as a flowrl velocity model (diffusers ``FluxPipeline``).
 
-Conventions, checked against diffusers (tests/models/test_flux.py):
+Conventions, checked against diffusers (tests/models/test_families.py, tests/models/test_conventions.py):
 
 - **Time.** FLUX is a rectified flow in flowrl's convention (``x = (1 - sigma) x0 + sigma eps``,
   prediction ``eps - x0``). ``FluxPipeline`` passes ``timestep = t / 1000 = sigma`` and

@@ -1,6 +1,6 @@
 """FLUX.2 as flowrl velocity models: [klein] (diffusers ``Flux2KleinPipeline``) and [dev] (``Flux2Pipeline``).
 
-Conventions of [klein], checked against diffusers (tests/models/test_flux2.py):
+Conventions of [klein], checked against diffusers (tests/models/test_families.py, tests/models/test_flux2.py):
 
 - **Time.** A rectified flow in flowrl's convention; the pipeline passes ``timestep / 1000 = sigma`` and the
   transformer scales it itself, so the adapter feeds ``sigma``.

@@ -2,7 +2,7 @@
 
 Everything FLUX.1's adapter documents holds (time as ``sigma``, the guidance embedding, no CFG, 2x2 packing, the
 dynamically shifted schedule, T5 + CLIP text; :mod:`flowrl.models.flux`). What Kontext adds, checked against
-diffusers (tests/models/test_flux_kontext.py):
+diffusers (tests/models/test_families.py, tests/models/test_flux_kontext.py):
 
 - **Source image.** Each prompt's ``metadata["source_image"]`` (``[3, H, W]`` in [0, 1]) is resized to the model's
   resolution, encoded with the VAE (the posterior's mean, ``(z - shift_factor) * scaling_factor``, as

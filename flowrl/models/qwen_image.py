@@ -1,6 +1,6 @@
 """Qwen-Image as a flowrl velocity model (diffusers ``QwenImagePipeline``).
 
-Conventions, checked against diffusers (tests/models/test_qwen_image.py):
+Conventions, checked against diffusers (tests/models/test_families.py, tests/models/test_qwen_image.py):
 
 - **Time.** A rectified flow in flowrl's convention (prediction ``eps - x0``). ``QwenImagePipeline`` passes
   ``timestep = t / 1000 = sigma`` and the transformer's timestep embedding scales it by 1000 itself, so the

@@ -4,7 +4,7 @@ image.
 Everything Qwen-Image's adapter documents holds (time as ``sigma``, true CFG with the norm rescale on the negative
 prompt ``" "``, 2x2 packed latents, the per-channel normalised causal VAE, the dynamically shifted schedule whose
 ``image_seq_len`` counts the noisy latent's tokens only; :mod:`flowrl.models.qwen_image`). What the editing pipeline
-adds, checked against diffusers (tests/models/test_qwen_image_edit.py):
+adds, checked against diffusers (tests/models/test_families.py, tests/models/test_qwen_image_edit.py):
 
 - **Source image.** Each prompt's ``metadata["source_image"]`` (``[3, H, W]`` in [0, 1]) becomes an 8-bit RGB image
   (the pipeline takes PIL images; sources read from shards are 8-bit already, so this loses nothing), resized to the

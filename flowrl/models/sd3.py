@@ -1,6 +1,6 @@
 """Stable Diffusion 3 / 3.5 as a flowrl velocity model (diffusers ``StableDiffusion3Pipeline``).
 
-Conventions, checked against diffusers (tests/models/test_sd3.py):
+Conventions, checked against diffusers (tests/models/test_families.py, tests/models/test_conventions.py):
 
 - **Time.** SD3's ``SD3Transformer2DModel`` is trained on ``x_t = (1 - sigma) x0 + sigma eps`` and
   predicts ``eps - x0`` -- exactly flowrl's convention (docs/algorithms.md, section 1), so no conversion is needed.

@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2 text-to-video as a flowrl velocity model (diffusers ``WanPipeline``).
 
-Conventions, checked against diffusers (tests/models/test_wan.py):
+Conventions, checked against diffusers (tests/models/test_families.py, tests/models/test_wan.py):
 
 - **Time and prediction.** ``WanTransformer3DModel`` predicts the flow velocity ``noise - x0`` (flowrl's ``eps -
   x0``) at ``timestep = 1000 sigma``, the scheduler's timestep.

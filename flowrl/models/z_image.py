@@ -1,6 +1,6 @@
 """Z-Image (and Z-Image-Turbo) as a flowrl velocity model (diffusers ``ZImagePipeline``).
 
-Conventions, checked against diffusers (tests/models/test_z_image.py):
+Conventions, checked against diffusers (tests/models/test_families.py, tests/models/test_z_image.py):
 
 - **Time and prediction.** Z-Image's transformer is fed ``t = (1000 - timestep) / 1000 = 1 - sigma`` (0 noise,
   1 data) and predicts ``x0 - eps``; the pipeline negates it before the Euler step. flowrl's velocity

@@ -143,7 +143,7 @@ def test_a_share_of_the_training_groups_ask_position_by_colour():
 def test_non_finite_updates_are_skipped_then_stop_with_the_last_finite_weights(tiny_vlm, tmp_path):
     """Before: the recipe clipped and stepped the optimizer itself, so a NaN loss reached the weights and
     run.max_nonfinite_updates never fired. Now every update goes through the guarded optimizer step, as the image
-    trainers' (tests/rl/test_run_health.py): skipped, counted, and the run stops with the last finite weights."""
+    trainers' (tests/run/test_run_health.py): skipped, counted, and the run stops with the last finite weights."""
     import math
 
     from flowrl.errors import RunError
