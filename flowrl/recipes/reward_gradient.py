@@ -1,0 +1,276 @@
+"""Reward-gradient fine-tuning (ReFL, DRaFT-K, DRaFT-LV): backpropagate a differentiable reward through the sampler.
+
+Papers: Xu, Liu, Wu, Tong, Li, Ding, Tang, Dong, "ImageReward: Learning and Evaluating Human Preferences for
+Text-to-Image Generation" (NeurIPS 2023), its ReFL; Clark, Vicol, Swersky, Fleet, "Directly Fine-Tuning Diffusion
+Models on Differentiable Rewards" (ICLR 2024), DRaFT-K and DRaFT-LV. The formulas and the departures of the ReFL
+authors' script are in :mod:`flowrl.core.reward_gradient` and docs/trainers.md ("Reward-gradient trainers"). One
+epoch:
+
+1. the epoch's prompts (``sampling.groups_per_epoch x group_size``, as every online trainer draws them) are split
+   into ``train.minibatches`` optimizer steps of micro-batches of ``train.micro_batch_size``;
+2. per micro-batch, the policy's own Euler ODE sampler (``model.sigmas(sampling.num_steps)``,
+   ``model.velocity_fn(sampling.guidance)``) runs from the samples' seeded noise: ``train.method`` ``refl`` takes
+   its one gradient step at a step drawn uniformly from ``[refl_low, refl_high)`` of the schedule and scores the clean
+   prediction there; ``draft`` keeps gradients through the last ``train.k`` steps and scores the sample; ``draft_lv``
+   samples without gradients, re-noises the sample ``train.lv_samples`` times at the last step's level and denoises
+   once with gradients;
+3. the latents are decoded with gradients (``model.decode``) and the training reward scores the images (which
+   require grad); the loss (ReFL's ``loss_scale * mean relu(margin - r)``, DRaFT's ``-loss_scale * mean r``), plus
+   ``kl_coef mean_d (v - v_ref)^2`` to the frozen reference at every velocity call that carries gradient, is
+   back-propagated; each minibatch ends with the shared guarded optimizer step (gradient clipping at
+   ``optim.grad_clip``, a non-finite gradient skipped and counted).
+
+The training reward must be differentiable: a reward that declares it is not is refused when the config loads, one
+whose builder decides (e.g. ``artifact``, ``jpeg_*``) when the run sets up. Where flowrl departs: each epoch draws
+fresh prompts and noise (no pretraining-data loss as in the ImageReward paper; ``kl_coef`` is the regulariser); the
+ReFL step is drawn once per micro-batch (the authors: once per batch); samples whose reward is NaN make the step's
+gradient non-finite, which skips it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from flowrl.config import RunConfig, bounds, fail
+from flowrl.recipes import Recipe
+from flowrl.rl.sampling import SamplingConfig
+from flowrl.rl.setup import OnlineConfig, UpdateConfig
+
+__all__ = ["TrainConfig", "Config", "not_differentiable", "check_differentiable", "train_epoch", "main", "RECIPE",
+           "dry_run_overrides"]
+
+
+@dataclass
+class TrainConfig(UpdateConfig):
+    """``inner_epochs``: passes over the epoch's samples (the same prompts and initial noise, the updated policy);
+    ``minibatches``: optimizer steps per pass; ``micro_batch_size``: samples per backward (UpdateConfig's)."""
+
+    method: Literal["refl", "draft", "draft_lv"] = "draft"
+    k: int = field(default=1, metadata=bounds(ge=1, le=1000))  # draft: steps with gradient at the chain's end
+    lv_samples: int = field(default=2, metadata=bounds(ge=1, le=64))  # draft_lv: re-noisings of each sample
+    refl_low: float = field(default=0.75, metadata=bounds(ge=0, lt=1))  # refl: the window [low, high) of the
+    refl_high: float = field(default=1.0, metadata=bounds(gt=0, le=1))  # schedule's steps (authors: 30..39 of 40)
+    # The hinge relu(margin - r) (ReFL's authors: 2, on ImageReward's scale); None: -r (DRaFT's loss).
+    margin: float | None = None
+    loss_scale: float = field(default=1.0, metadata=bounds(gt=0))  # ReFL's grad_scale (the authors: 1e-3)
+    kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # mean_d (v - v_ref)^2 to the frozen reference
+    micro_batch_size: int = field(default=4, metadata=bounds(ge=1, le=4096))  # samples per backward, per process
+
+
+@dataclass
+class Config(OnlineConfig):
+    run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/reward_gradient"))
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(step="ode"))
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def check(self) -> None:
+        super().check()
+        t, s = self.train, self.sampling
+        if t.method == "refl":
+            from flowrl.core.reward_gradient import refl_step_range
+
+            try:
+                refl_step_range(s.num_steps, t.refl_low, t.refl_high)
+            except ValueError as err:
+                fail("train.refl_low", str(err))
+        if t.method == "draft" and t.k > s.num_steps:
+            fail("train.k", f"{t.k} steps with gradient exceed the {s.num_steps} of the schedule; use at most "
+                 f"{s.num_steps} (that is full backpropagation)")
+        if s.base_last_steps:
+            fail("sampling.base_last_steps", "the reward-gradient trainers back-propagate through the policy's own "
+                 "last steps; set it to 0")
+        if s.groups_per_epoch * s.group_size < t.minibatches:
+            fail("train.minibatches", f"{t.minibatches} optimizer steps need at least as many samples per epoch "
+                 f"({s.groups_per_epoch * s.group_size})")
+        for name in not_differentiable(self.reward.train):
+            fail("reward.train", f"{name} is not differentiable, and {t.method} back-propagates the reward into the "
+                 "images: train on a differentiable reward (shapes_proxy, pickscore, aesthetic, hpsv2, clip_score) "
+                 "or use a policy-gradient trainer (flow_grpo, nft)")
+
+
+def _declared_not_differentiable(registered: str) -> bool:
+    """Whether the reward registered as ``registered`` declares ``differentiable = False`` in its own class (a reward
+    whose instances decide, e.g. ``artifact``, is checked once built: :func:`check_differentiable`)."""
+    from rewards.base import Reward
+    from rewards.registry import REWARDS
+
+    cls = REWARDS.get(registered)
+    if not isinstance(cls, type):
+        return False
+    declared = [c for c in cls.__mro__ if c is not Reward and "differentiable" in vars(c)]
+    return bool(declared) and vars(declared[0])["differentiable"] is False
+
+
+def not_differentiable(spec: Any) -> list[str]:
+    """The entries of a ``reward.train`` spec (a mapping, as rewards.compose reads it) whose reward declares it is not
+    differentiable."""
+    if isinstance(spec, str):
+        from rewards.compose import parse_reward_string
+
+        spec = parse_reward_string(spec)
+    found: list[str] = []
+    for key, entry in (spec or {}).items():
+        if key == "gated" and isinstance(entry, dict):
+            for side in ("alignment", "quality"):
+                found += [f"gated.{name}" for name in not_differentiable(entry.get(side))]
+            continue
+        registered = entry.get("reward", key) if isinstance(entry, dict) else key
+        if _declared_not_differentiable(registered):
+            found.append(key if registered == key else f"{key} ({registered})")
+    return found
+
+
+def check_differentiable(reward, spec: Any) -> None:
+    """Raise a one-line ConfigError unless the built training reward is differentiable."""
+    from flowrl.config import ConfigError
+
+    if not getattr(reward, "differentiable", False):
+        names = ", ".join(spec) if isinstance(spec, dict) else str(spec)
+        raise ConfigError("reward.train", f"{names} built a reward that is not differentiable ({reward!r}); the "
+                          "reward-gradient trainers back-propagate the reward into the images: train on a "
+                          "differentiable reward (shapes_proxy, pickscore, aesthetic, hpsv2, clip_score)")
+
+
+def _velocity_at_reference(model, guidance: float, point, cond) -> torch.Tensor:
+    with torch.no_grad(), model.reference():
+        x = point.x.to(model.dtype)
+        return model.velocity_fn(guidance)(x, torch.full((x.shape[0],), point.sigma, device=x.device), cond).float()
+
+
+def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict[str, float]:
+    """One epoch of the configured method on this process's share of the epoch's samples (``batch``, a
+    :class:`flowrl.data.prompt_groups.EpochBatch`).
+
+    Returns:
+        ``train/...``: ``reward_mean``, ``reward_std``, ``nan_rewards``, ``loss``, ``kl_ref``, ``grad_norm``,
+        ``optimizer_steps``, ``lr`` and, for ReFL, ``refl_step`` (the mean gradient step index).
+    """
+    from flowrl.core import reward_gradient as rg
+    from flowrl.models.base import encode_rows
+    from flowrl.run.updates import optimizer_step
+    from samplers import initial_noise
+    from samplers.noise import derive_seed
+
+    model, dist, t, s = setup.model, setup.dist, cfg.train, cfg.sampling
+    reward, sigmas = setup.reward, setup.sigmas.to(model.device)
+    params = model.trainable_parameters()
+    velocity = model.velocity_fn(s.guidance)
+    n = len(batch.prompts)
+    bounds_ = [round(i * n / t.minibatches) for i in range(t.minibatches + 1)]
+    window = rg.refl_step_range(s.num_steps, t.refl_low, t.refl_high) if t.method == "refl" else None
+    rewards_all, losses, kls, norms, steps_used = [], [], [], [], []
+    micro = 0
+    for lo, hi in [(lo, hi) for _ in range(t.inner_epochs) for lo, hi in zip(bounds_[:-1], bounds_[1:])]:
+        if hi <= lo:
+            continue
+        starts = list(range(lo, hi, t.micro_batch_size))
+        for start in starts:
+            rows = slice(start, min(start + t.micro_batch_size, hi))
+            prompts, metadata = batch.prompts[rows], batch.metadata[rows]
+            seeds = batch.sample_seeds[rows]
+            cond = encode_rows(model, prompts, metadata)
+            x = initial_noise(model.latent_shape, seeds, device=model.device)
+            gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, epoch, int(seeds[0]), micro))
+            micro += 1
+
+            def v_fn(x_, sigma_):
+                return velocity(x_.to(model.dtype), sigma_, cond).float()
+
+            def score(latents):
+                images = model.decode(latents)
+                return reward(images, prompts, metadata).scores.to(latents.device).float()
+
+            if t.method == "draft_lv":
+                with torch.no_grad():
+                    x_n = rg.truncated_sample(v_fn, x, sigmas, grad_steps=0).x
+                noises = torch.randn((t.lv_samples, *x.shape), generator=gen).to(x.device)
+                r_all, points = rg.lv_rewards(v_fn, x_n, sigmas, noises, score)
+                r_mean = r_all.mean(0)  # [B] each sample's mean over its re-noisings
+                loss = rg.refl_loss(r_all.flatten(), t.margin, t.loss_scale)  # margin None: -mean r (DRaFT)
+            else:
+                if t.method == "refl":
+                    k = window[int(torch.randint(len(window), (1,), generator=gen))]
+                    steps_used.append(k)
+                    out = rg.refl_sample(v_fn, x, sigmas, step=k)
+                else:
+                    out = rg.truncated_sample(v_fn, x, sigmas, grad_steps=t.k)
+                points, r_mean = out.grad_points, score(out.x)
+                loss = rg.refl_loss(r_mean, t.margin, t.loss_scale)
+            kl = torch.zeros((), device=loss.device)
+            if t.kl_coef > 0:
+                for p in points:
+                    kl = kl + (p.v - _velocity_at_reference(model, s.guidance, p, cond)).pow(2).mean() / len(points)
+            share = (rows.stop - rows.start) / (hi - lo)
+            dist.backward((loss + t.kl_coef * kl) * share, model.denoiser, sync=start == starts[-1])
+            rewards_all.append(r_mean.detach().float().cpu())
+            losses.append((float(loss.detach()), share))
+            kls.append((float(kl.detach()), share))
+            if progress is not None:
+                progress.update(rows.stop - rows.start)
+        norms.append(optimizer_step(setup.optimizer, params, dist, grad_clip=cfg.optim.grad_clip, ema=setup.ema,
+                                    health=setup.run.health))
+        setup.optimizer.zero_grad(set_to_none=True)
+    rewards = dist.gather(torch.cat(rewards_all))
+    finite = rewards[torch.isfinite(rewards)]
+    steps = len(norms)
+    metrics = {"train/reward_mean": float(finite.mean()) if finite.numel() else math.nan,
+               "train/reward_std": float(finite.std()) if finite.numel() > 1 else 0.0,
+               "train/nan_rewards": int(rewards.numel() - finite.numel()),
+               "train/loss": sum(v * w for v, w in losses) / steps, "train/kl_ref": sum(v * w for v, w in kls) / steps,
+               "train/grad_norm": sum(norms) / steps, "train/optimizer_steps": steps,
+               "train/lr": setup.optimizer.param_groups[0]["lr"]}
+    if steps_used:
+        metrics["train/refl_step"] = sum(steps_used) / len(steps_used)
+    return metrics
+
+
+def main(cfg: Config, *, model=None, dist=None) -> int:
+    """Run the configured reward-gradient trainer. ``model`` / ``dist`` may be injected (tests, notebooks)."""
+    from flowrl.rl.setup import ImageTraining
+
+    setup = ImageTraining(cfg, "reward_gradient", model=model, dist=dist, ema_decay=cfg.train.ema_decay,
+                          per_sample=True, reference=cfg.train.kl_coef > 0,
+                          plot_groups={"reward_gradient": ["train/loss", "train/refl_step"]})
+    run = setup.run
+    check_differentiable(setup.reward, cfg.reward.train)
+    samples = cfg.sampling.samples_per_epoch
+    with run:
+        while run.next_epoch():
+            batch = setup.prompt_groups.epoch(run.epoch)
+            start = time.perf_counter()
+            with setup.training(len(batch.prompts)) as bar:
+                metrics = train_epoch(setup, batch, cfg, run.epoch, progress=bar)
+            run.check_rewards(metrics, samples)
+            metrics["time/sampling_s"] = time.perf_counter() - start  # sampling and training are one pass
+            setup.end_epoch(metrics)
+    return run.finish()
+
+
+def dry_run_overrides(data: dict, workdir) -> list[str]:
+    """The dry run's stand-in reward scores JPEG size, which has no gradient: put a tiny differentiable aesthetic
+    reward (random open_clip and MLP written under ``workdir``) in its place."""
+    from pathlib import Path
+
+    from flowrl.commands.dryrun import STAND_IN_REWARD
+
+    train = (data.get("reward") or {}).get("train")
+    if not isinstance(train, dict):
+        return []
+    notes = []
+    for name, entry in list(train.items()):
+        if isinstance(entry, dict) and entry.get("reward") == STAND_IN_REWARD:
+            from rewards.testing import tiny_aesthetic
+
+            model_name, mlp_path = tiny_aesthetic(Path(workdir) / "stand_in_aesthetic")
+            train[name] = {"reward": "aesthetic", "weight": entry.get("weight", 1.0),
+                           "kwargs": {"model_name": model_name, "mlp_path": mlp_path}}
+            notes.append(f"reward.train.{name}: the stand-in is a tiny random aesthetic reward (differentiable)")
+    return notes
+
+
+RECIPE = Recipe(Config, main)

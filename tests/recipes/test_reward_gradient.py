@@ -1,0 +1,155 @@
+"""The reward-gradient recipe (flowrl/recipes/reward_gradient.py: ReFL, DRaFT-K, DRaFT-LV) through its shipped
+shapes configs on tiny models: on the tiny shapes model each method raises a toy differentiable reward on the
+prompts it trains on (the evaluation's fixed prompts and seeds are the training set's), and moves the weights; on the
+tiny SD3 and FLUX pipelines a LoRA epoch trains (the LoRA's B, zero at init, moves); a training reward without a
+gradient is refused with one line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError
+from flowrl.recipes import load_recipe_config
+from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+from flowrl.run.metrics import read_metrics
+from rewards import RewardOutput
+from rewards.base import Reward
+from rewards.registry import REWARDS
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = "toy_red_minus_blue"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class RedMinusBlue(Reward):
+    """``mean red - mean blue`` of the image: smooth, differentiable, and moved by any colour shift."""
+
+    name = TOY
+    differentiable = True
+
+    def __init__(self, device: str = "cpu", **_):
+        pass
+
+    def score(self, images, prompts, metadata=None) -> RewardOutput:
+        x = images.float()
+        return RewardOutput(x[:, 0].mean(dim=(1, 2)) - x[:, 2].mean(dim=(1, 2)), {})
+
+
+if TOY not in REWARDS.names():
+    REWARDS.register(TOY, RedMinusBlue)
+
+
+def settings(out: Path, model_dir: Path, method: str, **extra) -> list[str]:
+    values = {
+        "model.path": str(model_dir), "run.output_dir": str(out), "run.max_minutes": "null", "run.max_epochs": 3,
+        "data.train_prompts": "shapes:train", "data.eval_prompts": "shapes:train", "data.num_eval_prompts": 4,
+        "data.kind_weights": "uniform", "sampling.num_steps": 4, "sampling.eval_num_steps": 4,
+        "sampling.groups_per_epoch": 2, "sampling.group_size": 2, "train.micro_batch_size": 2, "optim.lr": 3e-3,
+        "train.method": method, "train.k": 2, "train.lv_samples": 2, "reward.train": f"{{{TOY}: 1.0}}",
+        "reward.eval": f"[{TOY}]", "eval.every_epochs": 3, "eval.every_minutes": "null", "eval.grid_size": 0,
+        "eval.hacking.enabled": "false", "checkpoint.every_epochs": 3,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def train(config: str, out: Path, model_dir: Path, method: str, **extra):
+    recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / config), settings(out, model_dir, method,
+                                                                                        **extra))
+    assert recipe.main(cfg) == 0
+    return read_metrics(out / "metrics.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["refl", "draft", "draft_lv"])
+def test_each_method_raises_the_reward_on_the_trained_prompts(method, tiny_shapes_dir, tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    config = "refl.yaml" if method == "refl" else "draft.yaml"
+    rows = train(config, tmp_path / "run", tiny_shapes_dir, method, **{"train.refl_low": 0.5})
+    before, after = rows[0][f"eval/{TOY}/mean"], rows[-1][f"eval/{TOY}/mean"]
+    assert after > before + 0.02, (before, after)  # same prompts and seeds, evaluated before and after 3 epochs
+    last = rows[-1]
+    assert math.isfinite(last["train/loss"]) and last["train/grad_norm"] > 0 and last["train/optimizer_steps"] == 1
+    # the loss is -mean r over the epoch's samples (margin null, scale 1)
+    assert last["train/loss"] == pytest.approx(-last["train/reward_mean"], abs=1e-5)
+    if method == "refl":  # the gradient step of a 4-step schedule's window [0.5, 1): steps 2 or 3
+        assert all(2 <= r["train/refl_step"] <= 3 for r in rows[1:])
+    else:
+        assert "train/refl_step" not in last
+    initial = UNet2DConditionModel.from_pretrained(tiny_shapes_dir / "unet").state_dict()
+    trained = load_state(latest_checkpoint(tmp_path / "run"))["model"]
+    assert max(float((initial[k] - v).abs().max()) for k, v in trained.items()) > 1e-4
+
+
+@pytest.mark.slow
+def test_the_kl_term_and_a_hinge_enter_the_loss(tiny_shapes_dir, tmp_path):
+    """ReFL with the authors' hinge relu(2 - r) x 0.5 (r < 1 here, so it is 0.5 (2 - r)) and the reference penalty,
+    which is 0 before the first update and positive after it."""
+    rows = train("refl.yaml", tmp_path / "run", tiny_shapes_dir, "refl",
+                 **{"train.margin": 2.0, "train.loss_scale": 0.5, "train.kl_coef": 1.0, "run.max_epochs": 2})
+    first, second = rows[1], rows[2]
+    assert first["train/loss"] == pytest.approx(0.5 * (2 - first["train/reward_mean"]), abs=1e-5)
+    assert first["train/kl_ref"] == pytest.approx(0.0, abs=1e-10)
+    assert second["train/kl_ref"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, method", [("sd3", "draft"), ("flux", "refl"), ("sd3", "draft_lv")])
+def test_a_tiny_lora_epoch_on_sd3_and_flux(family, method, tiny_dir, tmp_path):
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
+
+    out = tmp_path / "run"
+    guidance = 3.5 if family == "flux" else 4.0  # FLUX: the guidance embedding; SD3: CFG, both branches trained
+    extra = {"model.name": family, "model.resolution": TINY_RESOLUTION, "model.lora": "{rank: 4, alpha: 8}",
+             "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "model.dtype": "float32",
+             "sampling.num_steps": 3, "sampling.eval_num_steps": 2, "sampling.guidance": guidance,
+             "run.max_epochs": 1, "eval.every_epochs": 1, "eval.at_start": "false", "checkpoint.every_epochs": 1,
+             "train.refl_low": 0.3}
+    rows = train("draft.yaml", out, tiny_dir(family), method, **extra)
+    row = rows[-1]
+    assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
+    assert f"eval/{TOY}/mean" in row
+    state = load_state(latest_checkpoint(out))["model"]
+    assert state and all("lora_" in k for k in state)
+    assert max(float(v.abs().max()) for k, v in state.items() if "lora_B" in k) > 0  # B starts at 0: it moved
+
+
+def test_a_training_reward_without_a_gradient_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_recipe_config(str(ROOT / "configs" / "shapes" / "draft.yaml"), ["reward.train={shapes: 1.0}"])
+    assert str(err.value) == (
+        "reward.train: shapes is not differentiable, and draft back-propagates the reward into the images: train on "
+        "a differentiable reward (shapes_proxy, pickscore, aesthetic, hpsv2, clip_score) or use a policy-gradient "
+        "trainer (flow_grpo, nft)")
+    assert "\n" not in str(err.value)
+
+
+def test_a_reward_known_only_once_built_is_refused_at_setup(tiny_shapes_dir, tmp_path):
+    """JPEG size declares nothing in its class (the base's default, False): the built reward is checked."""
+    recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / "draft.yaml"),
+                                     settings(tmp_path / "run", tiny_shapes_dir, "draft",
+                                              **{"reward.train": "{jpeg_incompressibility: 1.0}"}))
+    with pytest.raises(ConfigError) as err:
+        recipe.main(cfg)
+    message = str(err.value)
+    assert message.startswith("reward.train: jpeg_incompressibility built a reward that is not differentiable (")
+    assert "train on a differentiable reward (shapes_proxy, pickscore, aesthetic, hpsv2, clip_score)" in message
+    assert "\n" not in message
+
+
+def test_the_config_checks_the_schedule():
+    path = str(ROOT / "configs" / "shapes" / "draft.yaml")
+    with pytest.raises(ConfigError, match="train.k: 11 steps with gradient exceed the 10 of the schedule"):
+        load_recipe_config(path, ["train.k=11"])
+    with pytest.raises(ConfigError, match="holds no step of a 10-step schedule"):
+        load_recipe_config(path, ["train.method=refl", "train.refl_low=0.91", "train.refl_high=0.95"])
+    _, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / "refl.yaml"), [])
+    assert cfg.train.method == "refl" and cfg.reward.train["shapes_proxy"]["kwargs"]["path"]
+    assert torch.equal(torch.tensor(list(__import__("flowrl.core.reward_gradient", fromlist=["x"]).refl_step_range(
+        cfg.sampling.num_steps, cfg.train.refl_low, cfg.train.refl_high))), torch.tensor([8, 9]))
