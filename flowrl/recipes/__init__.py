@@ -32,6 +32,7 @@ RECIPES.register("dpo", "flowrl.recipes.dpo:RECIPE")
 RECIPES.register("d3po", "flowrl.recipes.d3po:RECIPE")
 RECIPES.register("raft", "flowrl.recipes.raft:RECIPE")
 RECIPES.register("reward_gradient", "flowrl.recipes.reward_gradient:RECIPE")
+RECIPES.register("dmd2", "flowrl.recipes.dmd2:RECIPE")
 RECIPES.register("vlm_sft", "flowrl.recipes.vlm_sft:RECIPE")
 RECIPES.register("vlm_grpo", "flowrl.recipes.vlm_grpo:RECIPE")
 
