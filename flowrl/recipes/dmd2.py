@@ -11,8 +11,8 @@ departs. Three networks share the one model:
   the shared evaluator runs at ``sampling.eval_num_steps`` (which must equal ``student_steps``);
 - the frozen **real score**, the teacher: ``model.reference()`` (LoRA adapters off, or the frozen copy of a full
   fine-tune), guided at ``train.real_guidance``;
-- the **fake score**: a second trainable copy of the trained tensors (:class:`FakeScore`, run through
-  ``torch.func.functional_call`` on the same network), unguided, with its own AdamW (``train.fake_lr``).
+- the **fake score**: a second trainable copy of the trained tensors (:class:`FakeScore`, swapped into the same
+  network while it runs), unguided, with its own AdamW (``train.fake_lr``).
 
 One training step ``g`` (global: ``epoch * steps_per_epoch + i``; ``train.minibatches`` steps per pass over the
 epoch's prompts, ``train.inner_epochs`` passes) on micro-batches of ``train.micro_batch_size`` prompts:
@@ -105,53 +105,54 @@ class Config(OnlineConfig):
 # the fake score: a second set of the trained tensors on the same network
 
 
-class _Functional(nn.Module):
-    """The denoiser run with other tensors in place of its trained parameters (gradients reach those tensors)."""
-
-    def __init__(self, network: nn.Module, tensors: dict[str, torch.Tensor]):
-        super().__init__()
-        self.network = network
-        object.__setattr__(self, "_tensors", tensors)  # not registered: never in the student's state
-
-    def forward(self, *args, **kwargs):
-        return torch.func.functional_call(self.network, self._tensors, args, kwargs, strict=False)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["network"], name)
-
-
 class FakeScore:
     """DMD2's fake score: a trainable copy of the model's trained tensors (the whole denoiser of a full fine-tune, the
     LoRA weights otherwise), initialised from them when built (before training: the teacher's function), run on the
-    model's own network. Checkpointed by ``state_dict`` / ``load_state_dict``."""
+    model's own network by swapping its tensors into the trained parameters (:meth:`active`). Checkpointed by
+    ``state_dict`` / ``load_state_dict``."""
 
     def __init__(self, model):
-        from flowrl.models.base import unwrap
-
-        module = unwrap(model.denoiser)
         self.params = {name: nn.Parameter(p.detach().clone(), requires_grad=True)
-                       for name, p in module.named_parameters() if p.requires_grad}
+                       for name, p in self._named_live(model)}
         if not self.params:
             raise ValueError("the model has no trainable parameters to copy into a fake score")
+
+    @staticmethod
+    def _named_live(model) -> list[tuple[str, nn.Parameter]]:
+        from flowrl.models.base import unwrap
+
+        return [(name, p) for name, p in unwrap(model.denoiser).named_parameters() if p.requires_grad]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params.values())
 
     @contextlib.contextmanager
     def active(self, model) -> Iterator[None]:
-        """Inside this context the model predicts with the fake score's tensors. Run its backward inside too: a
-        checkpointed block recomputes its forward during the backward, which must see the same tensors."""
-        from flowrl.models.base import unwrap
+        """Inside this context the model's trained parameters hold the fake score's values (and the fake score's the
+        student's); a backward inside it puts the fake score's gradients in the trained parameters' ``.grad``, which
+        :meth:`take_grads` moves over. A swap rather than ``torch.func.functional_call``: a checkpointed block
+        recomputes its forward during the backward, outside any functional call, and must see the same tensors."""
+        live = [p for _, p in self._named_live(model)]
+        if len(live) != len(self.params):
+            raise ValueError("the model's trainable parameters changed since the fake score was built")
 
-        trained = model.denoiser
-        model.denoiser = _Functional(unwrap(trained), self.params)
+        def swap():
+            with torch.no_grad():
+                for p, f in zip(live, self.params.values()):
+                    p.data, f.data = f.data, p.data
+
+        swap()
         try:
             yield
         finally:
-            model.denoiser = trained
+            swap()
+
+    def take_grads(self, model) -> None:
+        """Move the gradients a backward inside :meth:`active` left in the trained parameters to the fake score's."""
+        for (_, p), f in zip(self._named_live(model), self.params.values()):
+            if p.grad is not None:
+                f.grad = p.grad if f.grad is None else f.grad + p.grad
+                p.grad = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.params.items()}
@@ -202,17 +203,21 @@ def _noised(x0: torch.Tensor, sigma: torch.Tensor, generator: torch.Generator) -
 
 
 def fake_score_update(model, fake: FakeScore, x0: torch.Tensor, cond, sigma: torch.Tensor, generator, *,
-                      guidance: float, weighting: str, scale: float = 1.0) -> float:
+                      guidance: float, weighting: str, scale: float = 1.0, dist=None, sync: bool = True) -> float:
     """The fake score's denoising loss on the student's (detached) samples ``x0`` at noise levels ``sigma``,
-    back-propagated (times ``scale``) into the fake score's tensors only. Returns the loss."""
+    back-propagated (times ``scale``) into the fake score's tensors only. Call it inside ``fake.active(model)`` and
+    call ``fake.take_grads(model)`` after the last micro-batch (``dist.backward`` with ``sync`` on the last: the DDP
+    reduction of the accumulated gradients). Returns the loss."""
     from flowrl.core.distillation import fake_score_loss
 
     x0 = x0.detach()
     x_t, eps = _noised(x0, sigma, generator)
-    with fake.active(model):
-        v = model.velocity_fn(guidance)(x_t.to(model.dtype), sigma.to(x0.device, torch.float32), cond).float()
-        out = fake_score_loss(v, x0, eps, sigma.to(x0.device), weighting=weighting)
+    v = model.velocity_fn(guidance)(x_t.to(model.dtype), sigma.to(x0.device, torch.float32), cond).float()
+    out = fake_score_loss(v, x0, eps, sigma.to(x0.device), weighting=weighting)
+    if dist is None:
         (out.loss * scale).backward()
+    else:
+        dist.backward(out.loss * scale, model.denoiser, sync=sync)
     return float(out.loss.detach())
 
 
@@ -302,17 +307,20 @@ def train_epoch(setup, fake: FakeScore, fake_optimizer, batch, cfg: Config, epoc
             # the fake score's turn, on the samples the student made before its update (DMD2's order)
             fake_optimizer.zero_grad(set_to_none=True)
             step_fake = 0.0
-            for x0, cond, first_seed in samples:
-                share = x0.shape[0] / (hi - lo)
-                gen = _generator(seed, STREAM_FAKE, step, first_seed)
-                sigma = sample_dmd_timesteps(x0.shape[0], generator=gen, min_step_percent=0.0, max_step_percent=1.0,
-                                             num_train_timesteps=t.num_train_timesteps, sigma_table=table).sigma
-                step_fake += share * fake_score_update(model, fake, x0, cond, sigma, gen, guidance=fake_guidance,
-                                                       weighting=t.fake_weighting, scale=share)
-                if progress is not None:
-                    progress.update(x0.shape[0])
+            with fake.active(model):
+                for j, (x0, cond, first_seed) in enumerate(samples):
+                    share = x0.shape[0] / (hi - lo)
+                    gen = _generator(seed, STREAM_FAKE, step, first_seed)
+                    sigma = sample_dmd_timesteps(x0.shape[0], generator=gen, min_step_percent=0.0,
+                                                 max_step_percent=1.0, num_train_timesteps=t.num_train_timesteps,
+                                                 sigma_table=table).sigma
+                    step_fake += share * fake_score_update(model, fake, x0, cond, sigma, gen, guidance=fake_guidance,
+                                                           weighting=t.fake_weighting, scale=share, dist=dist,
+                                                           sync=j == len(samples) - 1)
+                    if progress is not None:
+                        progress.update(x0.shape[0])
+                fake.take_grads(model)
             if samples:
-                dist.all_reduce_mean_([p.grad for p in fake_params])
                 fake_norms.append(optimizer_step(fake_optimizer, fake_params, dist, grad_clip=cfg.optim.grad_clip,
                                                  health=setup.run.health))
                 fake_losses.append(step_fake)

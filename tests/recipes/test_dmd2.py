@@ -100,8 +100,10 @@ def test_the_fake_score_learns_the_students_samples_and_only_it(tiny_shapes_dir)
     losses = []
     for _ in range(5):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(fake_score_update(model, fake, x0, cond, sigma, torch.Generator().manual_seed(1), guidance=1.0,
-                                        weighting="velocity"))
+        with fake.active(model):
+            losses.append(fake_score_update(model, fake, x0, cond, sigma, torch.Generator().manual_seed(1),
+                                            guidance=1.0, weighting="velocity"))
+            fake.take_grads(model)
         assert all(p.grad is None for p in model.denoiser.parameters())
         optimizer.step()
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -167,3 +169,38 @@ def test_the_config_refuses_the_gan_term_and_another_evaluation_schedule():
                               "schedule: set sampling.eval_num_steps=4 (or train.student_steps=20)")
     _, cfg = load_recipe_config(CONFIG, [])
     assert cfg.train.student_steps == cfg.sampling.eval_num_steps == 4 and cfg.train.gan_weight == 0
+
+
+@pytest.mark.slow
+def test_the_fake_scores_gradient_is_the_same_under_gradient_checkpointing(tiny_dir):
+    """A checkpointed block recomputes its forward during the backward: the fake score's tensors must still be in
+    place then (a functional call's would not be), so its gradient equals the one without checkpointing."""
+    from flowrl.config import from_dict
+    from flowrl.models.base import encode_rows
+    from flowrl.models.config import ModelConfig, build_model
+    from flowrl.recipes.dmd2 import FakeScore, fake_score_update
+    from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
+
+    grads = []
+    for checkpointing in (False, True):
+        cfg = from_dict(ModelConfig, {"name": "sd3", "path": str(tiny_dir("sd3")), "resolution": TINY_RESOLUTION,
+                                      "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "dtype": "float32",
+                                      "lora": {"rank": 4, "alpha": 8}, "gradient_checkpointing": checkpointing})
+        torch.manual_seed(0)
+        model = build_model(cfg, "cpu")
+        model.train()
+        fake = FakeScore(model)
+        with torch.no_grad():  # a fake score that differs from the student (whose LoRA B is 0)
+            for i, (name, p) in enumerate(fake.params.items()):
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(i))
+        x0 = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+        cond = encode_rows(model, ["a cat", "a dog"], None)
+        with fake.active(model):
+            fake_score_update(model, fake, x0, cond, torch.tensor([0.3, 0.7]), torch.Generator().manual_seed(1),
+                              guidance=1.0, weighting="velocity")
+            fake.take_grads(model)
+        assert all(p.grad is None for p in model.trainable_parameters())
+        grads.append({k: p.grad for k, p in fake.params.items() if p.grad is not None})
+    assert grads[0] and set(grads[0]) == set(grads[1])
+    assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
