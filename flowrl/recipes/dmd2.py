@@ -345,6 +345,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     setup = ImageTraining(cfg, "dmd2", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                           reference=True,  # the teacher is the real score
+                          train_reward=False,  # distillation trains on no reward; the evaluation's stays
                           plot_groups={"dmd2": ["train/dmd_loss", "train/fake_loss"],
                                        "dmd2_grad_norm": ["train/grad_norm", "train/fake_grad_norm"]})
     run = setup.run

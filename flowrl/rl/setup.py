@@ -159,6 +159,8 @@ class ImageTraining:
             ``cfg.train.kl_coef > 0``; DGPO, Diffusion-DPO and D3PO always). With the evaluation's and sampling's
             uses (:func:`reference_uses`) it decides whether a full fine-tune keeps a frozen copy of the denoiser;
             without one, ``model.reference()`` raises. Default True: a recipe that does not say keeps the copy.
+        train_reward: False for a recipe that samples prompts but trains without a reward (DMD2's distillation):
+            ``reward.train`` is not built (its model would cost memory for nothing); the evaluation's reward is.
 
     Attributes:
         run, dist, model, reward, prompt_groups, evaluator, optimizer, scheduler, ema, tracker; and, for online
@@ -168,7 +170,7 @@ class ImageTraining:
 
     def __init__(self, cfg, recipe: str, *, model=None, dist=None, ema_decay: float | None = None,
                  plot_groups: dict[str, list[str]] | None = None, per_sample: bool = False, rollouts: bool = True,
-                 reference: bool = True):
+                 reference: bool = True, train_reward: bool = True):
         from flowrl.core.advantages import PerPromptStatTracker
         from flowrl.data.prompt_groups import PromptGroups
         from flowrl.data.prompts import load_prompts
@@ -195,7 +197,8 @@ class ImageTraining:
         self.model = model = self._prepare_model(model)
         self.reward = self.prompt_groups = self.tracker = None
         if rollouts:
-            self.reward = cfg.reward.build_train(self.dist.device)
+            # A recipe that trains without a reward (distillation) builds none: a reward model costs memory.
+            self.reward = cfg.reward.build_train(self.dist.device) if train_reward else None
             train_set = load_prompts(cfg.data.train_prompts, resolution=_pixels(model))
             d = cfg.data
             self.prompt_groups = PromptGroups(train_set.prompts, train_set.metadata, groups=s.groups_per_epoch,
