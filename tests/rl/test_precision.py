@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def _bfloat16_allowed(monkeypatch):
     """The mechanism is tested on every CPU: where bf16 is emulated the tiny model's runs are slow but correct, and
-    training would otherwise refuse bf16 (flowrl.hardware.check_bfloat16, tested in tests/test_cli_errors.py)."""
+    training would otherwise refuse bf16 (flowrl.hardware.check_bfloat16, tested in
+    tests/commands/test_cli_errors.py)."""
     from flowrl import hardware
 
     monkeypatch.setattr(hardware, "native_bfloat16", lambda: True)

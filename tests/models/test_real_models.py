@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -120,7 +120,7 @@ def test_eval_writes_json_and_prints_the_table(model_dir, tmp_path, capsys):
 def test_bfloat16_generation_is_close_to_float32_and_recorded(model_dir, tmp_path, monkeypatch):
     """--precision bfloat16 runs the model calls under autocast: images near float32's (not equal: the precision
     is really used), float32 output, and the setting in the eval JSON (on every CPU: where bf16 is emulated the
-    command would refuse it, tests/test_cli_errors.py)."""
+    command would refuse it, tests/commands/test_cli_errors.py)."""
     from flowrl import hardware
     from flowrl.eval.generate import generate
 

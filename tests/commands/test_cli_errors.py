@@ -134,7 +134,7 @@ def places(tmp_path_factory, tiny_shapes_dir):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
-    config = Path(__file__).resolve().parents[1] / "configs" / "shapes" / "flow_grpo.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "shapes" / "flow_grpo.yaml"
     yield {"binary": binary, "binary_txt": root / "binary.txt", "text": text, "images": images,
            "images_binary_sidecars": sidecars, "model": tiny_shapes_dir, "busy_port": busy.getsockname()[1],
            "config": config}
