@@ -46,16 +46,17 @@ class RewardConfig:
             registered = entry.get("reward", name) if isinstance(entry, dict) else name
             if registered not in REWARDS:
                 fail("eval", str(UnknownNameError("reward", registered, REWARDS.names())))
-        trained = {name for name, entry in self.train.items()} | {
-            entry["reward"] for entry in self.train.values() if isinstance(entry, dict) and "reward" in entry}
+        # A held-out reward is the same model as a trained one when both name and kwargs agree: another proxy of the
+        # same class (other labels, another seed: a different `path`) is held out.
+        trained = {_identity(name, entry) for name, entry in self.train.items() if name != "gated"}
         for name, entry in self._heldout_specs():
             try:
                 check_reward_spec({name: entry})
             except (RewardError, UnknownNameError) as err:
                 fail("heldout", str(err))
-            registered = entry.get("reward", name) if isinstance(entry, dict) else name
-            if name in trained or registered in trained:
-                fail("heldout", f"{name!r} is also in reward.train, so it is not held out; remove it from one of them")
+            if _identity(name, entry) in trained:
+                fail("heldout", f"{name!r} is also in reward.train with the same kwargs, so it is not held out; "
+                     "remove it from one of them or give it other weights (e.g. another proxy's path)")
 
     def _heldout_specs(self) -> list[tuple[str, Any]]:
         specs = []
@@ -92,3 +93,12 @@ class RewardConfig:
         return {name: build_reward({name: {**entry, "weight": 1.0} if isinstance(entry, dict) else 1.0},
                                    device=None if device is None else str(device))
                 for name, entry in self._heldout_specs()}
+
+
+def _identity(name: str, entry: Any) -> tuple[str, str]:
+    """A reward spec's (registered name, kwargs as canonical JSON): what makes two entries the same model."""
+    import json
+
+    registered = entry.get("reward", name) if isinstance(entry, dict) else name
+    kwargs = entry.get("kwargs", {}) if isinstance(entry, dict) else {}
+    return registered, json.dumps(kwargs, sort_keys=True, default=str)
