@@ -13,7 +13,8 @@
 
 A recipe whose config needs more than the generic shrinking below defines
 ``dry_run_overrides(data: dict, workdir: Path) -> list[str]`` in its module: it edits the config mapping in place
-and returns notes for the report.
+and returns notes for the report. A recipe whose epoch is not a rollout followed by training on its denoising steps
+defines ``dry_run_work(cfg) -> list[str]``: the lines that describe one epoch's work in the report.
 """
 
 from __future__ import annotations
@@ -248,8 +249,12 @@ def _rewards(data: dict, probe: list[tuple[str, dict]], notes: list[str], needs:
 _GUIDANCE_EMBEDDED = ("flux", "flux2", "flux_kontext")
 
 
-def _epoch_work(cfg) -> list[str]:
-    """What one epoch of the real run does (model evaluations, passes, optimizer steps)."""
+def _epoch_work(cfg, recipe_work=None) -> list[str]:
+    """What one epoch of the real run does (model evaluations, passes, optimizer steps). ``recipe_work``: the
+    recipe module's ``dry_run_work(cfg) -> list[str]``, for a recipe whose epoch is not a rollout followed by
+    training on its denoising steps (it replaces those lines; the evaluation's line stays)."""
+    if recipe_work is not None:
+        return list(recipe_work(cfg)) + _evaluation_work(cfg)
     lines = []
     s = getattr(cfg, "sampling", None)
     t = getattr(cfg, "train", None)
@@ -271,18 +276,27 @@ def _epoch_work(cfg) -> list[str]:
                  f"({'with' if cfg_rows == 2 else 'no'} classifier-free guidance), in calls of {s.batch_size}")
     window = s.window
     trained = window.size if window.size is not None else s.num_steps - 1 - window.start
+    what = "trained steps"
+    if t is not None and hasattr(t, "times"):  # a forward-process trainer: the clean samples noised at train.times
+        trained, what = t.times.count, "training times"
     if t is not None and hasattr(t, "minibatches"):
         inner = getattr(t, "inner_epochs", 1)
         passes = samples * trained * inner
-        lines.append(f"training: {trained} trained steps x {samples} samples x {inner} inner epoch(s) = {passes:,} "
+        lines.append(f"training: {trained} {what} x {samples} samples x {inner} inner epoch(s) = {passes:,} "
                      f"forward-backward rows ({cfg_rows} each with guidance) in micro-batches of "
                      f"{t.micro_batch_size}; {t.minibatches * inner} optimizer step(s) per epoch")
-    ev = getattr(cfg, "eval", None)
-    data = getattr(cfg, "data", None)
-    if ev is not None and data is not None and getattr(data, "num_eval_prompts", None):
-        lines.append(f"evaluation every {ev.every_epochs} epochs: {data.num_eval_prompts} prompts x "
-                     f"{s.eval_num_steps} ODE steps")
-    return lines
+    return lines + _evaluation_work(cfg)
+
+
+def _evaluation_work(cfg) -> list[str]:
+    """The held-out evaluation's line: when, and how many prompts at how many ODE steps."""
+    ev, data, s = getattr(cfg, "eval", None), getattr(cfg, "data", None), getattr(cfg, "sampling", None)
+    if ev is None or data is None or s is None or not getattr(data, "num_eval_prompts", None):
+        return []
+    when = [f"every {ev.every_epochs} epochs" if getattr(ev, "every_epochs", None) else "",
+            f"every {ev.every_minutes:g} minutes" if getattr(ev, "every_minutes", None) else ""]
+    when = " and ".join(w for w in when if w) or "at the end"
+    return [f"evaluation {when}: {data.num_eval_prompts} prompts x {s.eval_num_steps} ODE steps"]
 
 
 def _snapshot_copies(cfg) -> int:
@@ -459,11 +473,12 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
         _cpu_precision(data, notes)
         probe = _prompts(data, workdir, notes, needs)
         _rewards(data, probe, notes, needs)
-        hook = getattr(importlib.import_module(recipe.main.__module__), "dry_run_overrides", None)
+        module = importlib.import_module(recipe.main.__module__)
+        hook = getattr(module, "dry_run_overrides", None)
         if hook is not None:
             notes.extend(hook(data, workdir) or [])
         tiny = from_dict(recipe.config_class, data)
-        work = _epoch_work(cfg)
+        work = _epoch_work(cfg, getattr(module, "dry_run_work", None))
         out(f"flowrl train --dry-run: {config}: one epoch of the {recipe.main.__module__.rsplit('.', 1)[-1]} recipe "
             f"on a tiny model")
         for note in notes:

@@ -52,7 +52,7 @@ from flowrl.rl.sampling import SamplingConfig
 from flowrl.rl.setup import OnlineConfig, UpdateConfig
 
 __all__ = ["TrainConfig", "Config", "FakeScore", "student_sample", "fake_score_update", "train_epoch", "main",
-           "RECIPE", "dry_run_overrides"]
+           "RECIPE", "dry_run_overrides", "dry_run_work"]
 
 # Streams of derive_seed (distinct from the samplers' and the forward trainers').
 STREAM_SIMULATION, STREAM_DMD, STREAM_FAKE = 0xD3D201, 0xD3D202, 0xD3D203
@@ -378,3 +378,16 @@ def dry_run_overrides(data: dict, workdir) -> list[str]:
 
 
 RECIPE = Recipe(Config, main)
+
+
+def dry_run_work(cfg: Config) -> list[str]:
+    """One epoch's work for the dry run's report (flowrl/commands/dryrun.py)."""
+    t, s = cfg.train, cfg.sampling
+    steps = t.minibatches * t.inner_epochs
+    return [f"{s.samples_per_epoch} prompts per epoch ({s.groups_per_epoch} x {s.group_size}) x {t.inner_epochs} "
+            f"pass(es) in {steps} step(s), micro-batches of {t.micro_batch_size}: each step draws the student's "
+            f"samples (backward simulation: up to {t.student_steps - 1} student calls without gradients, then one) "
+            "and updates the fake score on them (one forward-backward each)",
+            f"every {t.dfake_gen_update_ratio}th step is also a generator step: the teacher (guidance "
+            f"{t.real_guidance:g}) and the fake score score the noised samples, and the student's call back-propagates "
+            "the distribution-matching loss"]

@@ -42,7 +42,7 @@ from flowrl.rl.sampling import SamplingConfig
 from flowrl.rl.setup import OnlineConfig, UpdateConfig
 
 __all__ = ["TrainConfig", "Config", "not_differentiable", "check_differentiable", "train_epoch", "main", "RECIPE",
-           "dry_run_overrides"]
+           "dry_run_overrides", "dry_run_work"]
 
 
 @dataclass
@@ -274,3 +274,18 @@ def dry_run_overrides(data: dict, workdir) -> list[str]:
 
 
 RECIPE = Recipe(Config, main)
+
+
+def dry_run_work(cfg: Config) -> list[str]:
+    """One epoch's work for the dry run's report (flowrl/commands/dryrun.py): the sampling chain runs inside the
+    training step, so its calls with gradients are the ones that cost memory."""
+    t, s = cfg.train, cfg.sampling
+    samples, steps = s.samples_per_epoch, s.num_steps
+    with_grad = {"refl": "1 velocity call with gradients at a step of the ReFL window, the steps before it without",
+                 "draft": f"the last {t.k} with gradients, the {steps - t.k} before without",
+                 "draft_lv": f"all {steps} without gradients, then {t.lv_samples} re-noised one-step denoisings with "
+                             "gradients"}[t.method]
+    return [f"{samples} samples per epoch ({s.groups_per_epoch} prompts x {s.group_size}) x {t.inner_epochs} pass(es), "
+            f"each a {steps}-step ODE chain ({t.method}: {with_grad}); the clean samples decoded and scored with "
+            f"gradients, back-propagated in micro-batches of {t.micro_batch_size}; {t.minibatches * t.inner_epochs} "
+            "optimizer step(s) per epoch"]

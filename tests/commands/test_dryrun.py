@@ -208,3 +208,28 @@ def test_the_dry_run_reads_the_recipes_declaration(tmp_path):
     (estimate,) = [line for line in report.splitlines() if "memory per GPU" in line]
     assert "reference copy" not in estimate and "full fine-tuning keeps no reference copy" in report
     assert "training state" in estimate and "rewards" in estimate and "text encoders lent to encode" in estimate
+
+
+def test_one_epochs_work_is_described_for_what_the_recipe_does():
+    """The report's "one epoch" lines: a forward-process trainer trains at its ``train.times`` (not the rollout's
+    steps); DMD2 and the reward-gradient recipe describe their own epoch (``dry_run_work``); the evaluation's
+    schedule is read as configured (minutes here)."""
+    import importlib
+
+    from flowrl.commands.dryrun import _epoch_work
+    from flowrl.recipes import load_recipe_config
+
+    def work(name: str, *overrides: str) -> list[str]:
+        recipe, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / name), list(overrides))
+        return _epoch_work(cfg, getattr(importlib.import_module(recipe.main.__module__), "dry_run_work", None))
+
+    dgpo = work("dgpo.yaml")
+    assert dgpo[1].startswith("training: 2 training times x 128 samples x 1 inner epoch(s) = 256 forward-backward")
+    assert dgpo[-1] == "evaluation every 10 minutes: 600 prompts x 20 ODE steps"
+    draft = work("draft.yaml", "train.k=3")
+    assert "each a 10-step ODE chain (draft: the last 3 with gradients, the 7 before without)" in draft[0]
+    assert draft[-1] == "evaluation every 10 minutes: 600 prompts x 20 ODE steps"
+    dmd2 = work("dmd2.yaml", "eval.every_epochs=5")
+    assert "in 8 step(s)" in dmd2[0] and "up to 3 student calls without gradients" in dmd2[0]
+    assert dmd2[1].startswith("every 5th step is also a generator step")
+    assert dmd2[-1] == "evaluation every 5 epochs and every 10 minutes: 600 prompts x 4 ODE steps"
