@@ -35,6 +35,7 @@ RECIPES.register("reward_gradient", "flowrl.recipes.reward_gradient:RECIPE")
 RECIPES.register("dmd2", "flowrl.recipes.dmd2:RECIPE")
 RECIPES.register("vlm_sft", "flowrl.recipes.vlm_sft:RECIPE")
 RECIPES.register("vlm_grpo", "flowrl.recipes.vlm_grpo:RECIPE")
+RECIPES.register("vlm_rft", "flowrl.recipes.vlm_rft:RECIPE")
 
 
 def load_recipe_config(path: str, overrides: list[str]):
