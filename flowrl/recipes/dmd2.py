@@ -170,30 +170,25 @@ class FakeScore:
 # the pieces of one step
 
 
-def _rows(sigma: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0]).clone()
-
-
 def student_sample(model, noise: torch.Tensor, cond, student_sigmas: torch.Tensor, level: int, guidance: float,
                    *, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """DMD2's backward simulation on the student's Euler ODE: run the student's first ``level`` steps from ``noise``
     without gradients, then predict the clean sample at ``student_sigmas[level]`` (with gradients when ``grad``).
+    The same chain as ReFL's clean prediction (:func:`flowrl.core.reward_gradient.refl_sample`), in float32.
 
     Returns:
         ``(x0 [B, *S] float32, x_level [B, *S])``: the student's sample and the state it was predicted from.
     """
+    from flowrl.core.reward_gradient import refl_sample
+
     velocity = model.velocity_fn(guidance)
-    x = noise
-    with torch.no_grad():
-        for i in range(level):
-            s, s_next = float(student_sigmas[i]), float(student_sigmas[i + 1])
-            v = velocity(x.to(model.dtype), _rows(s, x), cond).float()
-            x = x + (s_next - s) * v
-    s = float(student_sigmas[level])
+
+    def v_fn(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return velocity(x.to(model.dtype), sigma, cond).float()
+
     with torch.set_grad_enabled(grad):
-        v = velocity(x.to(model.dtype), _rows(s, x), cond).float()
-        x0 = x - s * v
-    return x0, x
+        out = refl_sample(v_fn, noise.float(), student_sigmas.float(), step=level)
+    return out.x, out.grad_points[0].x
 
 
 def _noised(x0: torch.Tensor, sigma: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
