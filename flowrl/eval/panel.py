@@ -22,7 +22,7 @@ loop adds the images and the base model):
   ``(x_t, t)`` is averaged over levels and samples (velocity units squared; docs/algorithms.md, section 6, relates
   it to the KL);
 - the held-out rewards of ``reward.heldout`` (never trained on): ``hack/heldout/<name>/mean`` (and
-  ``/accuracy`` when the reward reports correctness).
+  ``/accuracy`` when the reward reports correctness, ``/std`` when it is an ensemble: its members' disagreement).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from flowrl.config import bounds, fail
 from flowrl.models.base import encode_rows
 
-__all__ = ["HackingConfig", "HackingPanel", "fm_to_base", "kl_to_base", "with_reference"]
+__all__ = ["HackingConfig", "HackingPanel", "fm_to_base", "heldout_metrics", "kl_to_base", "with_reference"]
 
 
 @dataclass
@@ -182,6 +182,20 @@ def fm_to_base(model, sigmas: torch.Tensor, prompts: list[str], seeds: list[int]
     return torch.cat(out) if out else torch.zeros(0)
 
 
+def heldout_metrics(name: str, out) -> dict[str, float]:
+    """One held-out reward's evaluation metrics from its :class:`~rewards.base.RewardOutput` on the eval images:
+    ``hack/heldout/<name>/mean``; ``.../accuracy`` when it reports ``correct``; ``.../std`` when it reports its
+    members' spread (a ``*/std`` detail, e.g. an ensemble of ``shapes_proxy`` models): their disagreement, which
+    grows where the policy leaves the data the members agree on (a gold-free over-optimisation signal)."""
+    metrics = {f"hack/heldout/{name}/mean": float(out.scores.float().mean())}
+    if "correct" in out.details:
+        metrics[f"hack/heldout/{name}/accuracy"] = float(out.details["correct"].float().mean())
+    spread = [value for key, value in out.details.items() if key.endswith("/std")]
+    if spread:
+        metrics[f"hack/heldout/{name}/std"] = float(spread[0].float().mean())
+    return metrics
+
+
 class HackingPanel:
     """The ``hack/*`` metrics of one evaluation (see the module docstring).
 
@@ -258,10 +272,7 @@ class HackingPanel:
         else:
             metrics.pop("hack/diversity", None)  # eval prompts are one seed each: no groups to measure
         for name, reward in self.heldout.items():
-            out = checked_reward(reward, images, self.prompts, self.metadata)
-            metrics[f"hack/heldout/{name}/mean"] = float(out.scores.float().mean())
-            if "correct" in out.details:
-                metrics[f"hack/heldout/{name}/accuracy"] = float(out.details["correct"].float().mean())
+            metrics.update(heldout_metrics(name, checked_reward(reward, images, self.prompts, self.metadata)))
         # The KL of a deterministic (ode) step is 0 whatever the weights: not logged rather than a meaningless 0.
         if self.kl_step is not None and self.kl_step.stochastic and self.cfg.kl_prompts:
             metrics["hack/kl_to_base"] = self._spread(

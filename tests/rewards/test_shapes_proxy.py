@@ -229,6 +229,13 @@ def test_the_ensemble_reward_scores_mean_minus_k_std_of_its_members(proxy_dirs):
     torch.testing.assert_close(out.details["shapes_proxy/p_correct"], p.mean(0))
     torch.testing.assert_close(out.details["shapes_proxy/std"], std, atol=1e-6, rtol=0)
     assert "correct" not in out.details  # the gold's key: an evaluation would read the proxy as the result
+    # As a held-out reward, the panel logs its mean score and its members' disagreement on the eval images.
+    from flowrl.eval.panel import heldout_metrics
+
+    logged = heldout_metrics("ens", out)
+    assert set(logged) == {"hack/heldout/ens/mean", "hack/heldout/ens/std"}
+    assert logged["hack/heldout/ens/mean"] == pytest.approx(float((p.mean(0) - 1.5 * std).mean()), abs=1e-6)
+    assert logged["hack/heldout/ens/std"] == pytest.approx(float(std.mean()), abs=1e-6) and std.mean() > 0
     logits = rewards.load("shapes_proxy", path=str(proxy_dirs[0]), output="logit")(images, prompts).scores
     torch.testing.assert_close(torch.sigmoid(logits), p[0])
     # the score is differentiable with respect to the image (for reward-gradient trainers)
