@@ -29,6 +29,15 @@ word of it is known from training questions. ``color`` (3 questions) and ``shape
 to hold out; they are in both splits, with fresh scenes, and are reported separately like every kind.
 Training scenes still *show* held-out pairs (as distractors, and in the train-only descriptions of
 :func:`describe_objects`): what is new at evaluation is the question that binds them.
+
+**Named splits.** Every function that draws questions takes ``heldout``: a set of combination keys
+(:func:`parse_combinations` turns a config's ``["red circle", "circle left of triangle"]`` into them) that
+replaces the hash-chosen ones above, for experiments on held-out combinations (``env.heldout_combinations`` /
+``data.heldout_combinations``). Training never asks one of them; the eval split asks only them, and
+:func:`vqa_indist_eval_set` asks fresh scenes of the training questions (in-distribution accuracy).
+
+**Question sets.** :func:`question_set` adds further questions about an example's own scene (the multi-question
+episodes of ``env.questions_per_episode``), from the same split.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ from flowrl.data.shapes import COLORS, MAX_SIZE, MIN_SIZE, RESOLUTION, SHAPES, S
 __all__ = ["QUESTION_KINDS", "VQAExample", "QuestionSpec", "all_questions", "split_questions", "make_example",
            "sample_vqa", "vqa_eval_set", "normalize_answer", "answer_vocabulary", "question_words",
            "EVAL_FRACTION", "DESCRIBE_QUESTION", "describe_objects", "held_out_combinations", "scene_questions",
-           "SCENE_QUESTION_KINDS", "color_position_questions", "sample_color_position"]
+           "SCENE_QUESTION_KINDS", "color_position_questions", "sample_color_position", "parse_combinations",
+           "heldout_kinds", "vqa_indist_eval_set", "question_set", "FOLLOW_UP_KINDS"]
 
 QUESTION_KINDS = ("count", "color", "shape", "position", "exists")
 VQA_RELATIONS = ("left of", "right of", "above", "below")
@@ -173,22 +183,65 @@ def held_out_combinations() -> frozenset[str]:
     return frozenset(held)
 
 
-def _in_eval_split(spec: QuestionSpec) -> bool:
-    return _combination(spec) in held_out_combinations()
+def parse_combinations(entries: list[str] | tuple[str, ...]) -> frozenset[str]:
+    """The combination keys of a config's list: ``"red circle"`` (a colour-shape pair: its count and exists
+    questions) or ``"circle left of triangle"`` (a relation between two shapes, held out with its mirror:
+    ``"triangle right of circle"`` names the same one).
+
+    Raises:
+        ValueError: an entry that names neither, or an empty list.
+    """
+    if not entries:
+        raise ValueError("name at least one combination to hold out, e.g. ['red circle', 'circle left of triangle']")
+    keys = set()
+    for entry in entries:
+        words = str(entry).split()
+        if len(words) == 2 and words[0] in COLORS and words[1] in SHAPES:
+            keys.add(_combination(QuestionSpec("count", color=words[0], shape=words[1])))
+            continue
+        relation = " ".join(words[1:-1])
+        if (len(words) >= 3 and words[0] in SHAPES and words[-1] in SHAPES and words[0] != words[-1]
+                and relation in VQA_RELATIONS):
+            keys.add(_combination(QuestionSpec("position", shape=words[0], relation=relation, other=words[-1])))
+            continue
+        raise ValueError(f"{entry!r} is not a combination: write a colour-shape pair ('red circle'; colours "
+                         f"{', '.join(COLORS)}; shapes {', '.join(SHAPES)}) or a relation between two shapes "
+                         f"('circle left of triangle'; relations {', '.join(VQA_RELATIONS)})")
+    return frozenset(keys)
 
 
-@lru_cache(maxsize=2)
-def split_questions(split: str) -> dict[str, tuple[QuestionSpec, ...]]:
-    """The questions of ``split`` (``train`` or ``eval``) by kind (see the module docstring)."""
+def _held(heldout: frozenset[str] | None) -> frozenset[str]:
+    return held_out_combinations() if heldout is None else heldout
+
+
+@lru_cache(maxsize=8)
+def split_questions(split: str, heldout: frozenset[str] | None = None) -> dict[str, tuple[QuestionSpec, ...]]:
+    """The questions of ``split`` (``train`` or ``eval``) by kind (see the module docstring); ``heldout``: the
+    combination keys the eval split asks (:func:`parse_combinations`; None: the hash-chosen ones).
+
+    Raises:
+        ValueError: an unknown split, or a ``heldout`` that leaves a kind no training question.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    held = _held(heldout)
     out = {}
     for kind, specs in all_questions().items():
         if kind in ("color", "shape"):
             out[kind] = tuple(specs)
         else:
-            out[kind] = tuple(s for s in specs if _in_eval_split(s) == (split == "eval"))
+            out[kind] = tuple(s for s in specs if (_combination(s) in held) == (split == "eval"))
+            if split == "train" and not out[kind]:
+                raise ValueError(f"the held-out combinations leave no {kind} question to train on; hold out fewer "
+                                 f"{'pairs' if kind != 'position' else 'relations'}")
     return out
+
+
+def heldout_kinds(heldout: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The kinds whose questions the eval split holds out by combination (count and exists for pairs, position for
+    relations), in :data:`QUESTION_KINDS` order."""
+    held = split_questions("eval", heldout)
+    return tuple(k for k in QUESTION_KINDS if k not in ("color", "shape") and held[k])
 
 
 # ----------------------------------------------------------------------------- scenes
@@ -287,25 +340,28 @@ def make_example(spec: QuestionSpec, seed: int, resolution: int = RESOLUTION) ->
     raise RuntimeError(f"could not draw a scene for {spec.text()!r}")  # not reachable at 32 px and up
 
 
-def _example_seed(seed: int, index: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+def _example_seed(seed: int, index: int, stream: str = "") -> int:
+    digest = hashlib.sha256(f"{stream}{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:6], "big")
 
 
 def sample_vqa(split: str, n: int, seed: int = 0, start: int = 0, kinds: tuple[str, ...] = QUESTION_KINDS,
-               resolution: int = RESOLUTION) -> list[VQAExample]:
+               resolution: int = RESOLUTION, heldout: frozenset[str] | None = None,
+               stream: str = "") -> list[VQAExample]:
     """``n`` examples of ``split``; example ``i`` depends only on ``(seed, start + i)``.
 
     Kinds cycle uniformly; the question is drawn from the split's questions of that kind, and the scene
     from the example's own seed, so any range of the stream can be regenerated on its own (exact resume).
+    ``heldout``: a named split (:func:`split_questions`); ``stream``: a name that gives the examples seeds no
+    unnamed stream draws (the in-distribution evaluation's).
     """
-    questions = split_questions(split)
+    questions = split_questions(split, heldout)
     for kind in kinds:
         if kind not in QUESTION_KINDS:
             raise ValueError(f"unknown question kind {kind!r}; valid: {', '.join(QUESTION_KINDS)}")
     out = []
     for index in range(start, start + n):
-        example_seed = _example_seed(seed, index)
+        example_seed = _example_seed(seed, index, stream)
         kind = kinds[index % len(kinds)]
         spec = random.Random(example_seed).choice(questions[kind])
         out.append(make_example(spec, example_seed, resolution))
@@ -333,16 +389,26 @@ def sample_color_position(n: int, seed: int = 0, start: int = 0, resolution: int
 
 
 def vqa_eval_set(n: int = 500, seed: int = 4321, kinds: tuple[str, ...] = QUESTION_KINDS,
-                 resolution: int = RESOLUTION) -> list[VQAExample]:
+                 resolution: int = RESOLUTION, heldout: frozenset[str] | None = None) -> list[VQAExample]:
     """The fixed held-out evaluation set: the first ``n`` examples of the eval split's stream (kinds
     balanced: ``n / len(kinds)`` each). Built once per process (with its renderings): every evaluation of a
-    run asks for the same set."""
-    return list(_eval_set(n, seed, tuple(kinds), resolution))
+    run asks for the same set. With a named split (``heldout``) ask only :func:`heldout_kinds` (the others have
+    no question of their own to hold out)."""
+    return list(_eval_set(n, seed, tuple(kinds), resolution, heldout, "eval", ""))
+
+
+def vqa_indist_eval_set(n: int = 500, seed: int = 4321, kinds: tuple[str, ...] = QUESTION_KINDS,
+                        resolution: int = RESOLUTION, heldout: frozenset[str] | None = None) -> list[VQAExample]:
+    """The in-distribution evaluation set: ``n`` training-split questions (of the split ``heldout`` names) on scenes
+    of a stream of their own (``indist:``), which no training stream draws: the questions are known, the scenes
+    new."""
+    return list(_eval_set(n, seed, tuple(kinds), resolution, heldout, "train", "indist:"))
 
 
 @lru_cache(maxsize=8)
-def _eval_set(n: int, seed: int, kinds: tuple[str, ...], resolution: int) -> tuple[VQAExample, ...]:
-    return tuple(sample_vqa("eval", n, seed=seed, kinds=kinds, resolution=resolution))
+def _eval_set(n: int, seed: int, kinds: tuple[str, ...], resolution: int, heldout, split: str,
+              stream: str) -> tuple[VQAExample, ...]:
+    return tuple(sample_vqa(split, n, seed=seed, kinds=kinds, resolution=resolution, heldout=heldout, stream=stream))
 
 
 # ----------------------------------------------------------------------------- descriptions
@@ -364,10 +430,11 @@ def describe_objects(scene: Scene) -> str:
 SCENE_QUESTION_KINDS = ("exists", "position", "count")
 
 
-def scene_questions(scene: Scene, kinds: tuple[str, ...], rng: random.Random,
-                    split: str = "train") -> list[tuple[str, str]]:
+def scene_questions(scene: Scene, kinds: tuple[str, ...], rng: random.Random, split: str = "train",
+                    heldout: frozenset[str] | None = None) -> list[tuple[str, str]]:
     """Further ``(question, answer)`` pairs about an already drawn ``scene``, one per kind of ``kinds`` that the
-    scene can answer, asking only ``split``'s combinations (so training never asks a held-out one).
+    scene can answer, asking only ``split``'s combinations (so training never asks a held-out one; ``heldout``: a
+    named split, :func:`split_questions`).
 
     Dense supervision for the kinds that bind a colour to a shape or one shape to another: a scene drawn for
     one question answers many others, for the price of a few text tokens (the image is encoded once).
@@ -378,9 +445,24 @@ def scene_questions(scene: Scene, kinds: tuple[str, ...], rng: random.Random,
       relation or its opposite holds by the drawn questions' margin (half the largest object);
     - ``count``: a pair of the split that shares the colour or the shape of an object in the scene (0-3).
     """
+    for kind in kinds:
+        if kind not in SCENE_QUESTION_KINDS:
+            raise ValueError(f"scene questions of kind {kind!r}: use {', '.join(SCENE_QUESTION_KINDS)}")
+    return [(spec.text(), answer) for spec, answer in _scene_question_specs(scene, kinds, rng, split, heldout)]
+
+
+FOLLOW_UP_KINDS = ("exists", "position", "count", "color", "shape")
+
+
+def _scene_question_specs(scene: Scene, kinds: tuple[str, ...], rng: random.Random, split: str,
+                          heldout: frozenset[str] | None,
+                          balance_counts: bool = False) -> list[tuple[QuestionSpec, str]]:
+    """:func:`scene_questions` as ``(spec, answer)``; ``kinds`` may also hold ``color`` ("what colour is the
+    square?", asked of a shape drawn once) and ``shape`` (of a colour drawn once). ``balance_counts``: half the
+    count questions ask a pair the scene shows (else 85% of them answer 0)."""
     objects = scene.objects
     present = {(o.color, o.shape) for o in objects}
-    specs = split_questions(split)
+    specs = split_questions(split, heldout)
     out = []
     for kind in kinds:
         if kind == "exists":
@@ -389,7 +471,7 @@ def scene_questions(scene: Scene, kinds: tuple[str, ...], rng: random.Random,
                     and any(q.color == c or q.shape == sh for c, sh in present)]
             if pool:
                 q = rng.choice(pool)
-                out.append((q.text(), "yes" if (q.color, q.shape) in present else "no"))
+                out.append((q, "yes" if (q.color, q.shape) in present else "no"))
         elif kind == "position":
             once = {sh for sh in SHAPES if sum(o.shape == sh for o in objects) == 1}
             margin = MAX_SIZE / 2 * scene.resolution / RESOLUTION
@@ -399,21 +481,67 @@ def scene_questions(scene: Scene, kinds: tuple[str, ...], rng: random.Random,
                     a = next(o for o in objects if o.shape == q.shape)
                     b = next(o for o in objects if o.shape == q.other)
                     if _holds(a, b, q.relation, margin):
-                        pool.append((q.text(), "yes"))
+                        pool.append((q, "yes"))
                     elif _holds(a, b, _OPPOSITE[q.relation], margin):
-                        pool.append((q.text(), "no"))
+                        pool.append((q, "no"))
             if pool:
                 yes = rng.random() < 0.5  # balance the answers where the scene allows both
                 pool = [p for p in pool if (p[1] == "yes") == yes] or pool
                 out.append(rng.choice(pool))
         elif kind == "count":
             pool = [q for q in specs["count"] if any(q.color == c or q.shape == sh for c, sh in present)]
+            shown = [q for q in pool if (q.color, q.shape) in present]
+            if balance_counts and shown and rng.random() < 0.5:
+                pool = shown
             if pool:
                 q = rng.choice(pool)
-                out.append((q.text(), str(sum(o.color == q.color and o.shape == q.shape for o in objects))))
+                out.append((q, str(sum(o.color == q.color and o.shape == q.shape for o in objects))))
+        elif kind == "color":
+            pool = [q for q in specs["color"] if sum(o.shape == q.shape for o in objects) == 1]
+            if pool:
+                q = rng.choice(pool)
+                out.append((q, next(o.color for o in objects if o.shape == q.shape)))
+        elif kind == "shape":
+            pool = [q for q in specs["shape"] if sum(o.color == q.color for o in objects) == 1]
+            if pool:
+                q = rng.choice(pool)
+                out.append((q, next(o.shape for o in objects if o.color == q.color)))
         else:
-            raise ValueError(f"scene questions of kind {kind!r}: use {', '.join(SCENE_QUESTION_KINDS)}")
+            raise ValueError(f"scene questions of kind {kind!r}: use {', '.join(FOLLOW_UP_KINDS)}")
     return out
+
+
+def question_set(example: VQAExample, size: int, split: str = "train",
+                 heldout: frozenset[str] | None = None) -> list[VQAExample]:
+    """``example`` and ``size - 1`` further questions about its scene (:data:`FOLLOW_UP_KINDS`, a kind at a time in
+    an order drawn per example), from ``split``'s questions; a pure function of the example's seed. No two ask about
+    one combination ("how many red circles" and "is there a red circle", or a relation and its mirror, answer each
+    other) unless the scene offers too few (then only the question texts differ). Each further question is a
+    :class:`VQAExample` of the same scene and seed with its own spec and answer.
+
+    Raises:
+        RuntimeError: the scene answers fewer than ``size`` distinct questions (not met on training scenes up to 4
+            questions: tested).
+    """
+    rng = random.Random(f"question-set:{example.seed}")
+    out = [example]
+    for key in (_combination, QuestionSpec.text):  # distinct combinations first, then distinct questions
+        asked = {key(q.spec) for q in out}
+        for _ in range(12):
+            order = list(FOLLOW_UP_KINDS)
+            rng.shuffle(order)
+            for kind in order:
+                for spec, answer in _scene_question_specs(example.scene, (kind,), rng, split, heldout,
+                                                          balance_counts=True):
+                    if key(spec) not in asked and len(out) < size:
+                        asked.add(key(spec))
+                        follow = VQAExample(spec.text(), answer, spec.kind, example.scene, example.seed, spec)
+                        follow.__dict__["_image"] = example.image()  # one rendering per scene
+                        out.append(follow)
+            if len(out) == size:
+                return out
+    raise RuntimeError(f"the scene of {example.question!r} (seed {example.seed}) answers only {len(out)} distinct "
+                       f"questions, fewer than {size}")
 
 
 # ----------------------------------------------------------------------------- answers

@@ -53,11 +53,11 @@ def _offset(scene: Scene, quadrant: str) -> Scene:
                        for o in scene.objects), FULL)
 
 
-def _task(kind: str, split: str, seed: int) -> Task:
+def _task(kind: str, split: str, seed: int, heldout: frozenset[str] | None = None) -> Task:
     rng = random.Random(seed)
     quadrant = rng.choice(QUADRANTS)
     if kind == "count":
-        spec = rng.choice(split_questions(split)["count"])
+        spec = rng.choice(split_questions(split, heldout)["count"])
         local, answer, question = _count_scene(spec, rng), None, spec.text()
         answer = str(sum(o.shape == spec.shape and o.color == spec.color for o in local.objects))
     elif kind == "color":
@@ -90,9 +90,12 @@ def _count_scene(spec: QuestionSpec, rng: random.Random) -> Scene:
             return scene
 
 
-def zoom_tasks(split: str, n: int, seed: int, start: int = 0, kinds: tuple[str, ...] = ZOOM_KINDS) -> list[Task]:
-    """``n`` tasks; task ``i`` depends only on ``(seed, start + i)``; kinds cycle."""
-    return [_task(kinds[i % len(kinds)], split, _example_seed(seed + 7919, i)) for i in range(start, start + n)]
+def zoom_tasks(split: str, n: int, seed: int, start: int = 0, kinds: tuple[str, ...] = ZOOM_KINDS,
+               heldout: frozenset[str] | None = None) -> list[Task]:
+    """``n`` tasks; task ``i`` depends only on ``(seed, start + i)``; kinds cycle. ``heldout``: the count questions
+    of a named split (:func:`flowrl.data.vqa.split_questions`; the SFT data of a held-out-combinations base)."""
+    return [_task(kinds[i % len(kinds)], split, _example_seed(seed + 7919, i), heldout)
+            for i in range(start, start + n)]
 
 
 def zoom_eval_tasks(n: int = 200, kinds: tuple[str, ...] = ZOOM_KINDS) -> list[Task]:
