@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EpochBatch", "score_episodes", "collect_epoch", "epoch_tasks", "turn_advantages", "epoch_metrics",
-           "trained_conversation", "rollout_logp_gap", "token_advantages", "micro_batches", "minibatch_plan", "shard"]
+__all__ = ["EpochBatch", "score_episodes", "answer_scores", "collect_epoch", "epoch_tasks", "turn_advantages",
+           "epoch_metrics", "trained_conversation", "rollout_logp_gap", "token_advantages", "micro_batches",
+           "minibatch_plan", "shard"]
 
 
 def _seed(*parts: int) -> int:
@@ -60,9 +61,7 @@ def score_episodes(episodes: list, answer_rewards, variant, *, max_new_tokens: i
     Returns:
         ``(rewards [N], turn_rewards [N, K], turn_mask [N, K] bool, details {name: [N]})``.
     """
-    # Rewards read the whole final turn (each extracts the answer itself; `grounded` and `format` need the rest).
-    scores, details = answer_rewards([e.final_text for e in episodes], [e.task for e in episodes],
-                                     [e.image for e in episodes])
+    scores, details = answer_scores(answer_rewards, episodes)
     answered = torch.tensor([float(e.answered) for e in episodes])
     scores = scores * answered  # an episode that hit the turn limit answered nothing
     details = {k: v * answered for k, v in details.items()}
@@ -86,6 +85,17 @@ def score_episodes(episodes: list, answer_rewards, variant, *, max_new_tokens: i
         turn_mask[i, :n] = True
     rewards = (turn_rewards * turn_mask).sum(1)
     return rewards, turn_rewards, turn_mask, details
+
+
+def answer_scores(answer_rewards, episodes: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(scores [N], {name: [N]})``: the answer rewards of ``N`` episodes. Rewards read the whole final turn (each
+    extracts the answer itself; ``grounded`` and ``format`` need the rest); an episode of several questions is scored
+    per question, each answer turn against its own question (:func:`flowrl.envs.vqa.episode_questions`,
+    :meth:`flowrl.envs.rewards.AnswerRewards.by_episode`)."""
+    from flowrl.envs.vqa import episode_questions
+
+    pairs = [episode_questions(e) for e in episodes]
+    return answer_rewards.by_episode([p[0] for p in pairs], [p[1] for p in pairs], [e.image for e in episodes])
 
 
 def epoch_tasks(env_spec, n: int, seed: int, kinds: tuple[str, ...], *, color_position_fraction: float = 0.0) -> list:

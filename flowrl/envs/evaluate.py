@@ -1,6 +1,8 @@
 """Held-out evaluation of a policy on an environment: greedy decoding, exact-match accuracy per task kind,
 tool use per kind, and what the policy answers per kind (a kind answered by a constant is visible as a
-top-answer share of 1)."""
+top-answer share of 1). An environment's further evaluation sets (a named split's held-out combinations,
+question-set episodes: :class:`flowrl.envs.registry.EnvSpec` ``extra_evals``) are reported beside the main one
+by :func:`evaluate_with_baselines`. Sampled evaluation (pass@k, majority@k) is :mod:`flowrl.envs.passk`."""
 
 from __future__ import annotations
 
@@ -20,15 +22,30 @@ ZOOM_BASELINES = ("shapes_zoom_overview", "shapes_zoom_crop")
 
 
 def answer_distribution(episodes) -> dict[str, dict[str, int]]:
-    """``{kind: {normalised answer: count}}`` of the episodes' final answers, most common first ("" for an
-    episode that never answered)."""
+    """``{kind: {normalised answer: count}}`` of the episodes' final answers (every question's, for question
+    sets), most common first ("" for an episode that never answered)."""
     from flowrl.data.vqa import normalize_answer
-    from flowrl.envs.tools import extract_answer
 
     by_kind: dict[str, Counter] = defaultdict(Counter)
-    for e in episodes:
-        by_kind[e.task.kind][normalize_answer(extract_answer(e.answer)) if e.answered else ""] += 1
+    for answer, task, answered, _, _ in question_rows(episodes):
+        by_kind[task.kind][normalize_answer(answer) if answered else ""] += 1
     return {kind: dict(counts.most_common()) for kind, counts in sorted(by_kind.items())}
+
+
+def question_rows(episodes) -> list[tuple[str, object, bool, str, int]]:
+    """``(answer, task, answered, turn text, episode index)`` per question asked: one per episode, or one per
+    question of a question set's episode (each turn's answer with its own single-question task)."""
+    from flowrl.envs.tools import extract_answer
+    from flowrl.envs.vqa import QuestionSet, episode_questions
+
+    rows = []
+    for i, e in enumerate(episodes):
+        if isinstance(e.task.data, QuestionSet):
+            for text, task in zip(*episode_questions(e)):
+                rows.append((extract_answer(text), task, e.answered, text, i))
+        else:
+            rows.append((e.answer, e.task, e.answered, e.final_text, i))
+    return rows
 
 
 def first_zoom_quadrant(episode) -> str | None:
@@ -40,15 +57,17 @@ def first_zoom_quadrant(episode) -> str | None:
 
 
 def greedy_episodes(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
-                    max_new_tokens: int = 16, progress=None, system_prompt: str | None = None):
-    """``(env spec, episodes)``: greedy episodes of ``policy`` on the first ``n`` held-out tasks of ``env_name``,
-    played ``batch_size`` tasks at a time (episode ``i`` plays task ``i``; ``progress(k)`` after each chunk).
+                    max_new_tokens: int = 16, progress=None, system_prompt: str | None = None,
+                    env_options: dict | None = None, tasks: list | None = None):
+    """``(env spec, episodes)``: greedy episodes of ``policy`` on the first ``n`` held-out tasks of ``env_name``
+    (built with ``env_options``, :func:`flowrl.envs.registry.get_env`; or on ``tasks`` when given), played
+    ``batch_size`` tasks at a time (episode ``i`` plays task ``i``; ``progress(k)`` after each chunk).
     The policy is put in eval mode for the episodes and restored after."""
     from flowrl.envs.registry import get_env
     from flowrl.envs.rollout import SamplingSettings, play_episodes
 
-    spec = get_env(env_name)
-    tasks = spec.eval_tasks(n)
+    spec = get_env(env_name, **(env_options or {}))
+    tasks = spec.eval_tasks(n) if tasks is None else tasks
     sampling = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens, batch_size=batch_size)
     was_training = policy.model.training
     policy.eval()
@@ -68,11 +87,15 @@ def greedy_episodes(policy, env_name: str, n: int, *, batch_size: int = 100, max
 
 def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
                     max_new_tokens: int = 16, prefix: str | None = None, progress=None,
-                    system_prompt: str | None = None, answers: dict | None = None) -> dict[str, float]:
+                    system_prompt: str | None = None, answers: dict | None = None, env_options: dict | None = None,
+                    tasks: list | None = None) -> dict[str, float]:
     """Accuracy of greedy episodes on the first ``n`` held-out tasks of ``env_name``.
 
     Args:
         answers: if given, filled with :func:`answer_distribution` of the episodes.
+        env_options / tasks: as :func:`greedy_episodes`. Question sets are scored per question (``accuracy`` and
+            the kinds are per question), and ``prefix + "all_right"`` is the share of episodes whose every answer is
+            right.
 
     Returns:
         ``{prefix + "accuracy": overall, prefix + kind: accuracy of that kind, ...}``,
@@ -87,17 +110,26 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
     from flowrl.envs.rewards import exact_match, scene_match
 
     prefix = prefix if prefix is not None else f"eval/{env_name.removeprefix('shapes_')}/"
+    from flowrl.envs.vqa import QuestionSet
+
     spec, episodes = greedy_episodes(policy, env_name, n, batch_size=batch_size, max_turns=max_turns,
-                                     max_new_tokens=max_new_tokens, progress=progress, system_prompt=system_prompt)
+                                     max_new_tokens=max_new_tokens, progress=progress, system_prompt=system_prompt,
+                                     env_options=env_options, tasks=tasks)
     turns = max_turns or spec.max_turns
-    correct = exact_match([e.answer for e in episodes], [e.task for e in episodes])
-    correct = correct * (1 - (~torch_bool([e.answered for e in episodes])).float())
+    rows = question_rows(episodes)
+    correct = exact_match([r[0] for r in rows], [r[1] for r in rows])
+    correct = correct * (1 - (~torch_bool([r[2] for r in rows])).float())
     by_kind: dict[str, list[float]] = defaultdict(list)
     tools: dict[str, list[float]] = defaultdict(list)
-    for e, c in zip(episodes, correct.tolist()):
-        by_kind[e.task.kind].append(c)
+    for r, c in zip(rows, correct.tolist()):
+        by_kind[r[1].kind].append(c)
+    for e in episodes:
         tools[e.task.kind].append(e.counts["tool_call"])
     metrics = {f"{prefix}accuracy": float(correct.mean())}
+    sets = any(isinstance(e.task.data, QuestionSet) for e in episodes)
+    if sets:  # every answer of an episode right (the all_right reward)
+        wrong = {r[4] for r, c in zip(rows, correct.tolist()) if c < 1}
+        metrics[f"{prefix}all_right"] = 1 - len(wrong) / len(episodes)
     for kind in spec.kinds:
         if by_kind.get(kind):
             metrics[f"{prefix}{kind}"] = sum(by_kind[kind]) / len(by_kind[kind])
@@ -106,15 +138,15 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
         metrics[f"{prefix}top_answer_share/{kind}"] = max(counts.values()) / sum(counts.values())
     if answers is not None:
         answers.update(distribution)
-    with_scene = [e for e in episodes if getattr(e.task.data, "scene", None) is not None]
+    with_scene = [r for r in rows if getattr(r[1].data, "scene", None) is not None]
     if with_scene:  # Shapes-VQA: how well the traces' first step lists the scene (the perception step)
-        metrics[f"{prefix}scene_f1"] = float(scene_match([e.final_text for e in with_scene],
-                                                         [e.task for e in with_scene]).mean())
+        metrics[f"{prefix}scene_f1"] = float(scene_match([r[3] for r in with_scene],
+                                                         [r[1] for r in with_scene]).mean())
     zoomed = [(first_zoom_quadrant(e), e.task) for e in episodes]
     zoomed = [(q, t) for q, t in zoomed if q is not None and isinstance(t.data, dict) and "quadrant" in t.data]
     if zoomed:
         metrics[f"{prefix}correct_quadrant"] = sum(q == t.data["quadrant"] for q, t in zoomed) / len(zoomed)
-    if turns > 1:
+    if turns > 1 and not sets:
         for kind in spec.kinds:
             if tools.get(kind):
                 metrics[f"{prefix}tool_calls/{kind}"] = sum(tools[kind]) / len(tools[kind])
@@ -124,9 +156,17 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
 
 
 def evaluate_with_baselines(policy, env_name: str, n: int, *, baselines: bool = True, **kwargs) -> dict[str, float]:
-    """:func:`evaluate_policy`, plus (for ``shapes_zoom`` with ``baselines``) the same policy on the same tasks
-    in each of :data:`ZOOM_BASELINES` (one turn; ``eval/zoom_overview/...``, ``eval/zoom_crop/...``)."""
+    """:func:`evaluate_policy`, plus the environment's further evaluation sets (``extra_evals`` of the environment
+    built with ``env_options``: ``eval/vqa_heldout/...`` for a named split's held-out combinations,
+    ``eval/vqa_multi/...`` for question sets), plus (for ``shapes_zoom`` with ``baselines``) the same policy on the
+    same tasks in each of :data:`ZOOM_BASELINES` (one turn; ``eval/zoom_overview/...``, ``eval/zoom_crop/...``)."""
+    from flowrl.envs.registry import get_env
+
     metrics = evaluate_policy(policy, env_name, n, **kwargs)
+    short = env_name.removeprefix("shapes_")
+    extra = {k: v for k, v in kwargs.items() if k not in ("answers", "prefix", "tasks")}
+    for name, tasks in get_env(env_name, **(kwargs.get("env_options") or {})).extra_evals.items():
+        metrics.update(evaluate_policy(policy, env_name, n, prefix=f"eval/{short}_{name}/", tasks=tasks(n), **extra))
     if baselines and env_name == "shapes_zoom":
         kwargs.pop("max_turns", None)
         kwargs.pop("answers", None)

@@ -1,11 +1,13 @@
-"""The built-in environments by name: how to build one, its training and held-out tasks, its turn limit."""
+"""The built-in environments by name: how to build one, its training and held-out tasks, its turn limit, and the
+options an environment takes (``get_env("shapes_vqa", questions=3, heldout=...)``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
-__all__ = ["EnvSpec", "get_env", "ENV_NAMES"]
+__all__ = ["EnvSpec", "get_env", "env_options", "ENV_NAMES"]
 
 
 @dataclass(frozen=True)
@@ -16,13 +18,21 @@ class EnvSpec:
     eval_tasks: Callable  # (n) -> list[Task]
     kinds: tuple[str, ...]
     max_turns: int
+    # Further evaluation sets, name -> (n) -> list[Task], reported as eval/<env short name>_<name>/...
+    extra_evals: dict[str, Callable] = field(default_factory=dict)
 
 
-def _vqa() -> EnvSpec:
+def _vqa(questions: int = 1, heldout: frozenset[str] | None = None) -> EnvSpec:
+    """Shapes-VQA; ``questions`` per episode (one per turn), ``heldout`` a named split's held-out combinations
+    (``flowrl.data.vqa.parse_combinations``)."""
     from flowrl.data.vqa import QUESTION_KINDS
-    from flowrl.envs.vqa import VQAEnv, vqa_eval_tasks, vqa_tasks
+    from flowrl.envs.vqa import VQAEnv, vqa_eval_sets, vqa_tasks
 
-    return EnvSpec("shapes_vqa", VQAEnv, vqa_tasks, vqa_eval_tasks, QUESTION_KINDS, 1)
+    if questions < 1:
+        raise ValueError(f"questions per episode must be at least 1, got {questions}")
+    main, extra = vqa_eval_sets(questions, heldout)
+    return EnvSpec("shapes_vqa", VQAEnv, partial(vqa_tasks, questions=questions, heldout=heldout), main,
+                   QUESTION_KINDS, questions, extra)
 
 
 def _zoom() -> EnvSpec:
@@ -47,10 +57,29 @@ _BUILDERS = {"shapes_vqa": _vqa, "shapes_zoom": _zoom, "shapes_zoom_overview": _
 ENV_NAMES = tuple(_BUILDERS)
 
 
-def get_env(name: str) -> EnvSpec:
-    """The environment ``name`` (``shapes_vqa``, ``shapes_zoom`` or a zoom baseline)."""
+def get_env(name: str, **options) -> EnvSpec:
+    """The environment ``name`` (``shapes_vqa``, ``shapes_zoom`` or a zoom baseline) with ``options`` (shapes_vqa:
+    ``questions``, ``heldout``; options left at None are the defaults).
+
+    Raises:
+        ValueError: an option the environment does not take.
+    """
     if name not in _BUILDERS:
         from flowrl.registry import UnknownNameError
 
         raise UnknownNameError("environment", name, list(_BUILDERS))
-    return _BUILDERS[name]()
+    options = {k: v for k, v in options.items() if v is not None}
+    if name != "shapes_vqa" and options:
+        raise ValueError(f"{', '.join(options)}: options of shapes_vqa only; {name} takes none")
+    return _BUILDERS[name](**options)
+
+
+def env_options(env) -> dict:
+    """The :func:`get_env` options of a recipe's ``env`` section (``questions_per_episode``,
+    ``heldout_combinations``), None where unset."""
+    from flowrl.data.vqa import parse_combinations
+
+    held = getattr(env, "heldout_combinations", None)
+    questions = getattr(env, "questions_per_episode", 1)
+    return {"questions": questions if questions != 1 else None,
+            "heldout": parse_combinations(held) if held is not None else None}

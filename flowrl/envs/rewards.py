@@ -2,10 +2,15 @@
 
 Each reward is called as ``reward(answers, tasks, images) -> [B] float tensor`` with the policy's final turn
 texts, the :class:`~flowrl.envs.base.Task` of each episode and the task's image (for judges). They compose
-by weighted sum (:class:`AnswerRewards`), keeping each component for logging.
+by weighted sum (:class:`AnswerRewards`), keeping each component for logging. An episode of several questions is
+scored per question (each answer turn against its own question) and each reward combined over its questions
+(:data:`EPISODE_COMBINE`: the mean, ``all_right`` the minimum) before the sum.
 
 - ``exact``: 1 when the normalised answer (``flowrl.data.vqa.normalize_answer``: case, punctuation, number
   words) equals the task's answer, else 0.
+- ``all_right``: ``exact`` per question; an episode of several questions (``env.questions_per_episode``) gets 1
+  only when every answer is right (:meth:`AnswerRewards.by_episode`), where ``exact`` gets the share of right
+  answers. A guess then earns nothing unless every other answer is right too.
 - ``grounded``: ``exact``, and the answer follows from the turn's own reasoning trace
   (:func:`flowrl.data.vqa_reasoning.answer_from_trace` on the ``<think>`` block, for tasks with a Shapes-VQA
   question spec): a right answer after a trace that says otherwise (a lucky guess) earns 0. Tasks without a spec
@@ -44,8 +49,8 @@ from flowrl.registry import Registry
 
 from .tools import extract_answer, extract_trace
 
-__all__ = ["ANSWER_REWARDS", "AnswerRewards", "exact_match", "grounded_match", "scene_match", "consistent_match",
-           "numeric_match", "format_match", "JudgeReward"]
+__all__ = ["ANSWER_REWARDS", "AnswerRewards", "EPISODE_COMBINE", "exact_match", "all_right", "grounded_match",
+           "scene_match", "consistent_match", "numeric_match", "format_match", "JudgeReward"]
 
 ANSWER_REWARDS: Registry = Registry("answer reward")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -55,6 +60,16 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def exact_match(answers: list[str], tasks: list, images=None) -> torch.Tensor:
     return torch.tensor([float(normalize_answer(extract_answer(a)) == normalize_answer(t.answer))
                          for a, t in zip(answers, tasks)])
+
+
+@ANSWER_REWARDS.register("all_right")
+def all_right(answers: list[str], tasks: list, images=None) -> torch.Tensor:
+    """``exact`` per question; :data:`EPISODE_COMBINE` takes the minimum over an episode's questions."""
+    return exact_match(answers, tasks)
+
+
+# How a reward's per-question values combine into an episode's (AnswerRewards.by_episode); unlisted: the mean.
+EPISODE_COMBINE = {"all_right": "min"}
 
 
 def _question_spec(task):
@@ -215,7 +230,34 @@ class AnswerRewards:
     def __call__(self, answers: list[str], tasks: list, images=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(scores [B], {name: [B]})``."""
         details = {name: fn(answers, tasks, images).float() for name, _, fn in self.parts}
-        total = torch.zeros(len(answers))
+        return self._total(details, len(answers)), details
+
+    def _total(self, details: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        total = torch.zeros(n)
         for name, weight, _ in self.parts:
             total = total + weight * details[name]
-        return total, details
+        return total
+
+    def by_episode(self, answers: list[list[str]], tasks: list[list], images=None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(scores [N], {name: [N]})`` of ``N`` episodes of one or more questions each: ``answers[i]`` /
+        ``tasks[i]`` the answer texts and single-question tasks of episode ``i`` (``images[i]`` its image). Each
+        reward scores every question, then combines an episode's values by :data:`EPISODE_COMBINE` (the mean, or
+        the minimum for ``all_right``); the weighted sum is taken after. One question per episode: the same as
+        calling the rewards on the answers."""
+        if len(answers) != len(tasks) or any(len(a) != len(t) for a, t in zip(answers, tasks)):
+            raise ValueError("by_episode needs one task per answer text in every episode")
+        flat_answers = [a for episode in answers for a in episode]
+        flat_tasks = [t for episode in tasks for t in episode]
+        flat_images = None if images is None else [im for im, episode in zip(images, answers) for _ in episode]
+        owner = torch.tensor([i for i, episode in enumerate(answers) for _ in episode], dtype=torch.long)
+        details = {}
+        for name, _, fn in self.parts:
+            values = fn(flat_answers, flat_tasks, flat_images).float()
+            if EPISODE_COMBINE.get(name) == "min":
+                out = torch.full((len(answers),), float("inf")).scatter_reduce(0, owner, values, "amin")
+            else:
+                count = torch.zeros(len(answers)).index_add(0, owner, torch.ones_like(values))
+                out = torch.zeros(len(answers)).index_add(0, owner, values) / count.clamp(min=1)
+            details[name] = torch.where(torch.isinf(out), torch.zeros_like(out), out)  # an episode without answers
+        return self._total(details, len(answers)), details

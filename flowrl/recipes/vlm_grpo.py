@@ -102,6 +102,32 @@ class EnvConfig:
     # shapes_vqa: this fraction of each epoch's groups ask position by colour (train-only, every colour pair both
     # ways, flowrl.data.vqa.sample_color_position), as the shipped model's SFT data did (0.2).
     color_position_fraction: float = field(default=0.0, metadata=bounds(ge=0, le=1))
+    # shapes_vqa: questions about one image per episode, one per turn (flowrl/envs/vqa.py); reward.answer's
+    # all_right pays only when every answer is right. Evaluation adds eval/vqa_multi/ (all_right, per question).
+    questions_per_episode: int = field(default=1, metadata=bounds(ge=1, le=4))
+    # shapes_vqa: a named held-out split, e.g. ["red circle", "circle left of triangle"] (colour-shape pairs,
+    # relations between shapes): training never asks them; eval/vqa/ is then in distribution (training questions
+    # on new scenes) and eval/vqa_heldout/ the held-out combinations. null: the default split (flowrl/data/vqa.py).
+    heldout_combinations: list[str] | None = None
+
+    def check(self) -> None:
+        """The shapes_vqa options against the environment (the config loader raises them as ``env.<field>``)."""
+        if self.color_position_fraction and self.name != "shapes_vqa":
+            fail("color_position_fraction", f"position questions by colour are shapes_vqa tasks, not "
+                 f"{self.name}'s; set it to 0")
+        for key, unset in (("questions_per_episode", 1), ("heldout_combinations", None)):
+            if getattr(self, key) != unset and self.name != "shapes_vqa":
+                fail(key, f"an option of shapes_vqa, not of {self.name}; remove it")
+        if self.max_turns is not None and self.max_turns < self.questions_per_episode:
+            fail("max_turns", f"{self.max_turns} turns cannot answer {self.questions_per_episode} questions "
+                 "(one per turn); raise it or leave it null")
+        if self.heldout_combinations is not None:
+            from flowrl.data.vqa import parse_combinations, split_questions
+
+            try:
+                split_questions("train", parse_combinations(self.heldout_combinations))
+            except ValueError as err:
+                fail("heldout_combinations", str(err))
 
 
 @dataclass
@@ -207,9 +233,6 @@ class Config:
             bad = [k for k in self.env.kinds if k not in valid]
             if bad:
                 fail("env.kinds", f"{bad[0]!r} is not a task kind of {self.env.name}; valid: {', '.join(valid)}")
-        if self.env.color_position_fraction and self.env.name != "shapes_vqa":
-            fail("env.color_position_fraction", f"position questions by colour are shapes_vqa tasks, not "
-                 f"{self.env.name}'s; set it to 0")
         if self.train.minibatches > self.sampling.groups_per_epoch * self.sampling.group_size:
             fail("train.minibatches", "more minibatches than episodes per epoch")
 
@@ -339,7 +362,7 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     """Run the configured GRPO-family algorithm. ``policy`` / ``dist`` may be injected (tests)."""
     from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
     from flowrl.envs.evaluate import evaluate_with_baselines
-    from flowrl.envs.registry import get_env
+    from flowrl.envs.registry import env_options, get_env
     from flowrl.config import to_dict
     from flowrl.envs.rewards import AnswerRewards
     from flowrl.rl.optim import build_optimizer
@@ -350,7 +373,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     # The policy computes in model.dtype; the reference clock's probe keeps the CPU's default precision.
     run = Run(cfg.run, "vlm_grpo", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None,
               reward=str(cfg.reward.answer), config=to_dict(cfg), dist=dist, counters=("episodes_sampled",),
-              plots={"reward": ["train/reward_mean", "train/reward/"], "eval": [f"eval/{short}/"],
+              plots={"reward": ["train/reward_mean", "train/reward/"],
+                     "eval": [f"eval/{short}/", f"eval/{short}_heldout/", f"eval/{short}_multi/"],
                      "policy": ["train/clip_frac", "train/approx_kl", "train/kl_ref", "train/entropy"],
                      "agent": ["train/tool_calls/", "train/malformed_per_episode", "train/turn_limit_per_episode",
                                "train/truncated_per_episode", "train/empty_per_episode"]},
@@ -360,7 +384,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     if policy is None:
         policy = build_policy(cfg.model, dist.device)
     policy.train()
-    env_spec = get_env(cfg.env.name)
+    options = env_options(cfg.env)
+    env_spec = get_env(cfg.env.name, **options)
     answer_rewards = AnswerRewards(cfg.reward.answer)
     variant = cfg.variant()
     optimizer, scheduler = build_optimizer(policy.trainable_parameters(), cfg.optim, schedule_unit="epoch",
@@ -370,7 +395,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     # Every process evaluates the same set (greedy, deterministic); only the main one logs.
     run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
         policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
-        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt))
+        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt,
+        env_options=options))
 
     with run:
         while run.next_epoch():

@@ -103,9 +103,6 @@ class Config:
             bad = [k for k in self.env.kinds if k not in valid]
             if bad:
                 fail("env.kinds", f"{bad[0]!r} is not a task kind of {self.env.name}; valid: {', '.join(valid)}")
-        if self.env.color_position_fraction and self.env.name != "shapes_vqa":
-            fail("env.color_position_fraction", f"position questions by colour are shapes_vqa tasks, not "
-                 f"{self.env.name}'s; set it to 0")
 
 
 # ============================================================================ selection
@@ -113,26 +110,31 @@ class Config:
 
 def selection_scores(episodes: list, correct: str = "exact", *, reward_spec: dict | None = None,
                      require_consistent: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(right [N] bool, consistent [N] bool)`` of played episodes.
+    """``(right [N] bool, consistent [N] bool)`` of played episodes. An episode of several questions
+    (``env.questions_per_episode``) is right when every answer is, and consistent when every turn's trace is
+    (each turn against its own question, :func:`flowrl.envs.vqa.episode_questions`).
 
     Args:
         correct: the answer reward that must be 1 (``train.correct``); an episode that did not answer is wrong.
         reward_spec: ``reward.answer``: the entry of ``correct`` there, if any, gives its kwargs.
         require_consistent: False: every episode counts as consistent.
     """
+    from flowrl.envs.epoch import answer_scores
     from flowrl.envs.rewards import AnswerRewards, _question_spec, consistent_match
+    from flowrl.envs.vqa import episode_questions
 
     entry = (reward_spec or {}).get(correct, 1.0)
     entry = {"weight": 1.0, "kwargs": entry.get("kwargs", {})} if isinstance(entry, dict) else 1.0
-    texts, tasks = [e.final_text for e in episodes], [e.task for e in episodes]
-    score = AnswerRewards({correct: entry})(texts, tasks, [e.image for e in episodes])[0]
+    # A mean over an episode's questions is 1 only when each is (all_right takes the minimum): right means all right.
+    score = answer_scores(AnswerRewards({correct: entry}), episodes)[0]
     answered = torch.tensor([bool(e.answered) for e in episodes], dtype=torch.bool)
     right = (score >= 1.0) & answered
     consistent = torch.ones(len(episodes), dtype=torch.bool)
     if require_consistent:
-        for i, (text, task) in enumerate(zip(texts, tasks)):
-            if _question_spec(task) is not None:  # no spec, no checks
-                consistent[i] = bool(consistent_match([text], [task])[0] >= 1.0)
+        for i, episode in enumerate(episodes):
+            for text, task in zip(*episode_questions(episode)):
+                if _question_spec(task) is not None:  # no spec, no checks
+                    consistent[i] &= bool(consistent_match([text], [task])[0] >= 1.0)
     return right, consistent
 
 
@@ -235,7 +237,7 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     from flowrl.config import to_dict
     from flowrl.envs.epoch import collect_epoch, epoch_metrics
     from flowrl.envs.evaluate import evaluate_with_baselines
-    from flowrl.envs.registry import get_env
+    from flowrl.envs.registry import env_options, get_env
     from flowrl.envs.rewards import AnswerRewards
     from flowrl.rl.optim import build_optimizer
     from flowrl.run.checkpoints import TrainableWeights
@@ -245,7 +247,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     run = Run(cfg.run, "vlm_rft", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None,
               reward=f"{cfg.train.correct} = 1" + (" and consistent" if cfg.train.require_consistent else ""),
               config=to_dict(cfg), dist=dist, counters=("episodes_sampled", "episodes_kept"),
-              plots={"reward": ["train/reward_mean", "train/reward/"], "eval": [f"eval/{short}/"],
+              plots={"reward": ["train/reward_mean", "train/reward/"],
+                     "eval": [f"eval/{short}/", f"eval/{short}_heldout/", f"eval/{short}_multi/"],
                      "selection": ["train/correct_frac", "train/eligible_frac", "train/kept_frac", "train/mixed_frac"],
                      "policy": ["train/nll", "train/entropy"]},
               units={"reward": "episode reward", "eval": "held-out accuracy", "selection": "fraction",
@@ -254,7 +257,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     if policy is None:
         policy = build_policy(cfg.model, dist.device)
     policy.train()
-    env_spec = get_env(cfg.env.name)
+    options = env_options(cfg.env)
+    env_spec = get_env(cfg.env.name, **options)
     answer_rewards = AnswerRewards(cfg.reward.answer)
     variant = VARIANTS["grpo"]  # GRPO's sampling: one round, no overlong penalty
     optimizer, scheduler = build_optimizer(policy.trainable_parameters(), cfg.optim, schedule_unit="epoch",
@@ -263,7 +267,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     run.track(model=TrainableWeights(policy), optimizer=optimizer, scheduler=scheduler)
     run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
         policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
-        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt))
+        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt,
+        env_options=options))
 
     with run:
         while run.next_epoch():

@@ -61,6 +61,11 @@ class DataConfig:
     # This share of each batch's Shapes-VQA questions asks position by colour instead ("is the red object left of
     # the blue object?", flowrl.data.vqa.sample_color_position): train-only, every colour pair in both directions.
     color_position_fraction: float = field(default=0.0, metadata=bounds(ge=0, le=1))
+    # A named held-out split, e.g. ["red circle", "circle left of triangle"] (colour-shape pairs, relations between
+    # shapes; flowrl.data.vqa.parse_combinations): no question of the data (nor a scene question or a zoom
+    # demonstration) asks one; eval/vqa/ is then in distribution and eval/vqa_heldout/ the held-out combinations.
+    # null: the default split. The RL recipes' env.heldout_combinations takes the same list.
+    heldout_combinations: list[str] | None = None
 
 
 @dataclass
@@ -102,6 +107,13 @@ class Config:
         for kind in self.data.scene_questions:
             if kind not in SCENE_QUESTION_KINDS:
                 fail("data.scene_questions", f"unknown kind {kind!r}; use any of {', '.join(SCENE_QUESTION_KINDS)}")
+        if self.data.heldout_combinations is not None:
+            from flowrl.data.vqa import parse_combinations, split_questions
+
+            try:
+                split_questions("train", parse_combinations(self.data.heldout_combinations))
+            except ValueError as err:
+                fail("data.heldout_combinations", str(err))
         if self.model.hidden_size % self.model.heads:
             fail("model.heads", f"{self.model.heads} does not divide hidden_size {self.model.hidden_size}")
         if self.model.image_size % (2 * self.model.patch_size):
@@ -114,6 +126,12 @@ class Config:
             fail("model.mrope_section", str(err).removeprefix("model.mrope_section "))
 
 
+def _heldout(data: DataConfig) -> frozenset[str] | None:
+    from flowrl.data.vqa import parse_combinations
+
+    return None if data.heldout_combinations is None else parse_combinations(data.heldout_combinations)
+
+
 def batch_conversations(cfg: Config, step: int) -> list:
     """The training conversations of ``step`` (a pure function of ``(run.seed, step)``)."""
     from flowrl.data.vqa import DESCRIBE_QUESTION, sample_color_position, sample_vqa, scene_questions
@@ -124,7 +142,8 @@ def batch_conversations(cfg: Config, step: int) -> list:
     n = cfg.data.batch_size
     n_zoom = round(n * cfg.data.zoom_fraction)
     n_color_position = round((n - n_zoom) * cfg.data.color_position_fraction)
-    examples = sample_vqa("train", n - n_zoom - n_color_position, seed=cfg.run.seed, start=step * n)
+    heldout = _heldout(cfg.data)
+    examples = sample_vqa("train", n - n_zoom - n_color_position, seed=cfg.run.seed, start=step * n, heldout=heldout)
     examples += sample_color_position(n_color_position, seed=cfg.run.seed, start=step * n)
     kinds = tuple(cfg.data.scene_questions)
     questions_rng = random.Random(f"scene-questions:{cfg.run.seed}:{step}")
@@ -133,14 +152,14 @@ def batch_conversations(cfg: Config, step: int) -> list:
     for e in examples:
         turns = [Turn("user", e.question, [e.image()]),
                  Turn("assistant", reasoning_answer(e) if reasoning else e.answer)]
-        for question, answer in scene_questions(e.scene, kinds, questions_rng) if kinds else ():
+        for question, answer in scene_questions(e.scene, kinds, questions_rng, heldout=heldout) if kinds else ():
             turns += [Turn("user", question), Turn("assistant", answer)]
         if cfg.data.describe:
             turns += [Turn("user", DESCRIBE_QUESTION), Turn("assistant", e.description())]
         conversations.append(turns)
     if n_zoom:
         rng = random.Random(cfg.run.seed * 1_000_003 + step)
-        for task in zoom_tasks("train", n_zoom, seed=cfg.run.seed, start=step * n):
+        for task in zoom_tasks("train", n_zoom, seed=cfg.run.seed, start=step * n, heldout=heldout):
             use_tool = task.kind == "count" or rng.random() < cfg.data.zoom_tool_fraction
             conversations.append(demonstration(task, use_tool, reasoning=reasoning))
     return conversations
@@ -170,11 +189,13 @@ def _evaluate(cfg: Config, policy, epoch: int, output_dir) -> dict[str, float]:
     """Held-out accuracy per kind; what the policy answered per kind goes to ``eval_answers.jsonl``."""
     import json
 
-    from flowrl.envs.evaluate import evaluate_policy, evaluate_with_baselines
+    from flowrl.envs.evaluate import evaluate_with_baselines
 
     answers: dict = {}
-    metrics = evaluate_policy(policy, "shapes_vqa", cfg.eval.num_examples, batch_size=cfg.eval.batch_size,
-                              answers=answers, max_new_tokens=cfg.eval.max_new_tokens)
+    # With a named split: eval/vqa/ in distribution, eval/vqa_heldout/ the held-out combinations.
+    metrics = evaluate_with_baselines(policy, "shapes_vqa", cfg.eval.num_examples, batch_size=cfg.eval.batch_size,
+                                      answers=answers, max_new_tokens=cfg.eval.max_new_tokens,
+                                      env_options={"heldout": _heldout(cfg.data)})
     if cfg.eval.num_zoom_examples:
         metrics.update(evaluate_with_baselines(policy, "shapes_zoom", cfg.eval.num_zoom_examples,
                                                batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens))
@@ -194,7 +215,7 @@ def main(cfg: Config) -> int:
 
     run = Run(cfg.run, "vlm_sft", schedule=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, precision=None,
               reward=None, config=to_dict(cfg),
-              plots={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/zoom/accuracy"]},
+              plots={"loss": ["train/loss"], "eval": ["eval/vqa/", "eval/vqa_heldout/", "eval/zoom/accuracy"]},
               units={"loss": "mean NLL of the answer tokens", "eval": "held-out accuracy"},
               steps_per_epoch=cfg.data.steps_per_epoch)
     if cfg.init_from:

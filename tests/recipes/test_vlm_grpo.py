@@ -204,3 +204,19 @@ def test_updates_climb_the_reward(tiny_vlm, tmp_path):
     rewards = [r["train/reward_mean"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+
+
+def test_question_sets_on_a_named_split_train_and_evaluate(tiny_vlm, tmp_path):
+    """Two questions per episode (one per turn, all_right beside the format reward) on a named held-out split: every
+    episode plays two turns, and the evaluation reports the in-distribution, held-out and question-set sets."""
+    run_recipe(GRPO, overrides(tiny_vlm, tmp_path / "a", "env.questions_per_episode=2",
+                               "env.heldout_combinations=[red circle, circle left of triangle]",
+                               "env.color_position_fraction=0.0", "eval.num_examples=4",
+                               REWARD.replace("={", "={all_right: 1.0, ")))
+    rows = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    train = next(r for r in rows if "train/turns" in r)
+    assert train["train/turns"] == 2.0 and train["train/turn_limit_per_episode"] == 0.0
+    assert train["train/reward/all_right"] == 0.0  # a random model answers no question right
+    evaluated = {k for r in rows for k in r if k.startswith("eval/")}
+    assert {"eval/vqa/accuracy", "eval/vqa_heldout/accuracy", "eval/vqa_multi/accuracy",
+            "eval/vqa_multi/all_right"} <= evaluated
