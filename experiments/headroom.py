@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -38,17 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from flowrl.eval.passk import pass_at, pass_ks  # noqa: E402 (the path above first); shared with the VLM's pass@k
+
 SEED_STRIDE = 1_000_003  # sample j of a prompt uses its evaluation seed + j * SEED_STRIDE (j = 0: the evaluation's)
-
-
-def pass_at(n: int, c: int, j: int) -> float:
-    """Unbiased estimate of P(at least one of ``j`` samples is correct) from ``n`` samples of which ``c`` are:
-    ``1 - C(n - c, j) / C(n, j)``."""
-    if not 0 <= c <= n or not 1 <= j <= n:
-        raise ValueError(f"pass@{j} needs 0 <= c <= n and 1 <= j <= n (n={n}, c={c})")
-    if n - c < j:
-        return 1.0
-    return 1.0 - math.comb(n - c, j) / math.comb(n, j)
 
 
 def score(images: torch.Tensor, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +58,7 @@ def summarise(correct: np.ndarray, kinds: list[str]) -> dict:
     """``correct``: ``[N, k]`` booleans (prompt x sample); per task kind and over all: mean, pass@j for j = 1, 2,
     4, ... up to k (and k itself), never (no sample correct)."""
     n_prompts, k = correct.shape
-    js = sorted({2**i for i in range(int(math.log2(k)) + 1)} | {k})
+    js = pass_ks(k)
     groups: dict[str, list[int]] = defaultdict(list)
     for index, kind in enumerate(kinds):
         groups[kind].append(index)
