@@ -155,6 +155,9 @@ class AlgorithmConfig:
     overlong_penalty: bool | None = None
     overlong_cache: int | None = field(default=None, metadata=bounds(ge=1))  # None: a quarter of the budget
     kl: Literal["none", "k3"] = "none"
+    # Each `consistent` check's own advantage, times this weight, on the tokens of the step it judges (Shapes-VQA
+    # reasoning traces; flowrl/envs/step_credit.py), beside the episode's advantage. 0: off.
+    step_credit: float = field(default=0.0, metadata=bounds(ge=0))
 
 
 @dataclass
@@ -217,6 +220,9 @@ class Config:
         if v.ratio == "sequence" and self.advantage.estimator != "outcome":
             fail("advantage.estimator", "gspo's sequence-level ratio needs one advantage per episode; use "
                  "estimator: outcome")
+        if v.ratio == "sequence" and a.step_credit:
+            fail("algorithm.step_credit", "gspo's sequence-level ratio needs one advantage per episode, and step "
+                 "credit gives each step its own; set it to 0 or use another variant")
         if a.kl != "none" and self.train.kl_coef == 0:
             fail("train.kl_coef", f"algorithm.kl is {a.kl!r} but train.kl_coef is 0; set kl_coef > 0 or kl: none")
         if not self.reward.answer:
@@ -238,7 +244,7 @@ class Config:
 
 
 def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: Config, dist, epoch: int,
-                progress=None, health=None) -> dict[str, float]:
+                progress=None, health=None, step_adv: list | None = None) -> dict[str, float]:
     """The clipped-loss updates of one epoch on this process's shard.
 
     Off-policy updates (several minibatches or inner epochs) re-score the old (and reference) log-probs
@@ -248,6 +254,8 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
 
     Args:
         turn_adv: ``[N, K]`` per-turn advantages of the epoch's ``N`` episodes.
+        step_adv: per episode, per action, ``[n_tokens]`` advantages added to its tokens' (``algorithm.step_credit``:
+            :func:`flowrl.envs.step_credit.step_credit`); None: none.
         health: the run's :class:`flowrl.run.updates.UpdateHealth`: every optimizer step goes through
             :func:`flowrl.run.updates.optimizer_step`, which skips (and counts) an update whose loss or gradient is
             not finite, so ``run.max_nonfinite_updates`` stops a run whose updates keep failing.
@@ -276,8 +284,12 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
                 if a.kl != "none":
                     with policy.reference():
                         ref = policy.score(inputs, temperature=temperature)
-            cache[key] = {"inputs": inputs, "old": old, "ref": ref,
-                          "adv": token_advantages(inputs, turn_adv[ids]).to(policy.device)}
+            adv = token_advantages(inputs, turn_adv[ids])
+            if step_adv is not None:
+                from flowrl.envs.step_credit import place_token_credit
+
+                adv = adv + place_token_credit(inputs.turn_index, [step_adv[i] for i in ids])
+            cache[key] = {"inputs": inputs, "old": old, "ref": ref, "adv": adv.to(policy.device)}
         return cache[key]
 
     plans = minibatch_plan(N, t.inner_epochs, t.minibatches, random.Random(sample_seed(cfg.run.seed, epoch, 7)))
@@ -358,6 +370,19 @@ def train_epoch(policy, module, optimizer, batch, turn_adv: torch.Tensor, cfg: C
     return metrics
 
 
+def _step_credit(batch, policy, cfg: Config, variant: Variant) -> list:
+    """``algorithm.step_credit``'s token advantages of the epoch (:func:`flowrl.envs.step_credit.step_credit`), with
+    the outcome's normalisation."""
+    from flowrl.envs.step_credit import step_credit
+
+    def decode(ids):
+        return policy.tokenizer.decode(ids, skip_special_tokens=True)
+
+    return step_credit(batch.episodes, batch.group_ids, decode, weight=cfg.algorithm.step_credit,
+                       normalizer=variant.normalizer, std_scope=variant.std_scope, eps=cfg.advantage.eps,
+                       clip=cfg.advantage.clip)
+
+
 def main(cfg: Config, *, policy=None, dist=None) -> int:
     """Run the configured GRPO-family algorithm. ``policy`` / ``dist`` may be injected (tests)."""
     from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
@@ -408,9 +433,14 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
             metrics = epoch_metrics(batch, cfg.env.name)
             if run.check_rewards(metrics, len(batch.episodes)):
                 turn_adv = turn_advantages(batch, cfg.advantage, variant)
+                step_adv = None
+                if cfg.algorithm.step_credit:
+                    step_adv = _step_credit(batch, policy, cfg, variant)
+                    tokens = torch.cat([t for actions in step_adv for t in actions])
+                    metrics["train/step_credit_tokens"] = float((tokens != 0).float().mean()) if len(tokens) else 0.0
                 with run.updating():
                     metrics.update(train_epoch(policy, module, optimizer, batch, turn_adv, cfg, dist, run.epoch,
-                                               health=run.health))
+                                               health=run.health, step_adv=step_adv))
             scheduler.step()
             metrics.update({"time/sampling_s": collected - start, "time/training_s": time.perf_counter() - collected})
             run.end_epoch(metrics, episodes_sampled=int(batch.stats["episodes"]))

@@ -220,3 +220,42 @@ def test_question_sets_on_a_named_split_train_and_evaluate(tiny_vlm, tmp_path):
     evaluated = {k for r in rows for k in r if k.startswith("eval/")}
     assert {"eval/vqa/accuracy", "eval/vqa_heldout/accuracy", "eval/vqa_multi/accuracy",
             "eval/vqa_multi/all_right"} <= evaluated
+
+
+def test_step_credit_reaches_the_trained_tokens_of_real_inputs(tiny_vlm, tmp_path):
+    """The consistent checks' step advantages sit on exactly the generated tokens of the model's own input layout
+    (loss mask), in order; a run with algorithm.step_credit logs the share of credited tokens; gspo refuses it."""
+    from types import SimpleNamespace
+
+    from flowrl.config import ConfigError
+    from flowrl.data.vqa import QuestionSpec
+    from flowrl.envs.base import Task
+    from flowrl.envs.epoch import trained_conversation
+    from flowrl.envs.rollout import Episode
+    from flowrl.envs.step_credit import place_token_credit, step_credit
+    from flowrl.policies import TokenPolicy, Turn
+
+    policy = TokenPolicy.from_pretrained(tiny_vlm)
+    spec = QuestionSpec("count", color="red", shape="circle")
+    task = Task(spec.text(), "1", "count", data=SimpleNamespace(spec=spec))
+    listing = "<think> red_circle 1 1 , red_square 4 1 ; red : red_circle 1 1 , red_square 4 1 ; "
+    texts = [listing + "circle : red_circle 1 1 </think> <answer> 1 </answer>",
+             listing + "circle : none </think> <answer> 0 </answer>"]
+    episodes = []
+    for text in texts:
+        ids = policy.tokenizer(text, add_special_tokens=False)["input_ids"] + [policy.eos_token_id]
+        episodes.append(Episode(task, [Turn("user", task.question), Turn("assistant", text, token_ids=ids)],
+                                turn_rewards=[0.0], final_text=text, answered=True))
+    extra = step_credit(episodes, torch.tensor([0, 0]), lambda ids: policy.tokenizer.decode(
+        ids, skip_special_tokens=True), weight=1.0)
+    inputs = policy.build_inputs([trained_conversation(e) for e in episodes])
+    placed = place_token_credit(inputs.turn_index, extra)
+    for row in range(2):
+        mask = inputs.loss_mask[row] > 0
+        assert placed[row][mask].tolist() == extra[row][0].tolist()  # every trained token, in order
+        assert not placed[row][~mask].any()
+    assert (placed[0] > 0).sum() == 5 and (placed[1] < 0).sum() == 3  # step 2 of each trace, nothing else
+    run_recipe(GRPO, overrides(tiny_vlm, tmp_path / "a", "algorithm.step_credit=0.5"))
+    assert 0.0 <= last(tmp_path / "a")["train/step_credit_tokens"] <= 1.0
+    with pytest.raises(ConfigError, match=r"^algorithm.step_credit: gspo's sequence-level ratio"):
+        load_recipe_config(str(ROOT / GRPO), ["algorithm.variant=gspo", "algorithm.step_credit=0.5"])
