@@ -211,7 +211,14 @@ def turn_advantages(batch: EpochBatch, advantage, variant) -> torch.Tensor:
 
 def epoch_metrics(batch: EpochBatch, env_name: str) -> dict[str, float]:
     """The epoch's ``train/...`` metrics of its episodes (``env_name``: ``env.name``; the zoom environment adds its
-    tool calls per kind)."""
+    tool calls per kind).
+
+    Every epoch, whatever the update does with the episodes, two measures of how much the policy still explores:
+    ``train/rollout_entropy``, minus the mean log-prob of the sampled tokens (a Monte Carlo estimate of the sampling
+    policy's entropy per token at the sampling temperature; with top-p below 1 it overstates it, the log-probs being
+    those of the untruncated distribution), and ``train/mixed_groups/<name>``, the share of groups whose reward
+    component ``<name>`` is not the same for every member (``reward``: the total, ``1 - train/zero_std_frac``; with
+    ``exact``, the groups whose answers are right and wrong both: where a correctness advantage is not zero)."""
     from flowrl.core.advantages import zero_std_fraction
 
     r = batch.rewards
@@ -228,6 +235,12 @@ def epoch_metrics(batch: EpochBatch, env_name: str) -> dict[str, float]:
     metrics.update({f"train/sampling_{k}": batch.stats[k] for k in ("rounds", "groups_kept", "zero_std_frac_sampled")})
     for name, value in batch.details.items():
         metrics[f"train/reward/{name}"] = float(value.mean())
+    for name, value in {"reward": r, **batch.details}.items():
+        metrics[f"train/mixed_groups/{name}"] = 1.0 - zero_std_fraction(value, batch.group_ids)
+    sampled = [lp for e in eps for lp in e.logprobs]
+    if sampled:
+        logprobs = torch.cat([lp.float().flatten() for lp in sampled])
+        metrics["train/rollout_entropy"] = float(-logprobs.mean()) if logprobs.numel() else 0.0
     if env_name == "shapes_zoom":
         kinds = sorted({e.task.kind for e in eps})
         for kind in kinds:

@@ -249,8 +249,9 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
               config=to_dict(cfg), dist=dist, counters=("episodes_sampled", "episodes_kept"),
               plots={"reward": ["train/reward_mean", "train/reward/"],
                      "eval": [f"eval/{short}/", f"eval/{short}_heldout/", f"eval/{short}_multi/"],
-                     "selection": ["train/correct_frac", "train/eligible_frac", "train/kept_frac", "train/mixed_frac"],
-                     "policy": ["train/nll", "train/entropy"]},
+                     "selection": ["train/correct_frac", "train/eligible_frac", "train/kept_frac", "train/mixed_frac",
+                                   "train/mixed_groups/"],
+                     "policy": ["train/nll", "train/entropy", "train/rollout_entropy"]},
               units={"reward": "episode reward", "eval": "held-out accuracy", "selection": "fraction",
                      "policy": "nats per trained token"})
     dist = run.dist

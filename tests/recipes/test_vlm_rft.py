@@ -217,6 +217,9 @@ def test_an_epoch_that_keeps_nothing_takes_no_step(tiny_vlm, tmp_path):
     assert recipe.main(cfg) == 3
     row = read_metrics(tmp_path / "metrics.jsonl")[-1]
     assert row["train/kept_frac"] == 0 and row["episodes_kept"] == 0 and "train/optimizer_steps" not in row
+    # No update, no training forward (no train/entropy), but the policy's entropy and the mixed groups are logged.
+    assert "train/entropy" not in row and 0 < row["train/rollout_entropy"] < 5.0
+    assert row["train/mixed_groups/exact"] == 0.0  # a random model answers nothing right
 
 
 # ============================================================================ config
