@@ -359,10 +359,10 @@ def _rows_from_file(path: str, n: int | None, seed: int) -> list[tuple[str, str,
 
 def eval_main(argv: list[str] | None = None) -> int:
     """``flowrl eval``; returns the exit code. ``--task vqa|zoom`` evaluates a VLM policy instead
-    (``flowrl.envs.evaluate.vqa_eval_main``)."""
+    (``flowrl.envs.eval_command.vqa_eval_main``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--task" or a.startswith("--task=") for a in argv):
-        from flowrl.envs.evaluate import vqa_eval_main
+        from flowrl.envs.eval_command import vqa_eval_main
 
         return vqa_eval_main(argv)
     return _run_command("flowrl eval", _eval, argv)
