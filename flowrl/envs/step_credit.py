@@ -10,10 +10,10 @@ moves every token of the turn alike: a wrong second lookup pushes down the perce
 
 for a token ``t`` of the step a check judges (trace step ``s >= 1`` for the ``s``-th check; the answer's tokens for the
 answer check), where ``A_check`` is that check's value (1 holds, 0 fails; a turn without a trace fails every check)
-normalised across the group's episodes like the outcome (same normaliser, std scope, eps and clip: the check of the
-same step of the same question, since a group asks one question). Other tokens (the perception step, which ``scene``
-judges, the tags, the ``;`` between steps, the end of turn) get the outcome advantage alone. A group whose episodes
-all pass (or all fail) a check gets 0 for it, as the outcome does.
+normalised across the group's episodes like the outcome (same normaliser, std scope, eps and clip; a ``batch`` std
+scope is taken per group here): the check of the same step of the same question, since a group asks one question.
+Other tokens (the perception step, which ``scene`` judges, the tags, the ``;`` between steps, the end of turn) get
+the outcome advantage alone. A group whose episodes all pass (or all fail) a check gets 0 for it, as the outcome does.
 
 Which step a token belongs to is read from the text decoded up to and including it: the number of ``;`` since
 ``<think>`` (step 0 is the listing), or inside ``<answer> ... </answer>``; a token whose own text is a ``;`` or a tag

@@ -9,13 +9,17 @@ Dr.GRPO); Yu et al. 2025 (DAPO); Ahmadian et al. 2024 (RLOO for LLMs); Zheng et 
    (:func:`flowrl.envs.rollout.play_episodes`; per-sample seeds, so the samples do not depend on the
    number of processes), then every process gathers every episode.
 2. Rewards: the answer rewards (exact match, numeric, format, ``vlm_judge``) of each episode's final answer
-   plus the environment's per-turn rewards (e.g. -0.05 per tool call), plus DAPO's overlong penalty. DAPO's
+   plus the environment's per-turn rewards (e.g. -0.05 per tool call), plus DAPO's overlong penalty. An episode of
+   several questions (``env.questions_per_episode``) is scored per answer turn against its own question
+   (``all_right``: 1 only when every answer is right). DAPO's
    dynamic sampling drops groups whose rewards are all equal and plays more rounds until the epoch has
    ``groups_per_epoch`` informative groups (at most ``max_sampling_rounds``).
 3. Advantages on the whole epoch (``flowrl.core``; the image recipes' ``advantage`` section, one class):
    the ``outcome`` estimator with the ``group`` normaliser (GRPO, DAPO, GSPO; without std for Dr.GRPO) or the
    leave-one-out one (``rloo``, RLOO) per episode; or per turn with the GiGPO / discounted turn return / TRLOO
-   estimators. Each token of an action gets its turn's advantage.
+   estimators. Each token of an action gets its turn's advantage; with ``algorithm.step_credit`` the tokens of each
+   reasoning step also get that step's own ``consistent`` check's group-normalised value
+   (:mod:`flowrl.envs.step_credit`).
 4. Off-policy (several minibatches or inner epochs), old log-probs are re-scored with the same inputs and
    micro-batches training will use, before any update; on-policy (one minibatch, one inner epoch) that pass
    is skipped and the training forward's own log-probs, detached, are the old ones (ratio exactly 1, the
