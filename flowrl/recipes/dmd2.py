@@ -51,8 +51,8 @@ from flowrl.recipes import Recipe
 from flowrl.rl.sampling import SamplingConfig
 from flowrl.rl.setup import OnlineConfig, UpdateConfig
 
-__all__ = ["TrainConfig", "Config", "FakeScore", "student_sample", "fake_score_update", "train_epoch", "main",
-           "RECIPE", "dry_run_overrides", "dry_run_work"]
+__all__ = ["TrainConfig", "Config", "FakeScore", "StepHooks", "student_sample", "fake_score_update", "train_epoch",
+           "main", "run_distillation", "RECIPE", "dry_run_overrides", "dry_run_work"]
 
 # Streams of derive_seed (distinct from the samplers' and the forward trainers').
 STREAM_SIMULATION, STREAM_DMD, STREAM_FAKE = 0xD3D201, 0xD3D202, 0xD3D203
@@ -132,9 +132,7 @@ class FakeScore:
         student's); a backward inside it puts the fake score's gradients in the trained parameters' ``.grad``, which
         :meth:`take_grads` moves over. A swap rather than ``torch.func.functional_call``: a checkpointed block
         recomputes its forward during the backward, outside any functional call, and must see the same tensors."""
-        live = [p for _, p in self._named_live(model)]
-        if len(live) != len(self.params):
-            raise ValueError("the model's trainable parameters changed since the fake score was built")
+        live = self._live(model)
 
         def swap():
             with torch.no_grad():
@@ -146,6 +144,45 @@ class FakeScore:
             yield
         finally:
             swap()
+
+    def _live(self, model) -> list[nn.Parameter]:
+        live = [p for _, p in self._named_live(model)]
+        if len(live) != len(self.params):
+            raise ValueError("the model's trainable parameters changed since the fake score was built")
+        return live
+
+    @contextlib.contextmanager
+    def mixed(self, model, scale: float) -> Iterator[None]:
+        """Inside this context the model predicts with the teacher plus ``scale`` of what the fake score has learned:
+        the weights ``W_teacher + scale (W_fake - W_teacher)`` (DMDR's dynamic distribution guidance,
+        :func:`flowrl.core.dmdr.dynamic_real_mix`). ``scale = 0`` is ``model.reference()``, the teacher itself. A LoRA's
+        update is linear in its ``B``, so the mix runs the fake score's adapters with ``B`` scaled (the authors' LoRA
+        scale); a full fine-tune interpolates every trained tensor between the frozen reference copy and the fake
+        score's. For forward passes without gradients (the real score)."""
+        if scale == 0:
+            with model.reference():
+                yield
+            return
+        from flowrl.models.base import unwrap
+
+        live = self._live(model)
+        if model.lora is not None:
+            values = [f.detach() * scale if "lora_B" in name else f.detach() for name, f in self.params.items()]
+        else:
+            with model.reference():
+                teacher = dict(unwrap(model.denoiser).named_parameters())
+            values = [torch.lerp(teacher[name].detach().to(f.device, f.dtype), f.detach(), scale)
+                      for name, f in self.params.items()]
+        saved = [p.data for p in live]
+        with torch.no_grad():
+            for p, v in zip(live, values):
+                p.data = v
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, d in zip(live, saved):
+                    p.data = d
 
     def take_grads(self, model) -> None:
         """Move the gradients a backward inside :meth:`active` left in the trained parameters to the fake score's."""
@@ -216,19 +253,60 @@ def fake_score_update(model, fake: FakeScore, x0: torch.Tensor, cond, sigma: tor
     return float(out.loss.detach())
 
 
-def _dmd_loss(model, fake: FakeScore, x0: torch.Tensor, cond, sigma: torch.Tensor, generator, *,
-              real_guidance: float, fake_guidance: float):
-    from flowrl.core.distillation import dmd_generator_loss
-
+def _dmd_point(model, real_score, fake: FakeScore, x0: torch.Tensor, cond, sigma: torch.Tensor, generator, *,
+               real_guidance: float, fake_guidance: float):
+    """The DMD point ``x_t = (1 - sigma) x0 + sigma eps`` and the real and fake scores' velocities there (no gradients;
+    ``real_score`` is the context the real score runs in: the teacher's ``model.reference()``)."""
     with torch.no_grad():
         x_t, _ = _noised(x0.detach(), sigma, generator)
         s = sigma.to(x0.device, torch.float32)
         xin = x_t.to(model.dtype)
-        with model.reference():
+        with real_score:
             v_real = model.velocity_fn(real_guidance)(xin, s, cond).float()
         with fake.active(model):
             v_fake = model.velocity_fn(fake_guidance)(xin, s, cond).float()
-    return dmd_generator_loss(x0, x_t, s, v_real, v_fake)
+    return x_t, s, v_real, v_fake
+
+
+class StepHooks:
+    """The places where a recipe built on DMD2's training step (:func:`train_epoch`) changes it: DMDR
+    (flowrl/recipes/dmdr.py) adds a reward term and its cold-start schedules. Each default here is DMD2's, so
+    ``train_epoch`` without hooks is DMD2. ``step`` is the global training step."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def dmd_sigma(self, step: int, batch_size: int, generator: torch.Generator, table: torch.Tensor) -> torch.Tensor:
+        """``[B]`` noise levels of the DMD point (DMD2: steps over ``min_step_percent``..``max_step_percent``)."""
+        from flowrl.core.distillation import sample_dmd_timesteps
+
+        t = self.cfg.train
+        return sample_dmd_timesteps(batch_size, generator=generator, min_step_percent=t.min_step_percent,
+                                    max_step_percent=t.max_step_percent, num_train_timesteps=t.num_train_timesteps,
+                                    sigma_table=table).sigma
+
+    def fake_sigma(self, step: int, batch_size: int, generator: torch.Generator, table: torch.Tensor) -> torch.Tensor:
+        """``[B]`` noise levels of the fake score's loss (DMD2: the whole table)."""
+        from flowrl.core.distillation import sample_dmd_timesteps
+
+        return sample_dmd_timesteps(batch_size, generator=generator, min_step_percent=0.0, max_step_percent=1.0,
+                                    num_train_timesteps=self.cfg.train.num_train_timesteps, sigma_table=table).sigma
+
+    def real_score(self, model, fake: FakeScore, step: int):
+        """The context the real score runs in (DMD2: the frozen teacher)."""
+        return model.reference()
+
+    def generator_loss(self, step: int, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor,
+                       v_real: torch.Tensor, v_fake: torch.Tensor, prompts, metadata):
+        """The student's loss on one micro-batch, an object with ``loss`` (carrying the graph to ``x0``) and ``stats``
+        (``score_gap``; ``dmd_loss`` when the loss has other terms). DMD2: the regression-free DMD loss."""
+        from flowrl.core.distillation import dmd_generator_loss
+
+        return dmd_generator_loss(x0, x_t, sigma, v_real, v_fake)
+
+    def metrics(self) -> dict[str, float]:
+        """The epoch's extra ``train/...`` values (DMD2: none)."""
+        return {}
 
 
 def _generator(*parts: int) -> torch.Generator:
@@ -238,22 +316,24 @@ def _generator(*parts: int) -> torch.Generator:
 
 
 def train_epoch(setup, fake: FakeScore, fake_optimizer, batch, cfg: Config, epoch: int, *,
-                progress=None) -> dict[str, float]:
+                progress=None, hooks: StepHooks | None = None) -> dict[str, float]:
     """One epoch of DMD2 steps on this process's share of the epoch's prompts (``batch``, an
-    :class:`flowrl.data.prompt_groups.EpochBatch`); see the module docstring.
+    :class:`flowrl.data.prompt_groups.EpochBatch`); see the module docstring. ``hooks`` (default DMD2's own) is how a
+    recipe built on this step changes its noise levels, real score and student loss (:class:`StepHooks`).
 
     Returns:
         ``train/...``: ``dmd_loss`` and ``grad_norm`` (means over the generator steps; NaN in an epoch without one),
         ``fake_loss``, ``fake_grad_norm`` (means over every step), ``generator_steps``, ``fake_steps``,
         ``simulation_level`` (the mean level of the backward simulation), ``score_gap``, ``lr``, ``fake_lr``.
     """
-    from flowrl.core.distillation import is_generator_step, sample_dmd_timesteps
+    from flowrl.core.distillation import is_generator_step
     from flowrl.models.base import encode_rows
     from flowrl.rl.forward import training_guidance
     from flowrl.run.updates import optimizer_step
     from samplers import initial_noise
 
     model, dist, t, s = setup.model, setup.dist, cfg.train, cfg.sampling
+    hooks = StepHooks(cfg) if hooks is None else hooks
     seed = cfg.run.seed
     params, fake_params = model.trainable_parameters(), fake.parameters()
     student_sigmas = model.sigmas(t.student_steps).to(torch.float32)
@@ -286,13 +366,12 @@ def train_epoch(setup, fake: FakeScore, fake_optimizer, batch, cfg: Config, epoc
                 samples.append((x0.detach(), cond, int(batch.sample_seeds[rows][0])))
                 share = (rows.stop - rows.start) / (hi - lo)
                 if generator_step:
-                    sigma = sample_dmd_timesteps(x0.shape[0], generator=gen, min_step_percent=t.min_step_percent,
-                                                 max_step_percent=t.max_step_percent,
-                                                 num_train_timesteps=t.num_train_timesteps, sigma_table=table).sigma
-                    out = _dmd_loss(model, fake, x0, cond, sigma, gen, real_guidance=t.real_guidance,
-                                    fake_guidance=fake_guidance)
+                    sigma = hooks.dmd_sigma(step, x0.shape[0], gen, table)
+                    point = _dmd_point(model, hooks.real_score(model, fake, step), fake, x0, cond, sigma, gen,
+                                       real_guidance=t.real_guidance, fake_guidance=fake_guidance)
+                    out = hooks.generator_loss(step, x0, *point, batch.prompts[rows], batch.metadata[rows])
                     dist.backward(out.loss.float() * share, model.denoiser, sync=j == len(starts) - 1)
-                    step_dmd.append((float(out.loss.detach()), share))
+                    step_dmd.append((float(out.stats.get("dmd_loss", out.loss).detach()), share))
                     gaps.append(float(out.stats["score_gap"]))
             if generator_step and starts:
                 norms.append(optimizer_step(setup.optimizer, params, dist, grad_clip=cfg.optim.grad_clip,
@@ -306,9 +385,7 @@ def train_epoch(setup, fake: FakeScore, fake_optimizer, batch, cfg: Config, epoc
                 for j, (x0, cond, first_seed) in enumerate(samples):
                     share = x0.shape[0] / (hi - lo)
                     gen = _generator(seed, STREAM_FAKE, step, first_seed)
-                    sigma = sample_dmd_timesteps(x0.shape[0], generator=gen, min_step_percent=0.0,
-                                                 max_step_percent=1.0, num_train_timesteps=t.num_train_timesteps,
-                                                 sigma_table=table).sigma
+                    sigma = hooks.fake_sigma(step, x0.shape[0], gen, table)
                     step_fake += share * fake_score_update(model, fake, x0, cond, sigma, gen, guidance=fake_guidance,
                                                            weighting=t.fake_weighting, scale=share, dist=dist,
                                                            sync=j == len(samples) - 1)
@@ -327,26 +404,36 @@ def train_epoch(setup, fake: FakeScore, fake_optimizer, batch, cfg: Config, epoc
     return {"train/dmd_loss": mean(dmd), "train/grad_norm": mean(norms), "train/fake_loss": mean(fake_losses),
             "train/fake_grad_norm": mean(fake_norms), "train/generator_steps": len(norms),
             "train/fake_steps": len(fake_norms), "train/simulation_level": mean(levels), "train/score_gap": mean(gaps),
-            "train/lr": setup.optimizer.param_groups[0]["lr"], "train/fake_lr": fake_optimizer.param_groups[0]["lr"]}
+            "train/lr": setup.optimizer.param_groups[0]["lr"], "train/fake_lr": fake_optimizer.param_groups[0]["lr"],
+            **hooks.metrics()}
 
 
 def main(cfg: Config, *, model=None, dist=None) -> int:
     """Run DMD2 as configured. ``model`` / ``dist`` may be injected (tests, notebooks)."""
+    return run_distillation(cfg, "dmd2", model=model, dist=dist,
+                            plot_groups={"dmd2": ["train/dmd_loss", "train/fake_loss"],
+                                         "dmd2_grad_norm": ["train/grad_norm", "train/fake_grad_norm"]})
+
+
+def run_distillation(cfg: Config, recipe: str, *, model=None, dist=None, train_reward: bool = False,
+                     plot_groups: dict | None = None, hooks=None) -> int:
+    """The run of a recipe built on DMD2's step: the setup, the fake score with its optimizer and schedule (tracked, so
+    a resumed run continues exactly), then :func:`train_epoch` per epoch. ``train_reward``: build the training reward
+    (DMD2 trains on none; the evaluation's stays); ``hooks``: ``hooks(setup) -> StepHooks`` (default DMD2's)."""
     import dataclasses
 
     from flowrl.config import ConfigError
     from flowrl.rl.optim import build_optimizer
     from flowrl.rl.setup import ImageTraining
 
-    setup = ImageTraining(cfg, "dmd2", model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
+    setup = ImageTraining(cfg, recipe, model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                           reference=True,  # the teacher is the real score
-                          train_reward=False,  # distillation trains on no reward; the evaluation's stays
-                          plot_groups={"dmd2": ["train/dmd_loss", "train/fake_loss"],
-                                       "dmd2_grad_norm": ["train/grad_norm", "train/fake_grad_norm"]})
+                          train_reward=train_reward, plot_groups=plot_groups)
     run = setup.run
     if setup.dist.shards_weights:
         raise ConfigError("run", f"DMD2's fake score is a second, unsharded copy of the trained tensors; run it on one "
                           f"GPU or under DDP (configs/accelerate/multi_gpu.yaml), not {setup.dist.backend}")
+    step_hooks = hooks(setup) if hooks is not None else None
     fake = FakeScore(setup.model)
     optim = cfg.optim if cfg.train.fake_lr is None else dataclasses.replace(cfg.optim, lr=cfg.train.fake_lr)
     fake_optimizer, fake_scheduler = build_optimizer(fake.parameters(), optim, schedule_unit="epoch",
@@ -356,7 +443,8 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
         while run.next_epoch():
             batch = setup.prompt_groups.epoch(run.epoch)
             with setup.training(len(batch.prompts) * cfg.train.inner_epochs) as bar:
-                metrics = train_epoch(setup, fake, fake_optimizer, batch, cfg, run.epoch, progress=bar)
+                metrics = train_epoch(setup, fake, fake_optimizer, batch, cfg, run.epoch, progress=bar,
+                                      hooks=step_hooks)
             fake_scheduler.step()
             setup.end_epoch(metrics)
     return run.finish()
