@@ -523,6 +523,8 @@ def question_set(example: VQAExample, size: int, split: str = "train",
         RuntimeError: the scene answers fewer than ``size`` distinct questions (not met on training scenes up to 4
             questions: tested).
     """
+    if size <= 1:
+        return [example]
     rng = random.Random(f"question-set:{example.seed}")
     out = [example]
     for key in (_combination, QuestionSpec.text):  # distinct combinations first, then distinct questions

@@ -11,7 +11,9 @@ question is followed by a train-only turn "what is there?" whose answer lists th
 reading order (:func:`flowrl.data.vqa.describe_objects`): several supervised tokens per image at the cost
 of a few more text tokens (the image is encoded once), so the vision tower learns shapes and positions, not
 only the one token of a question's answer. The question comes first, so it is trained in exactly the layout
-it is asked in at evaluation. Zoom demonstrations of a count zoom into the quadrant that holds the objects
+it is asked in at evaluation. With ``data.questions_per_example`` each conversation asks several questions about
+its scene, one per turn, in the layout of the RL recipes' question-set episodes (``env.questions_per_episode``).
+Zoom demonstrations of a count zoom into the quadrant that holds the objects
 (counting at the overview's resolution is a guess, which must not be taught); those of a colour question
 answer from the overview, or zoom with probability ``data.zoom_tool_fraction``. They teach the tool's
 format; *when* the tool pays is left to RL (``configs/vlm/shapes_zoom_gigpo.yaml``). A short stage on zoom
@@ -66,6 +68,10 @@ class DataConfig:
     # demonstration) asks one; eval/vqa/ is then in distribution and eval/vqa_heldout/ the held-out combinations.
     # null: the default split. The RL recipes' env.heldout_combinations takes the same list.
     heldout_combinations: list[str] | None = None
+    # Questions per Shapes-VQA conversation, one per turn, in the layout of the RL recipes' question-set episodes
+    # (env.questions_per_episode; flowrl.data.vqa.question_set): the image and the first question, its answer, the
+    # next question, ... Every answer is trained, in data.answer_format. 1: one question.
+    questions_per_example: int = field(default=1, metadata=bounds(ge=1, le=4))
 
 
 @dataclass
@@ -101,6 +107,9 @@ class Config:
             fail("optim.decay_epochs", "supervised training anneals its learning rate: give a number of epochs or "
                  "run (over run.max_epochs); for a constant rate after the warm-up set optim.min_lr_ratio=1")
 
+        if self.data.questions_per_example > 1 and (self.data.describe or self.data.scene_questions):
+            fail("data.questions_per_example", "question sets already ask further questions about the scene; set "
+                 "data.describe=false and data.scene_questions=[]")
         if self.data.answer_format == "reasoning" and (self.data.describe or self.data.scene_questions):
             fail("data.answer_format", "reasoning answers already describe the scene; set data.describe=false and "
                  "data.scene_questions=[] (they add direct-answer turns)")
@@ -134,7 +143,7 @@ def _heldout(data: DataConfig) -> frozenset[str] | None:
 
 def batch_conversations(cfg: Config, step: int) -> list:
     """The training conversations of ``step`` (a pure function of ``(run.seed, step)``)."""
-    from flowrl.data.vqa import DESCRIBE_QUESTION, sample_color_position, sample_vqa, scene_questions
+    from flowrl.data.vqa import DESCRIBE_QUESTION, question_set, sample_color_position, sample_vqa, scene_questions
     from flowrl.data.vqa_reasoning import reasoning_answer
     from flowrl.envs.zoom import demonstration, zoom_tasks
     from flowrl.policies import Turn
@@ -152,6 +161,9 @@ def batch_conversations(cfg: Config, step: int) -> list:
     for e in examples:
         turns = [Turn("user", e.question, [e.image()]),
                  Turn("assistant", reasoning_answer(e) if reasoning else e.answer)]
+        for follow in question_set(e, cfg.data.questions_per_example, "train", heldout)[1:]:
+            turns += [Turn("user", follow.question), Turn("assistant", reasoning_answer(follow) if reasoning
+                                                           else follow.answer)]
         for question, answer in scene_questions(e.scene, kinds, questions_rng, heldout=heldout) if kinds else ():
             turns += [Turn("user", question), Turn("assistant", answer)]
         if cfg.data.describe:

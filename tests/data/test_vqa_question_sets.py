@@ -68,3 +68,30 @@ def test_a_named_split_is_honoured_by_the_further_questions():
     held = parse_combinations(["red circle", "green square", "circle above square"])
     for e in sample_vqa("train", 300, seed=13, heldout=held):
         assert not any(_combination(q.spec) in held for q in question_set(e, 3, "train", held))
+
+
+def test_sft_conversations_ask_question_sets_in_the_episodes_layout():
+    """data.questions_per_example: each conversation is the question-set episode's layout (the image once, a question
+    per turn), every answer the right reasoning turn of its own question; the default is one question."""
+    from pathlib import Path
+
+    from flowrl.commands.train import load_recipe_config
+    from flowrl.config import ConfigError
+    from flowrl.data.vqa_reasoning import reasoning_answer
+    from flowrl.recipes.vlm_sft import batch_conversations
+
+    config = str(Path(__file__).resolve().parents[2] / "configs/vlm/shapes_vqa_sft.yaml")
+    _, cfg = load_recipe_config(config, ["data.questions_per_example=3", "data.zoom_fraction=0",
+                                         "data.color_position_fraction=0", "data.heldout_combinations=[red circle]"])
+    examples = sample_vqa("train", 64, seed=cfg.run.seed, start=64, heldout=parse_combinations(["red circle"]))
+    for conversation, e in zip(batch_conversations(cfg, 1), examples):
+        questions = question_set(e, 3, "train", parse_combinations(["red circle"]))
+        assert [t.role for t in conversation] == ["user", "assistant"] * 3
+        assert [t.text for t in conversation[::2]] == [q.question for q in questions]
+        assert [len(t.images) for t in conversation[::2]] == [1, 0, 0]
+        assert [t.text for t in conversation[1::2]] == [reasoning_answer(q) for q in questions]
+        assert not any("red circle" in t.text for t in conversation[::2])
+    _, default = load_recipe_config(config, [])
+    assert all(len(c) == 2 for c in batch_conversations(default, 1) if not c[0].text.endswith(")"))
+    with pytest.raises(ConfigError, match=r"^data.questions_per_example: question sets already ask"):
+        load_recipe_config(config, ["data.questions_per_example=2", "data.answer_format=direct", "data.describe=true"])
