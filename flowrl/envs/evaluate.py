@@ -109,10 +109,9 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
         turn limit. ``prefix`` defaults to ``eval/<env short name>/`` (``eval/vqa/`` for ``shapes_vqa``).
     """
     from flowrl.envs.rewards import exact_match, scene_match
-
-    prefix = prefix if prefix is not None else f"eval/{env_name.removeprefix('shapes_')}/"
     from flowrl.envs.vqa import QuestionSet
 
+    prefix = prefix if prefix is not None else f"eval/{env_name.removeprefix('shapes_')}/"
     spec, episodes = greedy_episodes(policy, env_name, n, batch_size=batch_size, max_turns=max_turns,
                                      max_new_tokens=max_new_tokens, progress=progress, system_prompt=system_prompt,
                                      env_options=env_options, tasks=tasks)
@@ -147,7 +146,7 @@ def evaluate_policy(policy, env_name: str, n: int, *, batch_size: int = 100, max
     zoomed = [(q, t) for q, t in zoomed if q is not None and isinstance(t.data, dict) and "quadrant" in t.data]
     if zoomed:
         metrics[f"{prefix}correct_quadrant"] = sum(q == t.data["quadrant"] for q, t in zoomed) / len(zoomed)
-    if turns > 1 and not sets:
+    if turns > 1 and getattr(spec.make, "tools", None):  # an agent with tools (not a question per turn)
         for kind in spec.kinds:
             if tools.get(kind):
                 metrics[f"{prefix}tool_calls/{kind}"] = sum(tools[kind]) / len(tools[kind])

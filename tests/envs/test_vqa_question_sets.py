@@ -123,6 +123,7 @@ def test_evaluation_reports_all_right_and_per_question_accuracy(scripted):
     assert metrics["eval/vqa_multi/all_right"] == pytest.approx(no_count / 4)
     assert metrics["eval/vqa_multi/count"] == 0.0 and "eval/vqa_multi/tool_calls/count" not in metrics
     assert "eval/vqa/all_right" not in metrics  # single questions: no all_right
+    assert not [k for k in metrics if "tool_calls" in k or k.endswith("_frac")]  # no tools to report
     # A named split: eval/vqa/ in distribution, eval/vqa_heldout/ the held-out combinations.
     from flowrl.data.vqa import parse_combinations
 
