@@ -57,7 +57,7 @@ from flowrl.rl.epoch_advantages import TURN_INPUTS, AdvantageConfig
 from flowrl.rl.optim import OptimConfig
 from flowrl.run.harness import CheckpointConfig, EvalSchedule, LogConfig
 
-__all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "train_epoch", "build_policy"]
+__all__ = ["Config", "main", "RECIPE", "VARIANTS", "Variant", "train_epoch", "build_policy", "prepare_training"]
 
 
 # ============================================================================ variants
@@ -387,15 +387,43 @@ def _step_credit(batch, policy, cfg: Config, variant: Variant) -> list:
                        clip=cfg.advantage.clip)
 
 
-def main(cfg: Config, *, policy=None, dist=None) -> int:
-    """Run the configured GRPO-family algorithm. ``policy`` / ``dist`` may be injected (tests)."""
-    from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
+def prepare_training(run, cfg, policy=None):
+    """The setup every online VLM recipe (``vlm_grpo``, ``vlm_rft``) shares, after its :class:`Run` is built: the
+    policy (``policy``, or built from ``cfg.model``) in train mode, the environment, the answer rewards, the
+    optimizer and its per-epoch scheduler, the module DDP wraps (the policy's own model on one process), the
+    tracked state (weights, optimizer, scheduler) and the greedy held-out evaluation (every process evaluates the
+    same set; only the main one logs).
+
+    Returns:
+        ``(policy, env_spec, answer_rewards, optimizer, scheduler, module)``.
+    """
     from flowrl.envs.evaluate import evaluate_with_baselines
     from flowrl.envs.registry import env_options, get_env
-    from flowrl.config import to_dict
     from flowrl.envs.rewards import AnswerRewards
     from flowrl.rl.optim import build_optimizer
     from flowrl.run.checkpoints import TrainableWeights
+
+    dist = run.dist
+    if policy is None:
+        policy = build_policy(cfg.model, dist.device)
+    policy.train()
+    options = env_options(cfg.env)
+    env_spec = get_env(cfg.env.name, **options)
+    optimizer, scheduler = build_optimizer(policy.trainable_parameters(), cfg.optim, schedule_unit="epoch",
+                                           max_epochs=cfg.run.max_epochs)
+    module = dist.prepare(policy.model) if dist.world_size > 1 else policy.model
+    run.track(model=TrainableWeights(policy), optimizer=optimizer, scheduler=scheduler)
+    run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
+        policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
+        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt,
+        env_options=options))
+    return policy, env_spec, AnswerRewards(cfg.reward.answer), optimizer, scheduler, module
+
+
+def main(cfg: Config, *, policy=None, dist=None) -> int:
+    """Run the configured GRPO-family algorithm. ``policy`` / ``dist`` may be injected (tests)."""
+    from flowrl.config import to_dict
+    from flowrl.envs.epoch import collect_epoch, epoch_metrics, turn_advantages
     from flowrl.run.harness import Run
 
     short = cfg.env.name.removeprefix("shapes_")
@@ -411,22 +439,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
               units={"reward": "episode reward", "eval": "held-out accuracy", "policy": "fraction / KL, entropy (nats)",
                      "agent": "per episode"})
     dist = run.dist
-    if policy is None:
-        policy = build_policy(cfg.model, dist.device)
-    policy.train()
-    options = env_options(cfg.env)
-    env_spec = get_env(cfg.env.name, **options)
-    answer_rewards = AnswerRewards(cfg.reward.answer)
+    policy, env_spec, answer_rewards, optimizer, scheduler, module = prepare_training(run, cfg, policy)
     variant = cfg.variant()
-    optimizer, scheduler = build_optimizer(policy.trainable_parameters(), cfg.optim, schedule_unit="epoch",
-                                           max_epochs=cfg.run.max_epochs)
-    module = dist.prepare(policy.model) if dist.world_size > 1 else policy.model
-    run.track(model=TrainableWeights(policy), optimizer=optimizer, scheduler=scheduler)
-    # Every process evaluates the same set (greedy, deterministic); only the main one logs.
-    run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
-        policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
-        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt,
-        env_options=options))
 
     with run:
         while run.next_epoch():

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
-from flowrl.policies.config import PolicyConfig, build_policy
+from flowrl.policies.config import PolicyConfig
 from flowrl.recipes import Recipe
-from flowrl.recipes.vlm_grpo import VARIANTS, EnvConfig, EvalConfig, RewardConfig, SamplingConfig
+from flowrl.recipes.vlm_grpo import VARIANTS, EnvConfig, EvalConfig, RewardConfig, SamplingConfig, prepare_training
 from flowrl.rl.optim import OptimConfig
 from flowrl.run.harness import CheckpointConfig, LogConfig
 
@@ -236,11 +236,6 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
     """Run online rejection-sampling fine-tuning. ``policy`` / ``dist`` may be injected (tests)."""
     from flowrl.config import to_dict
     from flowrl.envs.epoch import collect_epoch, epoch_metrics
-    from flowrl.envs.evaluate import evaluate_with_baselines
-    from flowrl.envs.registry import env_options, get_env
-    from flowrl.envs.rewards import AnswerRewards
-    from flowrl.rl.optim import build_optimizer
-    from flowrl.run.checkpoints import TrainableWeights
     from flowrl.run.harness import Run
 
     short = cfg.env.name.removeprefix("shapes_")
@@ -255,21 +250,8 @@ def main(cfg: Config, *, policy=None, dist=None) -> int:
               units={"reward": "episode reward", "eval": "held-out accuracy", "selection": "fraction",
                      "policy": "nats per trained token"})
     dist = run.dist
-    if policy is None:
-        policy = build_policy(cfg.model, dist.device)
-    policy.train()
-    options = env_options(cfg.env)
-    env_spec = get_env(cfg.env.name, **options)
-    answer_rewards = AnswerRewards(cfg.reward.answer)
+    policy, env_spec, answer_rewards, optimizer, scheduler, module = prepare_training(run, cfg, policy)
     variant = VARIANTS["grpo"]  # GRPO's sampling: one round, no overlong penalty
-    optimizer, scheduler = build_optimizer(policy.trainable_parameters(), cfg.optim, schedule_unit="epoch",
-                                           max_epochs=cfg.run.max_epochs)
-    module = dist.prepare(policy.model) if dist.world_size > 1 else policy.model
-    run.track(model=TrainableWeights(policy), optimizer=optimizer, scheduler=scheduler)
-    run.evaluation(lambda epoch, should_stop: evaluate_with_baselines(
-        policy, cfg.env.name, cfg.eval.num_examples, baselines=cfg.eval.baselines, batch_size=cfg.eval.batch_size,
-        max_turns=cfg.env.max_turns, max_new_tokens=cfg.sampling.max_new_tokens, system_prompt=cfg.env.system_prompt,
-        env_options=options))
 
     with run:
         while run.next_epoch():
