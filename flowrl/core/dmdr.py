@@ -14,7 +14,7 @@ The student's loss on a generator step, as the authors compute it::
 ``x0 = G(z)`` is the student's clean sample with its graph; ``dmd_loss`` is :func:`~flowrl.core.distillation.
 dmd_generator_loss` at a noised copy of it; ``reward_loss`` is any scalar carrying the graph to ``x0``: the authors'
 class-conditional code uses the cross-entropy of a frozen DINOv2 classifier on the decoded image (``-log p(y | x)``),
-a text-to-image reward gives ReFL's ``-mean_b r(decode(x0_b))`` (:func:`flowrl.core.reward_gradient.refl_loss`). The
+a text-to-image reward gives ReFL's ``-mean_b r(decode(x0_b))`` (:func:`reward_loss` has both). The
 reward term is off during a cold start of the first ``cold_start`` generator steps (DMD alone).
 
 DMDR's two schedules for that cold start, functions of the generator step ``s`` (generator updates made so far,
@@ -72,16 +72,23 @@ from torch import Tensor
 
 from flowrl.core.distillation import DMDGeneratorOutput, dmd_generator_loss
 from flowrl.core.forward_losses import _check_number
+from flowrl.core.losses import _check_choice
 
 __all__ = [
+    "REWARD_LOSSES",
     "DMDRGeneratorOutput",
     "cosine_decay",
     "dmdr_generator_loss",
     "dynamic_beta_params",
     "dynamic_real_mix",
     "generator_steps_done",
+    "reward_loss",
     "sample_beta_sigmas",
 ]
+
+REWARD_LOSSES = ("negative", "hinge", "log")
+# Floor of the rewards under "log" (a probability that underflowed to 0 would give an infinite loss).
+LOG_REWARD_FLOOR = 1e-12
 
 
 class DMDRGeneratorOutput(NamedTuple):
@@ -91,6 +98,28 @@ class DMDRGeneratorOutput(NamedTuple):
     dmd: DMDGeneratorOutput  # the distribution-matching term (its loss, grad, normaliser, stats)
     reward_loss: Tensor  # [] the reward term as given (unweighted), detached
     stats: dict[str, Tensor]  # dmd's stats plus "dmd_loss", "reward_loss" (detached)
+
+
+def reward_loss(rewards: Tensor, kind: str = "negative", *, margin: float = 2.0) -> Tensor:
+    """The reward term's loss on a batch of rewards ``[B]`` (with their graph), reduced by the mean over rows.
+
+    ``"negative"``: ``-mean r`` (DRaFT's, ReFL's without a margin); ``"hinge"``: ``mean relu(margin - r)`` (ReFL's,
+    the authors' margin 2 on ImageReward's scale); ``"log"``: ``-mean log r`` for a reward that is a classifier's
+    probability of the wanted class, the DMDR authors' cross-entropy (their DINOv2 classifier's ``-log p(y | x)``),
+    ``r`` floored at 1e-12.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``REWARD_LOSSES``, or ``rewards`` is not a floating ``[B]`` tensor.
+    """
+    _check_choice("kind", kind, REWARD_LOSSES)
+    if not isinstance(rewards, Tensor) or rewards.ndim != 1 or not rewards.is_floating_point():
+        shape = list(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a floating tensor [B]; received {shape}")
+    if kind == "negative":
+        return -rewards.mean()
+    if kind == "hinge":
+        return torch.relu(margin - rewards).mean()
+    return -torch.log(rewards.clamp_min(LOG_REWARD_FLOOR)).mean()
 
 
 def _check_steps(name: str, value: Any) -> int:

@@ -18,6 +18,7 @@ from flowrl.core.dmdr import (
     dynamic_beta_params,
     dynamic_real_mix,
     generator_steps_done,
+    reward_loss,
     sample_beta_sigmas,
 )
 
@@ -124,6 +125,25 @@ def test_the_reward_weight_0_is_dmd2s_loss_and_the_reward_term_adds_its_own_grad
     close(g, g_dmd + weight * g_reward)
     assert g_reward.abs().max() > 1e-3  # the stand-in's reward term has a gradient of its own
     close(out.loss, dmd.loss + weight * reward.detach())
+
+
+def test_the_reward_losses_by_hand():
+    r = torch.tensor([0.2, 0.5, 0.8], dtype=D, requires_grad=True)
+    close(reward_loss(r), -0.5)
+    close(torch.autograd.grad(reward_loss(r), r)[0], torch.full((3,), -1 / 3, dtype=D))
+    close(reward_loss(r, "hinge", margin=0.6), (0.4 + 0.1 + 0.0) / 3)  # relu(margin - r): the last is past it
+    close(reward_loss(r, "log"), -(math.log(0.2) + math.log(0.5) + math.log(0.8)) / 3)
+    close(torch.autograd.grad(reward_loss(r, "log"), r)[0], -1 / (3 * r.detach()))  # d(-log r)/dr = -1/r
+    # the authors' cross-entropy of a classifier is -log of the wanted class's probability
+    logits = torch.tensor([[1.0, -0.5], [0.3, 0.2]], dtype=D)
+    wanted = torch.tensor([0, 1])
+    p = torch.softmax(logits, dim=1)[torch.arange(2), wanted]
+    close(reward_loss(p, "log"), torch.nn.functional.cross_entropy(logits, wanted))
+    assert math.isfinite(float(reward_loss(torch.zeros(2, dtype=D), "log")))  # floored at 1e-12
+    with pytest.raises(ValueError, match="kind must be one of 'negative', 'hinge', 'log'; received 'neg'"):
+        reward_loss(r, "neg")
+    with pytest.raises(ValueError, match=r"rewards must be a floating tensor \[B\]; received \[3, 1\]"):
+        reward_loss(r.reshape(3, 1))
 
 
 def test_sample_continue_draws_are_the_authors():
