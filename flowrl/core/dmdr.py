@@ -109,7 +109,8 @@ def reward_loss(rewards: Tensor, kind: str = "negative", *, margin: float = 2.0)
     ``r`` floored at 1e-12.
 
     Raises:
-        ValueError: ``kind`` is not one of ``REWARD_LOSSES``, or ``rewards`` is not a floating ``[B]`` tensor.
+        ValueError: ``kind`` is not one of ``REWARD_LOSSES``, ``rewards`` is not a floating ``[B]`` tensor, or
+            ``"log"`` meets a reward outside ``[0, 1]``.
     """
     _check_choice("kind", kind, REWARD_LOSSES)
     if not isinstance(rewards, Tensor) or rewards.ndim != 1 or not rewards.is_floating_point():
@@ -119,6 +120,10 @@ def reward_loss(rewards: Tensor, kind: str = "negative", *, margin: float = 2.0)
         return -rewards.mean()
     if kind == "hinge":
         return torch.relu(margin - rewards).mean()
+    outside = (rewards < 0) | (rewards > 1)  # NaN is neither: it passes, and the step is skipped downstream
+    if bool(outside.any()):
+        raise ValueError(f"the reward loss 'log' needs rewards in [0, 1] (a classifier's probability); received "
+                         f"{float(rewards[outside][0])!r}: use 'negative' or 'hinge' for this reward")
     return -torch.log(rewards.clamp_min(LOG_REWARD_FLOOR)).mean()
 
 

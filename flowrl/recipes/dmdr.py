@@ -195,10 +195,16 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
 def dry_run_overrides(data: dict, workdir) -> list[str]:
     """DMD2's (the student's schedule follows the dry run's evaluation steps) and the reward-gradient recipe's (a tiny
-    differentiable reward in place of the stand-in JPEG size)."""
+    differentiable reward in place of the stand-in JPEG size, trained on ``-r``: its scores are not probabilities)."""
     from flowrl.recipes import reward_gradient
 
-    return dmd2.dry_run_overrides(data, workdir) + reward_gradient.dry_run_overrides(data, workdir)
+    notes = dmd2.dry_run_overrides(data, workdir)
+    stand_in = reward_gradient.dry_run_overrides(data, workdir)
+    train = data.get("train") or {}
+    if stand_in and train.get("reward_loss") == "log":
+        train["reward_loss"] = "negative"
+        stand_in.append("train.reward_loss: negative (the stand-in's scores are not probabilities)")
+    return notes + stand_in
 
 
 RECIPE = Recipe(Config, main)

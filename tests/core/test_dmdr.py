@@ -140,6 +140,9 @@ def test_the_reward_losses_by_hand():
     p = torch.softmax(logits, dim=1)[torch.arange(2), wanted]
     close(reward_loss(p, "log"), torch.nn.functional.cross_entropy(logits, wanted))
     assert math.isfinite(float(reward_loss(torch.zeros(2, dtype=D), "log")))  # floored at 1e-12
+    assert math.isnan(float(reward_loss(torch.tensor([0.5, math.nan], dtype=D), "log")))  # NaN passes through
+    with pytest.raises(ValueError, match=r"the reward loss 'log' needs rewards in \[0, 1\] .*received 1.5: use"):
+        reward_loss(torch.tensor([0.5, 1.5], dtype=D), "log")
     with pytest.raises(ValueError, match="kind must be one of 'negative', 'hinge', 'log'; received 'neg'"):
         reward_loss(r, "neg")
     with pytest.raises(ValueError, match=r"rewards must be a floating tensor \[B\]; received \[3, 1\]"):

@@ -121,6 +121,47 @@ def test_the_reward_term_composes_with_dmd2(tiny_shapes_dir, tmp_path):
     assert after > before + 0.01, (before, after)  # evaluated on the trained prompts before and after
 
 
+@pytest.fixture(scope="module")
+def tiny_proxy(tmp_path_factory) -> Path:
+    """A shapes proxy trained briefly on rendered scenes (as tests/rewards/test_shapes_proxy.py's ``proxy_dirs``):
+    even rows draw their prompt's scene, odd rows another prompt's; the strict judge labels them."""
+    import random
+
+    import numpy as np
+
+    from flowrl.data.shapes import render, scene_for_prompt
+    from rewards.shapes_proxy import save_proxy, train_shapes_proxy
+    from rewards.shapes_proxy_data import pool_rows, read_pool, write_pool
+
+    root = tmp_path_factory.mktemp("proxy")
+    train_rows, held = pool_rows(48, 12, 0)
+    rows = train_rows + held
+    scenes = [scene_for_prompt(rows[i if i % 2 == 0 else (i + 7) % len(rows)][0], random.Random(i))
+              for i in range(len(rows))]
+    images = torch.from_numpy(np.stack([render(s) for s in scenes])).permute(0, 3, 1, 2).contiguous()
+    write_pool(root / "pool", images, train_rows, held, {"source": "rendered"})
+    model, report = train_shapes_proxy(read_pool(root / "pool").prefix(48)[:3], steps=30, seed=0, log=None)
+    return save_proxy(model, root / "proxy", {"training": report})
+
+
+@pytest.mark.slow
+def test_the_shipped_config_trains_on_a_learned_proxy(tiny_shapes_dir, tiny_proxy, tmp_path):
+    """configs/shapes/dmdr.yaml's reward as shipped (a shapes proxy's probability, the loss -log r at weight 0.05) on
+    a tiny trained proxy: the reward is a probability, its loss is positive, and its gradient moves the student off
+    the path it takes with the reward weight 0."""
+    proxy = f"{{shapes_proxy: {{weight: 1.0, kwargs: {{path: {tiny_proxy}}}}}}}"
+    common = {"run.max_epochs": 1, "eval.every_epochs": 1, "reward.train": proxy, "reward.eval": "[shapes]",
+              "train.reward_loss": None}  # the config's: log
+    rows = train(tmp_path / "on", tiny_shapes_dir, **common)
+    train(tmp_path / "off", tiny_shapes_dir, **{**common, "train.reward_weight": 0.0})
+    row = [r for r in rows if "train/fake_steps" in r][-1]
+    assert row["train/reward_steps"] == 1 and 0 < row["train/reward_mean"] < 1 and row["train/nan_rewards"] == 0
+    assert row["train/reward_loss"] > -math.log(1 - 1e-6)  # -mean log r of probabilities below 1
+    assert row["train/generator_loss"] == pytest.approx(row["train/dmd_loss"] + 0.05 * row["train/reward_loss"],
+                                                        abs=1e-5)
+    assert _max_diff(states(tmp_path / "on")[0]["model"], states(tmp_path / "off")[0]["model"]) > 0
+
+
 @pytest.mark.slow
 def test_the_cold_start_schedules_follow_the_generator_steps(tiny_shapes_dir, tmp_path):
     """Ratio 1 (every step a generator step), 2 steps per epoch, a horizon of 2 generator steps: DynaDG's mix is
