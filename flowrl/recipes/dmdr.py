@@ -215,7 +215,8 @@ def dry_run_work(cfg: Config) -> list[str]:
     t = cfg.train
     lines = dmd2.dry_run_work(cfg)
     if t.reward_weight > 0:
-        lines.append(f"on the generator steps after {t.cold_start_steps} of DMD alone, the student's clean samples are "
-                     f"decoded and scored with gradients, the reward loss weighted {t.reward_weight:g} back-propagated "
-                     "with the DMD loss")
+        when = (f"from generator update {t.cold_start_steps + 1} on (DMD alone before)" if t.cold_start_steps
+                else "on every generator step")
+        lines.append(f"{when}, the student's clean samples are decoded and scored with gradients, the reward loss "
+                     f"({t.reward_loss}) weighted {t.reward_weight:g} back-propagated with the DMD loss")
     return lines
