@@ -8,7 +8,7 @@ Public API:
 * schedules: ``linear_sigmas``, ``shifted_sigmas``, ``shift_sigmas``, ``calculate_shift``,
   ``diffusers_flow_sigmas``, ``flux_pipeline_sigmas``
 * steps: ``StepOutput``, ``euler_step``, ``sde_step``, ``cps_step``, ``ddim_step``, ``flow_ddim_step``,
-  ``gaussian_log_prob``, ``flow_grpo_noise_scale``, ``constant_noise_scale``
+  ``gaussian_log_prob``, ``flow_grpo_noise_scale``, ``constant_noise_scale``, ``noise_std_ratio``
 * the uniform step interface: ``STEPS``, ``get_step``, ``make_step``, ``noise_kwargs``, ``Step``, ``UnknownStepError``
 * guidance: ``classifier_free_guidance``
 * rollout: ``Window``, ``train_mask``, ``window_start``, ``Trajectory``, ``rollout``, ``ode_complete``
@@ -51,6 +51,7 @@ from .steps import (
     get_step,
     make_step,
     noise_kwargs,
+    noise_std_ratio,
     sde_step,
     step_names,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "get_step",
     "make_step",
     "noise_kwargs",
+    "noise_std_ratio",
     "sde_step",
     "step_names",
 ]

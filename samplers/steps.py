@@ -45,6 +45,7 @@ __all__ = [
     "flow_ddim_step",
     "flow_grpo_noise_scale",
     "constant_noise_scale",
+    "noise_std_ratio",
     "StepSpec",
     "Step",
     "STEPS",
@@ -714,6 +715,38 @@ class Step:
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparams.items())
         return f"Step({self.name!r}, T={self.num_steps}, {hp})"
+
+
+def noise_std_ratio(step: Step) -> torch.Tensor:
+    """Per step, the noise the state a step reaches carries, over the noise its schedule level should carry.
+
+    Every step here moves the velocity's clean estimate ``x0_hat = x - sigma v`` and noise estimate
+    ``eps_hat = x + (1 - sigma) v`` to the next level as ``x_next = (1 - sigma_next) x0_hat + c eps_hat + std z``;
+    the Euler step has ``c = sigma_next``, ``std = 0``. With ``eps_hat`` of unit variance per element and independent of
+    the fresh draw ``z`` (exact at ``sigma = 1``, where ``eps_hat`` is the initial noise), the state then carries noise
+    of std ``sqrt(c^2 + std^2)``, and this returns ``sqrt(c^2 + std^2) / sigma_next``: 1 for the ODE and for the
+    coefficient-preserving steps (``cps``, ``ddim``) at any step size; for the Euler-Maruyama SDE steps (``flow_sde``,
+    ``dance_sde``) ``c = sigma_next - g^2 |dt| / (2 sigma)``, which tends to 1 only as the steps get small. With a
+    few large steps the SDE adds more noise than its drift removes: ``flow_sde`` at ``a = 0.7`` gives 1.07 at the
+    first of 10 linear steps, 1.15 / 1.32 / 1.49 at the first three of 4 (docs/trainers.md, "Few-step students").
+
+    Computed by the step's own kernel (``x = sigma``, ``v = 1``: ``x0_hat = 0``, ``eps_hat = 1``, no draw), in float64
+    from its float32 outputs.
+
+    Returns:
+        float64 ``[T]``; NaN at a step to ``sigma_next = 0`` (no noise left to compare with).
+    """
+    out = torch.full((step.num_steps,), math.nan, dtype=torch.float64)
+    for t in range(step.num_steps):
+        sigma, sigma_next = float(step.sigmas[t]), float(step.sigmas[t + 1])
+        if sigma_next <= 0:
+            continue
+        one = torch.ones(1, 1, dtype=torch.float32)
+        res = step.spec.kernel(one, sigma * one, sigma, sigma_next, float(step.noise_scales[t]),
+                               noise=torch.zeros_like(one), reduction=step.reduction)
+        c, std = float(res.mean.reshape(-1)[0]), float(res.std.reshape(-1)[0])
+        out[t] = math.sqrt(c * c + std * std) / sigma_next
+    return out
 
 
 def make_step(name: str, sigmas: torch.Tensor, **hyperparams: Any) -> Step:
