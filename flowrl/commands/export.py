@@ -164,9 +164,12 @@ def _export_merged(ckpt: Path, out: Path, *, use_ema: bool, device) -> Path:
     sampling = {k: getattr(model, k) for k in ("max_sequence_length", "resolution", "default_guidance", "num_frames",
                                                "negative_prompt")
                 if isinstance(getattr(model, k, None), (int, float, str, list, tuple))}
+    # A few-step student (a distillation run, or a run trained from one) says so: a run that loads it warns when it
+    # samples or evaluates it on another schedule (flowrl.rl.sampling.student_notes).
+    student = {"student_steps": info["student_steps"]} if info.get("student_steps") else {}
     write_export_info(out, {"format": "merged",
                             **{k: info.get(k) for k in ("run", "checkpoint", "epoch", "lora", "ema")},
-                            "sampling": sampling})
+                            **student, "sampling": sampling})
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 from .base import FlowModel, ModelLoadError
 
 __all__ = ["PIPELINE_KINDS", "pipeline_kind", "default_dtype", "load_pipeline_model", "load_named_model",
-           "is_run_dir", "apply_lora_folder", "read_run_config", "load_finetuned"]
+           "is_run_dir", "apply_lora_folder", "read_run_config", "load_finetuned", "exported_student_steps"]
 
 
 def _pipeline_kinds() -> dict[str, str]:
@@ -96,6 +96,31 @@ def load_pipeline_model(kind: str, path: str | Path | None, *, device: torch.dev
     model = load_model(kind, None if path is None else str(path), **kwargs)
     model.eval()
     return model
+
+
+def exported_student_steps(path: str | Path | None) -> int | None:
+    """The step count of the few-step student a model folder holds: ``student_steps`` of its
+    ``flowrl_export.json``, which ``flowrl export --format merged`` writes for a distillation run (DMD2, DMDR) and
+    for a run trained from such an export; None for any other folder, a hub id or ``None``."""
+    if path is None:
+        return None
+    exported = Path(path) / "flowrl_export.json"
+    if not exported.is_file():
+        return None
+    try:
+        steps = json.loads(exported.read_text()).get("student_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
+
+
+def _student_steps(data: dict, base_path) -> int | None:
+    """The student steps of a run: its own ``train.student_steps`` (a distillation run), else its base model's
+    export's (RL on an exported student)."""
+    steps = (data.get("train") or {}).get("student_steps") if isinstance(data.get("train"), dict) else None
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+        return steps
+    return exported_student_steps(base_path)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -216,7 +241,8 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
 
     Returns:
         The model in eval mode, with ``model.finetune_info`` = ``{"run", "checkpoint", "epoch", "lora",
-        "ema"}`` (strings and numbers, for display).
+        "ema", "student_steps"}`` (strings and numbers, for display; ``student_steps``: the steps of a few-step
+        student, :func:`exported_student_steps`, else None).
 
     Raises:
         ModelLoadError: no such path, no config or checkpoint, a base model that does not load, or weights
@@ -235,11 +261,13 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
     if checkpoint is None and not config_path.is_file():
         if (run_dir / "model_index.json").is_file():  # a diffusers pipeline (e.g. `flowrl export --format merged`)
             model = load_named_model(str(run_dir), device=device).eval()
-            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False}
+            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False,
+                                   "student_steps": exported_student_steps(run_dir)}
             return model
         if (run_dir / "model.json").is_file() or (run_dir / "model" / "model.json").is_file():
             model = load_named_model(str(run_dir), device=device).eval()
-            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False}
+            model.finetune_info = {"run": str(run_dir), "checkpoint": "", "epoch": None, "lora": False, "ema": False,
+                                   "student_steps": exported_student_steps(run_dir)}
             return model
         raise ModelLoadError(f"{str(path)!r} is neither a run directory (no config.yaml) nor a saved model "
                              "(no model.json)")
@@ -292,5 +320,6 @@ def load_finetuned(path: str | Path, *, device: str | torch.device = "cpu", use_
         ema_used = True
     model.eval()
     model.finetune_info = {"run": str(run_dir), "checkpoint": str(checkpoint), "epoch": state.get("epoch"),
-                           "lora": model_cfg.lora is not None, "ema": ema_used}
+                           "lora": model_cfg.lora is not None, "ema": ema_used,
+                           "student_steps": _student_steps(data, model_cfg.path)}
     return model

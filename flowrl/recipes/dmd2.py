@@ -428,7 +428,8 @@ def run_distillation(cfg: Config, recipe: str, *, model=None, dist=None, train_r
 
     setup = ImageTraining(cfg, recipe, model=model, dist=dist, ema_decay=cfg.train.ema_decay, per_sample=True,
                           reference=True,  # the teacher is the real score
-                          train_reward=train_reward, plot_groups=plot_groups)
+                          train_reward=train_reward, plot_groups=plot_groups,
+                          sample_steps=(cfg.train.student_steps, "train.student_steps"))
     run = setup.run
     if setup.dist.shards_weights:
         raise ConfigError("run", f"DMD2's fake score is a second, unsharded copy of the trained tensors; run it on one "

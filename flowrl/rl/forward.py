@@ -77,10 +77,18 @@ class TimesConfig:
             return
         positions = schedule_positions(num_steps, self.low, self.high)
         if len(positions) < self.count:
+            first = int(round(self.low * num_steps))
+            fixes = [f"{where}.count={len(positions)}"] if positions else []
+            if first + self.count <= num_steps:  # the high that takes `count` positions from low on
+                fixes.append(f"{where}.high={(first + self.count) / num_steps:g}")
+            elif self.count <= num_steps:
+                fixes.append(f"{where}.low={(num_steps - self.count) / num_steps:g} and {where}.high=1.0")
+            elif not positions:
+                fixes.append(f"{where}.count={num_steps}, low=0.0 and high=1.0 (the whole schedule)")
             raise ConfigError(f"{where}.count", f"{self.count} times per sample, but only {len(positions)} positions "
                               f"of the {num_steps}-step rollout schedule lie in [low, high) = [{self.low}, "
-                              f"{self.high}); "
-                              "lower count or widen the range")
+                              f"{self.high}) (positions round(low T) <= i < round(high T) of sigma_0 = 1 > ... > "
+                              f"sigma_{num_steps - 1}); set " + " or ".join(fixes))
 
 
 @dataclass

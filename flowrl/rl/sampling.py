@@ -14,7 +14,8 @@ import torch
 
 from flowrl.config import bounds, fail
 
-__all__ = ["WindowConfig", "SamplingConfig", "rollout_step", "rollout_window", "autocast"]
+__all__ = ["WindowConfig", "SamplingConfig", "NOISE_STD_RATIO_LIMIT", "rollout_notes", "student_notes", "rollout_step",
+           "rollout_window", "autocast"]
 
 
 @dataclass
@@ -52,6 +53,23 @@ class SamplingConfig:
         w = self.window
         trainable = self.num_steps - 1
         k = self.base_last_steps
+        schedule = f"a {self.num_steps}-step schedule (steps 0..{trainable - 1}; the last step is deterministic)"
+        if w.mode == "fixed" and w.max_start is not None:
+            fail("window.max_start", "max_start applies to random and sliding windows; unset it for a fixed window")
+        if w.max_start is not None and w.max_start < w.start:
+            fail("window.max_start", f"{w.max_start} is below window.start {w.start}; set it to at least {w.start}")
+        if w.mode != "fixed" and w.size is None:
+            fail("window.size", f"a {w.mode} window needs a size")
+        if w.start >= trainable:
+            fail("window.start", f"{w.start} leaves no trainable step of {schedule}; set window.start to at most "
+                 f"{trainable - 1}")
+        if w.size is not None and w.start + w.size > trainable:
+            fail("window", f"start {w.start} + size {w.size} exceeds the {trainable} trainable steps of {schedule}; "
+                 f"set window.size to at most {trainable - w.start}")
+        if w.max_start is not None and w.size is not None and w.max_start + w.size > trainable:
+            fail("window.max_start", f"max_start {w.max_start} + size {w.size} exceeds the {trainable} "
+                 f"trainable steps of a {self.num_steps}-step schedule; lower max_start to at most "
+                 f"{max(trainable - w.size, 0)} or leave it unset (the last start that fits)")
         if k >= self.num_steps:
             fail("base_last_steps", f"{k} of a {self.num_steps}-step schedule leaves the policy no step; use at "
                  f"most {self.num_steps - 1}")
@@ -61,15 +79,6 @@ class SamplingConfig:
                 fail("base_last_steps", f"the base model takes steps {self.num_steps - k}..{self.num_steps - 1} but "
                      f"the training window reaches step {end - 1}; the policy is trained on its own steps only: set "
                      f"window.size / window.max_start so that the window ends by step {self.num_steps - k - 1}")
-        if w.size is not None and w.start + w.size > trainable:
-            fail("window", f"start {w.start} + size {w.size} exceeds the {trainable} trainable steps of "
-                 f"a {self.num_steps}-step schedule (the last step is deterministic)")
-        if w.mode != "fixed" and w.size is None:
-            fail("window.size", f"a {w.mode} window needs a size")
-        if w.max_start is not None and w.size is not None and w.max_start + w.size > trainable:
-            fail("window.max_start", f"max_start {w.max_start} + size {w.size} exceeds the {trainable} "
-                 f"trainable steps of a {self.num_steps}-step schedule; lower max_start to at most "
-                 f"{max(trainable - w.size, 0)} or leave it unset (the last start that fits)")
 
     @property
     def samples_per_epoch(self) -> int:
@@ -83,6 +92,54 @@ def window_end(w: WindowConfig, trainable: int) -> int:
     if w.mode == "fixed":
         return w.start + w.size
     return (w.max_start if w.max_start is not None else trainable - w.size) + w.size
+
+
+#: A trained SDE step whose state carries more than this multiple of its level's noise
+#: (:func:`samplers.noise_std_ratio`) makes a run warn: the few-step case (docs/trainers.md, "Few-step students").
+NOISE_STD_RATIO_LIMIT = 1.1
+
+
+def rollout_notes(cfg: SamplingConfig, sigmas: torch.Tensor) -> list[str]:
+    """Warnings about the rollout's SDE on the schedule ``sigmas`` (none for the ODE): the worst trained step (of any
+    draw of the window) whose state carries more than :data:`NOISE_STD_RATIO_LIMIT` times the noise of its level. An
+    Euler-Maruyama SDE step (``flow_sde``, ``dance_sde``) does that on a few large steps, so the rollouts are noisier
+    than the ODE samples the model is evaluated on; ``cps`` keeps the level at any step size."""
+    from samplers import noise_std_ratio
+
+    if cfg.step == "ode":
+        return []
+    ratios = noise_std_ratio(rollout_step(cfg, sigmas))
+    steps = [t for t in range(cfg.window.start, window_end(cfg.window, cfg.num_steps - 1))
+             if ratios[t] > NOISE_STD_RATIO_LIMIT]
+    if not steps:
+        return []
+    t = max(steps, key=lambda i: float(ratios[i]))
+    return [f"sampling.step={cfg.step} on this {cfg.num_steps}-step schedule: the state after trained step {t} "
+            f"(sigma {float(sigmas[t]):.3g} -> {float(sigmas[t + 1]):.3g}) carries {float(ratios[t]):.2f}x the noise "
+            "of its level (an Euler-Maruyama step this large adds more noise than its drift removes), so the rollouts "
+            "are noisier than the ODE samples the model is evaluated on; sampling.step=cps keeps the level at any "
+            "step size (or lower sampling.noise_level, or move the window later) (docs/trainers.md, \"Few-step "
+            "students\")"]
+
+
+def student_notes(student_steps: int | None, cfg: SamplingConfig, sample_steps: int | None = None,
+                  sample_key: str = "sampling.num_steps") -> list[str]:
+    """Warnings when the model is a few-step student (``student_steps``: the steps it was distilled at, from its
+    export, :func:`flowrl.models.resolve.exported_student_steps`) and the run samples it (``sample_steps`` set by
+    ``sample_key``, default ``sampling.num_steps``) or evaluates it (``sampling.eval_num_steps``) on another
+    schedule."""
+    if not student_steps:
+        return []
+    sample_steps = cfg.num_steps if sample_steps is None else sample_steps
+    off = [f"samples it at {sample_steps} steps ({sample_key})"] if sample_steps != student_steps else []
+    if cfg.eval_num_steps != student_steps:
+        off.append(f"evaluates it at {cfg.eval_num_steps} (sampling.eval_num_steps)")
+    if not off:
+        return []
+    return [f"model.path is a {student_steps}-step student (its flowrl_export.json), distilled on the model's "
+            f"{student_steps}-step schedule; this run {' and '.join(off)}: set {sample_key}={student_steps} "
+            f"sampling.eval_num_steps={student_steps} to train and evaluate it on its own schedule (e.g. "
+            "configs/shapes/flow_grpo_student.yaml)"]
 
 
 def rollout_step(cfg: SamplingConfig, sigmas: torch.Tensor):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
@@ -161,6 +162,11 @@ class ImageTraining:
             without one, ``model.reference()`` raises. Default True: a recipe that does not say keeps the copy.
         train_reward: False for a recipe that samples prompts but trains without a reward (DMD2's distillation):
             ``reward.train`` is not built (its model would cost memory for nothing); the evaluation's reward is.
+        sample_steps: ``(steps, key)``: the steps the recipe samples its training images with and the key that sets
+            them, for a recipe that does not roll out at ``sampling.num_steps`` (DMD2: ``train.student_steps``). A
+            model exported as a few-step student that is sampled or evaluated on another schedule gets a warning
+            (:func:`flowrl.rl.sampling.student_notes`), as does an SDE whose few large steps overshoot the noise
+            level (:func:`flowrl.rl.sampling.rollout_notes`).
 
     Attributes:
         run, dist, model, reward, prompt_groups, evaluator, optimizer, scheduler, ema, tracker; and, for online
@@ -170,7 +176,7 @@ class ImageTraining:
 
     def __init__(self, cfg, recipe: str, *, model=None, dist=None, ema_decay: float | None = None,
                  plot_groups: dict[str, list[str]] | None = None, per_sample: bool = False, rollouts: bool = True,
-                 reference: bool = True, train_reward: bool = True):
+                 reference: bool = True, train_reward: bool = True, sample_steps: tuple[int, str] | None = None):
         from flowrl.core.advantages import PerPromptStatTracker
         from flowrl.data.prompt_groups import PromptGroups
         from flowrl.data.prompts import load_prompts
@@ -218,6 +224,7 @@ class ImageTraining:
 
             self.sigmas = model.sigmas(s.num_steps)
             self.step, self.window = rollout_step(s, self.sigmas), rollout_window(s)
+            self._few_step_warnings(sample_steps)
         self.evaluator = Evaluator(cfg.eval, cfg.reward.build_eval(self.dist.device),
                                    load_prompts(cfg.data.eval_prompts, cfg.data.num_eval_prompts,
                                                 resolution=_pixels(model)),
@@ -241,6 +248,21 @@ class ImageTraining:
             self.tail_sigma = tail_sigma(self.sigmas, s.base_last_steps)
         run.evaluation(self._evaluate)
         self._train_start = time.perf_counter()
+
+    def _few_step_warnings(self, sample_steps: tuple[int, str] | None) -> None:
+        """Warn (main process) when a few-step student runs off its schedule or the SDE overshoots its noise levels
+        (docs/trainers.md, "Few-step students")."""
+        from flowrl.models.resolve import exported_student_steps
+        from flowrl.rl.sampling import rollout_notes, student_notes
+
+        s = self.cfg.sampling
+        steps, key = sample_steps if sample_steps is not None else (None, "sampling.num_steps")
+        notes = student_notes(exported_student_steps(self.cfg.model.path), s, steps, key)
+        if sample_steps is None:  # the rollout samples with sampling.step
+            notes += rollout_notes(s, self.sigmas)
+        if self.dist.is_main:
+            for note in notes:
+                print(f"flowrl: warning: {note}", file=sys.stderr, flush=True)
 
     def _evaluate(self, epoch: int, should_stop) -> dict[str, float]:
         from flowrl.rl.base_tail import base_tail
