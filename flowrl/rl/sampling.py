@@ -96,7 +96,9 @@ def window_end(w: WindowConfig, trainable: int) -> int:
 
 #: A trained SDE step whose state carries more than this multiple of its level's noise
 #: (:func:`samplers.noise_std_ratio`) makes a run warn: the few-step case (docs/trainers.md, "Few-step students").
-NOISE_STD_RATIO_LIMIT = 1.1
+#: Flow-SDE at a = 0.7 reaches 1.32 and 1.49 at steps 1 and 2 of 4 linear steps; the published many-step windows stay
+#: under it (1.08 over the shapes main job's, 1.24 at the last stochastic step of SD3.5's 10 shifted steps).
+NOISE_STD_RATIO_LIMIT = 1.25
 
 
 def rollout_notes(cfg: SamplingConfig, sigmas: torch.Tensor) -> list[str]:
