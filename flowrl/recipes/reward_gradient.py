@@ -1,10 +1,13 @@
-"""Reward-gradient fine-tuning (ReFL, DRaFT-K, DRaFT-LV): backpropagate a differentiable reward through the sampler.
+"""Reward-gradient fine-tuning (ReFL, DRaFT-K, DRaFT-LV, Direct-Align): backpropagate a differentiable reward through
+the sampler.
 
 Papers: Xu, Liu, Wu, Tong, Li, Ding, Tang, Dong, "ImageReward: Learning and Evaluating Human Preferences for
 Text-to-Image Generation" (NeurIPS 2023), its ReFL; Clark, Vicol, Swersky, Fleet, "Directly Fine-Tuning Diffusion
-Models on Differentiable Rewards" (ICLR 2024), DRaFT-K and DRaFT-LV. The formulas and the departures of the ReFL
-authors' script are in :mod:`flowrl.core.reward_gradient` and docs/trainers.md ("Reward-gradient trainers"). One
-epoch:
+Models on Differentiable Rewards" (ICLR 2024), DRaFT-K and DRaFT-LV; Shen, Li, Yang, Zhang, Zhang, Li, Wang, Lu,
+Tang, "Directly Aligning the Full Diffusion Trajectory with Fine-Grained Human Preference" (2025), Direct-Align and
+SRPO's relative reward. The formulas and the departures from the authors' scripts are in
+:mod:`flowrl.core.reward_gradient`, :mod:`flowrl.core.direct_align` and docs/trainers.md ("Reward-gradient
+trainers"). One epoch:
 
 1. the epoch's prompts (``sampling.groups_per_epoch x group_size``, as every online trainer draws them) are split
    into ``train.minibatches`` optimizer steps of micro-batches of ``train.micro_batch_size``;
@@ -13,9 +16,14 @@ epoch:
    its one gradient step at a step drawn uniformly from ``[refl_low, refl_high)`` of the schedule and scores the clean
    prediction there; ``draft`` keeps gradients through the last ``train.k`` steps and scores the sample; ``draft_lv``
    samples without gradients, re-noises the sample ``train.lv_samples`` times at the last step's level and denoises
-   once with gradients;
+   once with gradients; ``direct_align`` samples without gradients, injects the sample's own initial noise at a level
+   drawn from the window ``[da_sigma_min, da_sigma_max]``, takes one step with gradients and recovers the clean image
+   analytically (and, with ``da_discount_inv``, an inversion branch: one step up the noise levels, back-propagated
+   separately);
 3. the latents are decoded with gradients (``model.decode``) and the training reward scores the images (which
-   require grad); the loss (ReFL's ``loss_scale * mean relu(margin - r)``, DRaFT's ``-loss_scale * mean r``), plus
+   require grad); the loss (ReFL's ``loss_scale * mean relu(margin - r)``, DRaFT's ``-loss_scale * mean r``;
+   Direct-Align's on SRP's ``srp_scale ((1 + k) r(x, "<positive word>. prompt") - r(x, "<negative word>. prompt"))``,
+   ``k`` the branch's discount at the drawn level, ``k r(x, prompt)`` without control words), plus
    ``kl_coef mean_d (v - v_ref)^2`` to the frozen reference at every velocity call that carries gradient, is
    back-propagated; each minibatch ends with the shared guarded optimizer step (gradient clipping at
    ``optim.grad_clip``, a non-finite gradient skipped and counted).
@@ -23,8 +31,8 @@ epoch:
 The training reward must be differentiable: a reward that declares it is not is refused when the config loads, one
 whose builder decides (e.g. ``artifact``, ``jpeg_*``) when the run sets up. Where flowrl departs: each epoch draws
 fresh prompts and noise (no pretraining-data loss as in the ImageReward paper; ``kl_coef`` is the regulariser); the
-ReFL step is drawn once per micro-batch (the authors: once per batch); samples whose reward is NaN make the step's
-gradient non-finite, which skips it.
+ReFL step and Direct-Align's level and control words are drawn once per micro-batch (the authors: once per batch);
+samples whose reward is NaN make the step's gradient non-finite, which skips it.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ class TrainConfig(UpdateConfig):
     """``inner_epochs``: passes over the epoch's samples (the same prompts and initial noise, the updated policy);
     ``minibatches``: optimizer steps per pass; ``micro_batch_size``: samples per backward (UpdateConfig's)."""
 
-    method: Literal["refl", "draft", "draft_lv"] = "draft"
+    method: Literal["refl", "draft", "draft_lv", "direct_align"] = "draft"
     k: int = field(default=1, metadata=bounds(ge=1, le=1000))  # draft: steps with gradient at the chain's end
     lv_samples: int = field(default=2, metadata=bounds(ge=1, le=64))  # draft_lv: re-noisings of each sample
     refl_low: float = field(default=0.75, metadata=bounds(ge=0, lt=1))  # refl: the window [low, high) of the
@@ -59,6 +67,22 @@ class TrainConfig(UpdateConfig):
     margin: float | None = None
     loss_scale: float = field(default=1.0, metadata=bounds(gt=0))  # ReFL's grad_scale (the authors: 1e-3)
     kl_coef: float = field(default=0.0, metadata=bounds(ge=0))  # mean_d (v - v_ref)^2 to the frozen reference
+    # direct_align (flowrl/core/direct_align.py; the authors' argument in brackets, defaults their HPS script's):
+    # the window of injected levels, noisiest to cleanest [sigma_schedule[train_timestep] of 50 shift-3 steps]
+    da_sigma_max: float = field(default=0.9643, metadata=bounds(gt=0, le=1))
+    da_sigma_min: float = field(default=0.75, metadata=bounds(gt=0, lt=1))
+    da_length: int = field(default=1000, metadata=bounds(ge=10, le=100_000))  # levels in it [timestep_length]
+    # the share of the window's span not taken by the model's step [groundtruth_ratio]
+    da_groundtruth_ratio: float = field(default=0.9, metadata=bounds(ge=0, lt=1))
+    # SRP's k at the window's clean end and at its noisy end, denoising branch [discount_pos]
+    da_discount: tuple[float, float] = (0.1, 0.25)
+    # the same for the inversion branch [discount_inv] (0.3, 0.01); null: no inversion branch (needs control words)
+    da_discount_inv: tuple[float, float] | None = None
+    # SRP's control words, cycled per micro-batch (the authors': SRPO_POSITIVE, SRPO_NEGATIVE); empty: none, the
+    # reward of the prompt itself times k
+    srp_positive: list[str] = field(default_factory=list)
+    srp_negative: list[str] = field(default_factory=list)
+    srp_scale: float = field(default=1.0, metadata=bounds(gt=0))  # the objective's scale (authors: PickScore / 20)
     micro_batch_size: int = field(default=4, metadata=bounds(ge=1, le=4096))  # samples per backward, per process
 
 
@@ -78,6 +102,20 @@ class Config(OnlineConfig):
                 refl_step_range(s.num_steps, t.refl_low, t.refl_high)
             except ValueError as err:
                 fail("train.refl_low", str(err))
+        if t.method == "direct_align":
+            from flowrl.core.direct_align import window
+
+            try:
+                window(t.da_sigma_max, t.da_sigma_min, t.da_length)
+            except ValueError as err:
+                fail("train.da_sigma_min", str(err))
+            if bool(t.srp_positive) != bool(t.srp_negative):
+                fail("train.srp_negative" if t.srp_positive else "train.srp_positive", "SRP needs control words on "
+                     "both sides (srp_positive and srp_negative), or none")
+            if t.da_discount_inv is not None and not t.srp_positive:
+                fail("train.da_discount_inv", "the inversion branch ascends the negative control word's reward; "
+                     "without control words (train.srp_positive, srp_negative) it only pushes against the reward: "
+                     "set the words or da_discount_inv: null")
         if t.method == "draft" and t.k > s.num_steps:
             fail("train.k", f"{t.k} steps with gradient exceed the {s.num_steps} of the schedule; use at most "
                  f"{s.num_steps} (that is full backpropagation)")
@@ -148,8 +186,11 @@ def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict
 
     Returns:
         ``train/...``: ``reward_mean``, ``reward_std``, ``nan_rewards``, ``loss``, ``kl_ref``, ``grad_norm``,
-        ``optimizer_steps``, ``lr`` and, for ReFL, ``refl_step`` (the mean gradient step index).
+        ``optimizer_steps``, ``lr``; for ReFL ``refl_step`` (the mean gradient step index); for Direct-Align ``srp``
+        (the objective the hinge acts on, mean over branches and samples) and ``da_sigma`` (the denoising branch's
+        mean injected level), its ``reward_mean`` the denoising branch's reward under the positive prompt.
     """
+    from flowrl.core import direct_align as da
     from flowrl.core import reward_gradient as rg
     from flowrl.models.base import encode_rows
     from flowrl.run.updates import optimizer_step
@@ -163,9 +204,14 @@ def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict
     n = len(batch.prompts)
     bounds_ = [round(i * n / t.minibatches) for i in range(t.minibatches + 1)]
     window = rg.refl_step_range(s.num_steps, t.refl_low, t.refl_high) if t.method == "refl" else None
-    rewards_all, losses, kls, norms, steps_used = [], [], [], [], []
+    if t.method == "direct_align":
+        levels = da.window(t.da_sigma_max, t.da_sigma_min, t.da_length)
+        draws, gap = da.select_range(t.da_length), da.groundtruth_gap(t.da_length, t.da_groundtruth_ratio)
+    minibatches = [(lo, hi) for _ in range(t.inner_epochs) for lo, hi in zip(bounds_[:-1], bounds_[1:])]
+    per_epoch = sum(len(range(lo, hi, t.micro_batch_size)) for lo, hi in minibatches)
+    rewards_all, losses, kls, norms, steps_used, srps, da_sigmas = [], [], [], [], [], [], []
     micro = 0
-    for lo, hi in [(lo, hi) for _ in range(t.inner_epochs) for lo, hi in zip(bounds_[:-1], bounds_[1:])]:
+    for lo, hi in minibatches:
         if hi <= lo:
             continue
         starts = list(range(lo, hi, t.micro_batch_size))
@@ -176,7 +222,9 @@ def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict
             cond = encode_rows(model, prompts, metadata)
             x = initial_noise(model.latent_shape, seeds, device=model.device)
             gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, epoch, int(seeds[0]), micro))
+            index = epoch * per_epoch + micro  # the control words' turn
             micro += 1
+            share = (rows.stop - rows.start) / (hi - lo)
 
             def v_fn(x_, sigma_):
                 return velocity(x_.to(model.dtype), sigma_, cond).float()
@@ -185,13 +233,40 @@ def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict
                 images = model.decode(latents)
                 return reward(images, prompts, metadata).scores.to(latents.device).float()
 
-            if t.method == "draft_lv":
+            def direct_align_passes():
+                """Direct-Align's branches, each yielded (and back-propagated) before the next is built."""
+                with torch.no_grad():
+                    x0 = rg.truncated_sample(v_fn, x, sigmas, grad_steps=0).x
+                select = draws[int(torch.randint(len(draws), (1,), generator=gen))]
+                pos = neg = prompts
+                if t.srp_positive:
+                    pos = da.augment(prompts, t.srp_positive[index % len(t.srp_positive)])
+                    neg = da.augment(prompts, t.srp_negative[index % len(t.srp_negative)])
+                branches = [(False, pos, neg, t.da_discount)]
+                if t.da_discount_inv is not None:
+                    branches.append((True, neg, pos, t.da_discount_inv))
+                for invert, a, b, ends in branches:
+                    lv = da.branch_levels(levels, select, gap, invert=invert)
+                    out = da.recover(v_fn, x0, x, lv.sigma_from, lv.sigma_to)
+                    images = model.decode(out.x)
+                    r_a = reward(images, a, metadata).scores.to(x.device).float()
+                    r_b = r_a if b is a else reward(images, b, metadata).scores.to(x.device).float()
+                    objective = t.srp_scale * da.srp(r_a, r_b, da.discount_weight(ends, t.da_length, lv.index))
+                    srps.append((float(objective.detach().mean()) / len(branches), share))
+                    if not invert:
+                        da_sigmas.append((lv.sigma_from, share))
+                    loss_ = rg.refl_loss(objective, t.margin, t.loss_scale) / len(branches)
+                    yield loss_, out.grad_points, None if invert else r_a, len(branches)
+
+            if t.method == "direct_align":
+                passes = direct_align_passes()
+            elif t.method == "draft_lv":
                 with torch.no_grad():
                     x_n = rg.truncated_sample(v_fn, x, sigmas, grad_steps=0).x
                 noises = torch.randn((t.lv_samples, *x.shape), generator=gen).to(x.device)
                 r_all, points = rg.lv_rewards(v_fn, x_n, sigmas, noises, score)
-                r_mean = r_all.mean(0)  # [B] each sample's mean over its re-noisings
-                loss = rg.refl_loss(r_all.flatten(), t.margin, t.loss_scale)  # margin None: -mean r (DRaFT)
+                # [B] each sample's mean over its re-noisings; margin None: -mean r (DRaFT)
+                passes = [(rg.refl_loss(r_all.flatten(), t.margin, t.loss_scale), points, r_all.mean(0), 1)]
             else:
                 if t.method == "refl":
                     k = window[int(torch.randint(len(window), (1,), generator=gen))]
@@ -199,17 +274,20 @@ def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict
                     out = rg.refl_sample(v_fn, x, sigmas, step=k)
                 else:
                     out = rg.truncated_sample(v_fn, x, sigmas, grad_steps=t.k)
-                points, r_mean = out.grad_points, score(out.x)
-                loss = rg.refl_loss(r_mean, t.margin, t.loss_scale)
-            kl = torch.zeros((), device=loss.device)
-            if t.kl_coef > 0:
-                for p in points:
-                    kl = kl + (p.v - _velocity_at_reference(model, s.guidance, p, cond)).pow(2).mean() / len(points)
-            share = (rows.stop - rows.start) / (hi - lo)
-            dist.backward((loss + t.kl_coef * kl) * share, model.denoiser, sync=start == starts[-1])
-            rewards_all.append(r_mean.detach().float().cpu())
-            losses.append((float(loss.detach()), share))
-            kls.append((float(kl.detach()), share))
+                r_mean = score(out.x)
+                passes = [(rg.refl_loss(r_mean, t.margin, t.loss_scale), out.grad_points, r_mean, 1)]
+            for j, (loss, points, r_mean, n_passes) in enumerate(passes):
+                kl = torch.zeros((), device=loss.device)
+                if t.kl_coef > 0:
+                    for p in points:  # each pass's mean over its calls, the passes' mean over the micro-batch
+                        v_ref = _velocity_at_reference(model, s.guidance, p, cond)
+                        kl = kl + (p.v - v_ref).pow(2).mean() / (len(points) * n_passes)
+                last = start == starts[-1] and j == n_passes - 1
+                dist.backward((loss + t.kl_coef * kl) * share, model.denoiser, sync=last)
+                if r_mean is not None:
+                    rewards_all.append(r_mean.detach().float().cpu())
+                losses.append((float(loss.detach()), share))
+                kls.append((float(kl.detach()), share))
             if progress is not None:
                 progress.update(rows.stop - rows.start)
         norms.append(optimizer_step(setup.optimizer, params, dist, grad_clip=cfg.optim.grad_clip, ema=setup.ema,
@@ -226,6 +304,9 @@ def train_epoch(setup, batch, cfg: Config, epoch: int, *, progress=None) -> dict
                "train/lr": setup.optimizer.param_groups[0]["lr"]}
     if steps_used:
         metrics["train/refl_step"] = sum(steps_used) / len(steps_used)
+    if da_sigmas:  # a micro-batch's srps sum to its mean over the branches
+        metrics["train/srp"] = sum(v * w for v, w in srps) / steps
+        metrics["train/da_sigma"] = sum(v * w for v, w in da_sigmas) / steps
     return metrics
 
 
@@ -235,7 +316,7 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
 
     setup = ImageTraining(cfg, "reward_gradient", model=model, dist=dist, ema_decay=cfg.train.ema_decay,
                           per_sample=True, reference=cfg.train.kl_coef > 0,
-                          plot_groups={"reward_gradient": ["train/loss", "train/refl_step"]})
+                          plot_groups={"reward_gradient": ["train/loss", "train/refl_step", "train/srp"]})
     run = setup.run
     check_differentiable(setup.reward, cfg.reward.train)
     samples = cfg.sampling.samples_per_epoch
@@ -284,7 +365,11 @@ def dry_run_work(cfg: Config) -> list[str]:
     with_grad = {"refl": "1 velocity call with gradients at a step of the ReFL window, the steps before it without",
                  "draft": f"the last {t.k} with gradients, the {steps - t.k} before without",
                  "draft_lv": f"all {steps} without gradients, then {t.lv_samples} re-noised one-step denoisings with "
-                             "gradients"}[t.method]
+                             "gradients",
+                 "direct_align": f"all {steps} without gradients, then the sample re-noised with its own initial noise "
+                                 f"and one step with gradients ({1 if t.da_discount_inv is None else 2} branch(es), "
+                                 "each decoded, scored"
+                                 f"{' twice (SRP)' if t.srp_positive else ''} and back-propagated in turn)"}[t.method]
     return [f"{samples} samples per epoch ({s.groups_per_epoch} prompts x {s.group_size}) x {t.inner_epochs} pass(es), "
             f"each a {steps}-step ODE chain ({t.method}: {with_grad}); the clean samples decoded and scored with "
             f"gradients, back-propagated in micro-batches of {t.micro_batch_size}; {t.minibatches * t.inner_epochs} "

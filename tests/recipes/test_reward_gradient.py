@@ -1,8 +1,9 @@
-"""The reward-gradient recipe (flowrl/recipes/reward_gradient.py: ReFL, DRaFT-K, DRaFT-LV) through its shipped
-shapes configs on tiny models: on the tiny shapes model each method raises a toy differentiable reward on the
-prompts it trains on (the evaluation's fixed prompts and seeds are the training set's), and moves the weights; on the
-tiny SD3 and FLUX pipelines a LoRA epoch trains (the LoRA's B, zero at init, moves); a training reward without a
-gradient is refused with one line."""
+"""The reward-gradient recipe (flowrl/recipes/reward_gradient.py: ReFL, DRaFT-K, DRaFT-LV, Direct-Align) through its
+shipped shapes configs on tiny models: on the tiny shapes model each method raises a toy differentiable reward on the
+prompts it trains on (the evaluation's fixed prompts and seeds are the training set's), and moves the weights;
+Direct-Align's shipped config raises a tiny learned proxy, and its SRP scores the control-word prompts in both
+branches; on the tiny SD3 and FLUX pipelines a LoRA epoch trains (the LoRA's B, zero at init, moves); a training
+reward without a gradient is refused with one line."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ class RedMinusBlue(Reward):
 
 if TOY not in REWARDS.names():
     REWARDS.register(TOY, RedMinusBlue)
+
+PROMPTED = "toy_prompted_red_minus_blue"
+SEEN: list[list[str]] = []  # the prompts each call of the prompted toy was given
+
+
+class PromptedRedMinusBlue(RedMinusBlue):
+    """The toy, recording its prompts and scoring a prompt with a control word (``"<word>. ..."``) 0.1 higher."""
+
+    name = PROMPTED
+
+    def score(self, images, prompts, metadata=None) -> RewardOutput:
+        SEEN.append(list(prompts))
+        bonus = torch.tensor([0.1 if ". " in p else 0.0 for p in prompts])
+        return RewardOutput(super().score(images, prompts).scores + bonus, {})
+
+
+if PROMPTED not in REWARDS.names():
+    REWARDS.register(PROMPTED, PromptedRedMinusBlue)
 
 
 def settings(out: Path, model_dir: Path, method: str, **extra) -> list[str]:
@@ -88,6 +107,82 @@ def test_each_method_raises_the_reward_on_the_trained_prompts(method, tiny_shape
 
 
 @pytest.mark.slow
+def test_direct_align_raises_the_reward_on_the_trained_prompts(tiny_shapes_dir, tmp_path):
+    """Without control words the objective is k r(x0_hat, prompt), k the drawn level's discount in [0.1, 0.25]."""
+    from diffusers import UNet2DConditionModel
+
+    rows = train("direct_align.yaml", tmp_path / "run", tiny_shapes_dir, "direct_align")
+    before, after = rows[0][f"eval/{TOY}/mean"], rows[-1][f"eval/{TOY}/mean"]
+    assert after > before + 0.02, (before, after)
+    for r in rows[1:]:
+        assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 and r["train/optimizer_steps"] == 1
+        assert r["train/loss"] == pytest.approx(-r["train/srp"], abs=1e-6)  # margin null, scale 1: -mean k r
+        assert 0.75 <= r["train/da_sigma"] <= 0.9643  # the shipped window
+    initial = UNet2DConditionModel.from_pretrained(tiny_shapes_dir / "unet").state_dict()
+    trained = load_state(latest_checkpoint(tmp_path / "run"))["model"]
+    assert max(float((initial[k] - v).abs().max()) for k, v in trained.items()) > 1e-4
+
+
+@pytest.mark.slow
+def test_srp_scores_the_control_words_in_both_branches(tiny_shapes_dir, tmp_path):
+    """Words cycled per micro-batch (two per epoch here); the denoising branch scores (positive, negative), the
+    inversion branch (negative, positive), each back-propagated: the loss is minus the branches' mean objective."""
+    SEEN.clear()
+    words = {"train.srp_positive": "[Detail, Real]", "train.srp_negative": "[Oil]",
+             "train.da_discount_inv": "[0.3, 0.01]", "reward.train": f"{{{PROMPTED}: 1.0}}", "run.max_epochs": 1,
+             "eval.every_epochs": 1}
+    rows = train("direct_align.yaml", tmp_path / "run", tiny_shapes_dir, "direct_align", **words)
+    training = [p for p in SEEN if ". " in p[0]]  # the evaluation scores the plain prompts
+    assert len(training) == 8  # 2 micro-batches x 2 branches x (positive, negative)
+    firsts = [p[0].split(". ")[0] for p in training]
+    # epoch 1, 2 micro-batches per epoch: turns 2 and 3 -> Detail (2 % 2), Real (3 % 2); the negative always Oil
+    assert firsts == ["Detail", "Oil", "Oil", "Detail", "Real", "Oil", "Oil", "Real"]
+    row = rows[-1]
+    assert row["train/loss"] == pytest.approx(-row["train/srp"], abs=1e-6)
+    assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_proxy(tmp_path_factory) -> Path:
+    """A shapes proxy trained briefly on rendered scenes (as tests/recipes/test_dmdr.py's): even rows draw their
+    prompt's scene, odd rows another prompt's; the strict judge labels them."""
+    import random
+
+    import numpy as np
+
+    from flowrl.data.shapes import render, scene_for_prompt
+    from rewards.shapes_proxy import save_proxy, train_shapes_proxy
+    from rewards.shapes_proxy_data import pool_rows, read_pool, write_pool
+
+    root = tmp_path_factory.mktemp("proxy")
+    train_rows, held = pool_rows(48, 12, 0)
+    rows = train_rows + held
+    scenes = [scene_for_prompt(rows[i if i % 2 == 0 else (i + 7) % len(rows)][0], random.Random(i))
+              for i in range(len(rows))]
+    images = torch.from_numpy(np.stack([render(s) for s in scenes])).permute(0, 3, 1, 2).contiguous()
+    write_pool(root / "pool", images, train_rows, held, {"source": "rendered"})
+    model, report = train_shapes_proxy(read_pool(root / "pool").prefix(48)[:3], steps=30, seed=0, log=None)
+    return save_proxy(model, root / "proxy", {"training": report})
+
+
+@pytest.mark.slow
+def test_the_shipped_direct_align_config_raises_a_learned_proxy(tiny_shapes_dir, tiny_proxy, tmp_path):
+    """configs/shapes/direct_align.yaml's objective as shipped (k times the proxy's probability) on a tiny trained
+    proxy: the proxy, evaluated on the trained prompts, rises, and the weights move."""
+    from diffusers import UNet2DConditionModel
+
+    proxy = f"{{shapes_proxy: {{weight: 1.0, kwargs: {{path: {tiny_proxy}}}}}}}"
+    rows = train("direct_align.yaml", tmp_path / "run", tiny_shapes_dir, "direct_align",
+                 **{"reward.train": proxy, "reward.eval": "[shapes_proxy]"})
+    before, after = rows[0]["eval/shapes_proxy/mean"], rows[-1]["eval/shapes_proxy/mean"]
+    assert after > before + 0.02, (before, after)  # 0.41 -> 0.53 (run seeds 1, 2: 0.44, 0.46)
+    assert all(0 < r["train/reward_mean"] < 1 and r["train/nan_rewards"] == 0 for r in rows[1:])
+    initial = UNet2DConditionModel.from_pretrained(tiny_shapes_dir / "unet").state_dict()
+    trained = load_state(latest_checkpoint(tmp_path / "run"))["model"]
+    assert max(float((initial[k] - v).abs().max()) for k, v in trained.items()) > 1e-4
+
+
+@pytest.mark.slow
 def test_the_kl_term_and_a_hinge_enter_the_loss(tiny_shapes_dir, tmp_path):
     """ReFL with the authors' hinge relu(2 - r) x 0.5 (r < 1 here, so it is 0.5 (2 - r)) and the reference penalty,
     which is 0 before the first update and positive after it."""
@@ -100,7 +195,8 @@ def test_the_kl_term_and_a_hinge_enter_the_loss(tiny_shapes_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, method", [("sd3", "draft"), ("flux", "refl"), ("sd3", "draft_lv")])
+@pytest.mark.parametrize("family, method", [("sd3", "draft"), ("flux", "refl"), ("sd3", "draft_lv"),
+                                            ("sd3", "direct_align"), ("flux", "direct_align")])
 def test_a_tiny_lora_epoch_on_sd3_and_flux(family, method, tiny_dir, tmp_path):
     from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
@@ -111,6 +207,9 @@ def test_a_tiny_lora_epoch_on_sd3_and_flux(family, method, tiny_dir, tmp_path):
              "sampling.num_steps": 3, "sampling.eval_num_steps": 2, "sampling.guidance": guidance,
              "run.max_epochs": 1, "eval.every_epochs": 1, "eval.at_start": "false", "checkpoint.every_epochs": 1,
              "train.refl_low": 0.3}
+    if method == "direct_align" and family == "flux":  # SRP's words and the inversion branch (two backward passes)
+        extra.update({"train.srp_positive": "[Real]", "train.srp_negative": "[Painting]",
+                      "train.da_discount_inv": "[0.3, 0.01]", "train.margin": 0.7})
     rows = train("draft.yaml", out, tiny_dir(family), method, **extra)
     row = rows[-1]
     assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
@@ -149,6 +248,16 @@ def test_the_config_checks_the_schedule():
         load_recipe_config(path, ["train.k=11"])
     with pytest.raises(ConfigError, match="holds no step of a 10-step schedule"):
         load_recipe_config(path, ["train.method=refl", "train.refl_low=0.91", "train.refl_high=0.95"])
+    with pytest.raises(ConfigError, match="train.da_sigma_min: the window needs 0 < sigma_min < sigma_max <= 1"):
+        load_recipe_config(path, ["train.method=direct_align", "train.da_sigma_min=0.97"])
+    with pytest.raises(ConfigError, match="train.da_discount_inv: the inversion branch ascends the negative"):
+        load_recipe_config(path, ["train.method=direct_align", "train.da_discount_inv=[0.3, 0.01]"])
+    with pytest.raises(ConfigError, match="train.srp_negative: SRP needs control words on both sides"):
+        load_recipe_config(path, ["train.method=direct_align", "train.srp_positive=[Real]"])
+    _, sd3 = load_recipe_config(str(ROOT / "configs" / "sd3" / "direct_align_pickscore.yaml"), [])
+    assert (sd3.train.srp_positive, sd3.train.srp_negative) == (["Natural-lighting", "Detail", "Detailed", "Real"],
+                                                                ["Concept art", "Painting", "Anime", "Flat", "Oil"])
+    assert sd3.train.da_discount_inv == (0.6, 0.01) and sd3.train.srp_scale == 0.05
     _, cfg = load_recipe_config(str(ROOT / "configs" / "shapes" / "refl.yaml"), [])
     assert cfg.train.method == "refl" and cfg.reward.train["shapes_proxy"]["kwargs"]["path"]
     from flowrl.core.reward_gradient import refl_step_range
