@@ -23,9 +23,10 @@ flowrl follows the authors' FLUX training step (Tencent-Hunyuan/SRPO @ 81e5898, 
    - inversion (``m = max(j - g, 1)``, levels from the same formulas): inject at ``lo``, step with gradients UP to
      ``hi``, recover at ``hi``.
 
-   With the exact velocity ``v = eps - x0`` both give ``x0_hat = x0``; the model's error enters scaled by
-   ``(hi - lo) / (1 - lo)`` (denoising) or ``-(hi - lo) / (1 - hi)`` (inversion): the sign flip is why the inversion
-   branch's reward *regularises*. Ascending it through an inversion step moves the denoising velocity against it;
+   With the exact velocity ``v = eps - x0`` both give ``x0_hat = x0``; a velocity error ``e = v - (eps - x0)`` gives
+   ``x0_hat = x0 - (hi - lo) / (1 - lo) e`` (denoising) and ``x0 + (hi - lo) / (1 - hi) e`` (inversion): the sign flip
+   is why the inversion branch's reward *regularises*. Ascending it through an inversion step moves the denoising
+   velocity against it;
 4. **SRP** (:func:`srp`): each branch scores ``x0_hat`` with the reward ``r`` under two augmentations of the prompt
    ``c`` by a control word (``"<word>. c"``, :func:`augment`; the positive ``SRPO_POSITIVE[step % 4]`` and the
    negative ``SRPO_NEGATIVE[step % 5]``)::
