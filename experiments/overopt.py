@@ -1,4 +1,5 @@
-"""Reward over-optimisation under RL: DGPO and Flow-GRPO trained on learned proxies of the shapes world's gold.
+"""Reward over-optimisation under RL: DGPO, Flow-GRPO and the reward-gradient trainers (ReFL, DRaFT-K,
+Direct-Align) trained on learned proxies of the shapes world's gold.
 
 The design of Gao, Schulman & Hilton 2023 ("Scaling laws for reward model overoptimization"): the gold is a judge
 never trained on (strict accuracy, :func:`rewards.shapes.strict_correct`), the proxy a reward model learned from
@@ -15,7 +16,7 @@ on the proxy ``<proxies>/n<n>_s<seed>`` for ``--minutes`` reference CPU-minutes 
   ``<proxies>/n<n>_s3`` (``hack/heldout/heldout_proxy/mean``), and the ensemble of seeds 0-2
   (``hack/heldout/ensemble/mean`` and its members' disagreement ``.../std``);
 - the distance to the base: ``hack/kl_to_base`` for Flow-GRPO's SDE rollouts (a transition density), and the
-  flow-matching distance ``hack/fm_to_base`` for DGPO's ODE rollouts (which have none); ``d`` is the square root of
+  flow-matching distance ``hack/fm_to_base`` for the ODE trainers (which have none); ``d`` is the square root of
   either (for Gaussian transitions of one variance the KL is proportional to the squared mean difference).
 
 Mitigations (``MITIGATIONS``): ``none`` (no regulariser: ``train.kl_coef=0``), ``kl`` (``train.kl_coef``,
@@ -58,7 +59,8 @@ if str(ROOT) not in sys.path:  # runnable from anywhere without installing the p
 
 from experiments.runs import clean, fmt, launch, mean_std, read_curve, save_figure  # noqa: E402
 
-METHODS = ("dgpo", "flow_grpo")
+# The RL trainers, then the reward-gradient trainers (the fastest hackers: they climb the proxy's gradient).
+METHODS = ("dgpo", "flow_grpo", "refl", "draft", "direct_align")
 SIZES = (500, 2000, 8000)
 MITIGATIONS = ("none", "kl", "ensemble", "elastic_reset", "early_stop")
 TRAINED = ("none", "kl", "ensemble", "elastic_reset")  # early_stop is replayed on the `none` runs
@@ -69,7 +71,8 @@ HELDOUT_SEED = 3  # the held-out proxy of each size: a seed no run trains on
 ENSEMBLE_SEEDS = (0, 1, 2)
 # Each method's KL coefficient for the `kl` mitigation: DGPO's penalty is mean_d (v - v_ref)^2 (its shapes config
 # ships 0.02); Flow-GRPO's is the per-step Gaussian KL (its authors use 0.04 on SD3).
-KL_COEF = {"dgpo": 0.2, "flow_grpo": 0.04}
+# The reward-gradient trainers' penalty is DGPO's form, at every velocity call that carries gradient.
+KL_COEF = {"dgpo": 0.2, "flow_grpo": 0.04, "refl": 0.2, "draft": 0.2, "direct_align": 0.2}
 COLORS = {"none": "tab:red", "kl": "tab:blue", "ensemble": "tab:green", "elastic_reset": "tab:purple",
           "early_stop": "tab:orange"}
 
@@ -353,8 +356,8 @@ def markdown(runs: dict, mitigations: list[dict], detector: dict, args: argparse
     lines = ["# Reward over-optimisation under RL (`experiments/overopt.py`)", "",
              f"Gold: strict accuracy on {args.eval_prompts} held-out prompts (one standard error ~"
              f"{binomial_se(0.5, args.eval_prompts):.3f}); `d` = sqrt(KL to the base) for Flow-GRPO, "
-             "sqrt(flow-matching distance) for DGPO; early stopping replays `run.stop_on` on the held-out proxy "
-             f"(patience {args.patience}) over the `none` runs.", "",
+             "sqrt(flow-matching distance) for the ODE trainers; early stopping replays `run.stop_on` on the held-out "
+             f"proxy (patience {args.patience}) over the `none` runs.", "",
              "## Peak and final gold per mitigation", "",
              "| method | n | mitigation | seeds | peak gold | final gold | beats none (peak and final, +1 SE, every "
              "seed) |", "|---|---|---|---|---|---|---|"]
