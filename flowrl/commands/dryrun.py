@@ -14,7 +14,8 @@
 A recipe whose config needs more than the generic shrinking below defines
 ``dry_run_overrides(data: dict, workdir: Path) -> list[str]`` in its module: it edits the config mapping in place
 and returns notes for the report. A recipe whose epoch is not a rollout followed by training on its denoising steps
-defines ``dry_run_work(cfg) -> list[str]``: the lines that describe one epoch's work in the report.
+defines ``dry_run_work(cfg) -> list[str]``: the lines that describe one epoch's work in the report. A recipe that holds
+more or fewer models than the shared parts defines ``dry_run_memory(cfg) -> dict`` (see ``_memory``): DMD2's fake score.
 """
 
 from __future__ import annotations
@@ -323,12 +324,15 @@ def _snapshot_copies(cfg) -> int:
     return count
 
 
-def _memory(cfg, objective: bool | None = None) -> list[str]:
+def _memory(cfg, objective: bool | None = None, recipe_memory=None) -> list[str]:
     """The architecture and the rough memory per GPU of the real run (:func:`flowrl.models.footprint.memory_estimate`).
 
     ``objective``: what the recipe declared about its objective's use of the reference for this config
     (:class:`flowrl.rl.setup.ImageTraining`'s ``reference``, recorded during the tiny epoch); None when not known (the
-    tiny epoch stopped before): a full fine-tune's reference copy is then counted."""
+    tiny epoch stopped before): a full fine-tune's reference copy is then counted. ``recipe_memory``: the recipe
+    module's ``dry_run_memory(cfg) -> dict``, for a recipe that holds more than the shared parts or fewer:
+    ``fake_score`` (a second trained copy of the trained tensors with its own optimizer: DMD2, DMDR),
+    ``train_reward`` (False: the training reward is not built) and ``notes`` (lines for the report)."""
     from flowrl.models.footprint import footprint, format_gib, memory_estimate, reward_memory
     from flowrl.rl.setup import reference_uses
 
@@ -345,11 +349,15 @@ def _memory(cfg, objective: bool | None = None) -> list[str]:
     s, t = getattr(cfg, "sampling", None), getattr(cfg, "train", None)
     guidance = s is not None and s.guidance != 1.0 and model.name not in _GUIDANCE_EMBEDDED
     uses = reference_uses(cfg.sampling, cfg.eval, True if objective is None else objective)
+    parts = dict(recipe_memory(cfg)) if recipe_memory is not None else {}
     rewards = reward_memory(cfg.reward) if hasattr(cfg, "reward") else {}
+    if not parts.get("train_reward", True):  # the recipe builds no training reward (DMD2)
+        rewards = {k: v for k, v in rewards.items() if "(train," not in k}
     snapshots = _snapshot_copies(cfg)
+    fake_score = bool(parts.get("fake_score"))
     est = memory_estimate(model, fp, micro_batch=getattr(t, "micro_batch_size", 1),
                           guidance=guidance, ema=getattr(t, "ema_decay", None) is not None, reference=bool(uses),
-                          snapshots=snapshots, rewards=sum(rewards.values()))
+                          snapshots=snapshots, rewards=sum(rewards.values()), fake_score=fake_score)
     params = ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in fp.params.items())
     lines = [f"architecture ({fp.source}): {params}; trained {fp.trainable / 1e6:,.2f}M "
              f"({'LoRA r%d' % model.lora.rank if model.lora else 'full fine-tuning'})"
@@ -381,6 +389,13 @@ def _memory(cfg, objective: bool | None = None) -> list[str]:
                      + ", ".join(f"{k} {format_gib(v / 2 ** 30)}" for k, v in rewards.items()))
     if snapshots:
         lines.append(f"memory: {snapshots} float32 snapshot(s) of the trained weights (flowrl.rl.param_snapshots)")
+    if fake_score:
+        lines.append(f"memory: the fake score, a second float32 copy of the {fp.trainable / 1e6:,.2f}M trained "
+                     f"parameters with its gradients and AdamW's two moments ({format_gib(est['fake score'])})"
+                     + ("; a full fine-tune's is a whole second denoiser" if model.lora is None else ""))
+    if not parts.get("train_reward", True) and getattr(getattr(cfg, "reward", None), "train", None):
+        lines.append("memory: no training reward is built (the recipe trains on none; the evaluation's is counted)")
+    lines.extend(f"memory: {note}" for note in parts.get("notes", ()))
     return lines
 
 
@@ -495,7 +510,7 @@ def _dry_run(recipe, cfg, config: str, out, workdir, start: float) -> DryRunResu
         except user_errors() as err:
             out(f"flowrl train --dry-run: FAILED: {' '.join(str(err).split())}")
             code = getattr(err, "exit_code", 2)
-        needs.extend(_memory(cfg, declared[0] if declared else None))
+        needs.extend(_memory(cfg, declared[0] if declared else None, getattr(module, "dry_run_memory", None)))
         seconds = time.perf_counter() - start
         out(f"flowrl train --dry-run: {'the tiny epoch ran' if code == 0 else 'the tiny epoch failed'} "
             f"({seconds:.0f} s). The real run needs:")

@@ -429,7 +429,8 @@ def reward_memory(reward_cfg: RewardConfig) -> dict[str, int]:
 
 
 def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool,
-                    reference: bool = True, snapshots: int = 0, rewards: float = 0.0) -> dict[str, float]:
+                    reference: bool = True, snapshots: int = 0, rewards: float = 0.0,
+                    fake_score: bool = False) -> dict[str, float]:
     """A rough GiB budget of one training process (one GPU under DDP; FSDP2 divides the weights and
     training state by the number of processes, ZeRO-2 the optimizer state and gradients).
 
@@ -444,6 +445,9 @@ def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidan
     - EMA (``train.ema_decay``): a float32 copy of the trained tensors (diffusers' ``EMAModel`` of the float32
       trained weights); snapshots: ``snapshots`` more float32 copies (``flowrl.rl.param_snapshots.ParamSnapshot``: NFT's
       old model, CRD's two, DGPO's and AWM's EMA snapshot, elastic reset's two);
+    - fake score (``fake_score``: DMD2, DMDR; :class:`flowrl.recipes.dmd2.FakeScore`): a second float32 copy of the
+      trained tensors, trained by its own AdamW: its weights, gradients and two moments, as the training state of a
+      LoRA (a full fine-tune's fake score is a whole second denoiser in float32 with its optimizer);
     - rewards: ``rewards`` bytes of reward models (:func:`reward_memory`);
     - activations of one training micro-batch (two rows per sample with classifier-free guidance): about
       ``34 tokens x hidden`` bytes per 16-bit block (Korthikanti et al. 2022, with memory-efficient attention),
@@ -472,6 +476,8 @@ def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidan
         out["EMA"] = fp.trainable * 4 / gib
     if snapshots:
         out["snapshots"] = snapshots * fp.trainable * 4 / gib
+    if fake_score:
+        out["fake score"] = fp.trainable * 4 * 4 / gib
     if rewards:
         out["rewards"] = rewards / gib
     resident = sum(out.values())

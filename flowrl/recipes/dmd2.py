@@ -52,7 +52,7 @@ from flowrl.rl.sampling import SamplingConfig
 from flowrl.rl.setup import OnlineConfig, UpdateConfig
 
 __all__ = ["TrainConfig", "Config", "FakeScore", "StepHooks", "student_sample", "fake_score_update", "train_epoch",
-           "main", "run_distillation", "RECIPE", "dry_run_overrides", "dry_run_work"]
+           "main", "run_distillation", "RECIPE", "dry_run_overrides", "dry_run_work", "dry_run_memory"]
 
 # Streams of derive_seed (distinct from the samplers' and the forward trainers').
 STREAM_SIMULATION, STREAM_DMD, STREAM_FAKE = 0xD3D201, 0xD3D202, 0xD3D203
@@ -462,6 +462,12 @@ def dry_run_overrides(data: dict, workdir) -> list[str]:
 
 
 RECIPE = Recipe(Config, main)
+
+
+def dry_run_memory(cfg: Config) -> dict:
+    """What the dry run's memory estimate adds and leaves out for this recipe (flowrl/commands/dryrun.py): the fake
+    score (a second float32 copy of the trained tensors with its own AdamW), and no training reward."""
+    return {"fake_score": True, "train_reward": False}
 
 
 def dry_run_work(cfg: Config) -> list[str]:

@@ -51,7 +51,8 @@ from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe, dmd2
 from flowrl.recipes.dmd2 import FakeScore, StepHooks
 
-__all__ = ["TrainConfig", "Config", "DMDRHooks", "main", "RECIPE", "dry_run_overrides", "dry_run_work"]
+__all__ = ["TrainConfig", "Config", "DMDRHooks", "main", "RECIPE", "dry_run_overrides", "dry_run_work",
+           "dry_run_memory"]
 
 
 @dataclass
@@ -208,6 +209,18 @@ def dry_run_overrides(data: dict, workdir) -> list[str]:
 
 
 RECIPE = Recipe(Config, main)
+
+
+def dry_run_memory(cfg: Config) -> dict:
+    """DMD2's fake score for the dry run's memory estimate, the training reward when it enters, and what is not
+    counted: the reward term back-propagates through the VAE decoder and the reward model (their activations)."""
+    notes = []
+    if cfg.train.reward_weight > 0:
+        through = "the reward model" if cfg.model.name == "shapes" else "the VAE decoder and the reward model"
+        notes.append(f"not counted: the activations of the reward term's backward through {through} on a "
+                     f"micro-batch of {cfg.train.micro_batch_size} (model.gradient_checkpointing covers the denoiser "
+                     "only)")
+    return {"fake_score": True, "train_reward": cfg.train.reward_weight > 0, "notes": notes}
 
 
 def dry_run_work(cfg: Config) -> list[str]:
