@@ -10,6 +10,9 @@ Each builder writes files in the layout the real loaders expect and returns the 
   locally built byte-level BPE tokenizer;
 - :func:`tiny_llava` -> a ``LlavaForConditionalGeneration`` folder (tiny CLIP vision tower + tiny Llama)
   with a locally built word-level tokenizer that knows ``yes``/``no``, and a chat template.
+
+And :class:`RedMinusBlue`, a toy differentiable reward for the reward-gradient and distillation recipes' tests,
+registered by :func:`register_red_minus_blue`.
 """
 
 from __future__ import annotations
@@ -19,14 +22,40 @@ from pathlib import Path
 
 import torch
 
+from rewards.base import Reward, RewardOutput
+
 __all__ = ["tiny_open_clip", "tiny_hps", "tiny_aesthetic", "tiny_hf_clip", "tiny_llava", "TINY_OPEN_CLIP_CFG",
-           "random_images"]
+           "random_images", "RedMinusBlue", "register_red_minus_blue"]
 
 TINY_OPEN_CLIP_CFG = {
     "embed_dim": 32,
     "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "patch_size": 8},
     "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
 }
+
+
+class RedMinusBlue(Reward):
+    """``mean red - mean blue`` of each image: smooth, differentiable, and moved by any colour shift (registered as
+    ``toy_red_minus_blue`` by :func:`register_red_minus_blue`)."""
+
+    name = "toy_red_minus_blue"
+    differentiable = True
+
+    def __init__(self, device: str = "cpu", **_):
+        pass
+
+    def score(self, images, prompts, metadata=None) -> RewardOutput:
+        x = images.float()
+        return RewardOutput(x[:, 0].mean(dim=(1, 2)) - x[:, 2].mean(dim=(1, 2)), {})
+
+
+def register_red_minus_blue() -> str:
+    """Register :class:`RedMinusBlue` (once per process); returns its name."""
+    from rewards.registry import REWARDS
+
+    if RedMinusBlue.name not in REWARDS.names():
+        REWARDS.register(RedMinusBlue.name, RedMinusBlue)
+    return RedMinusBlue.name
 
 
 def random_images(n: int, height: int = 48, width: int = 64, seed: int = 0) -> torch.Tensor:

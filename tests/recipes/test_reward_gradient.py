@@ -18,31 +18,14 @@ from flowrl.recipes import load_recipe_config
 from flowrl.run.checkpoint_files import latest_checkpoint, load_state
 from flowrl.run.metrics import read_metrics
 from rewards import RewardOutput
-from rewards.base import Reward
 from rewards.registry import REWARDS
+from rewards.testing import RedMinusBlue, register_red_minus_blue
 
 ROOT = Path(__file__).resolve().parents[2]
-TOY = "toy_red_minus_blue"
+TOY = register_red_minus_blue()  # rewards/testing.py: mean red - mean blue, differentiable
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-
-class RedMinusBlue(Reward):
-    """``mean red - mean blue`` of the image: smooth, differentiable, and moved by any colour shift."""
-
-    name = TOY
-    differentiable = True
-
-    def __init__(self, device: str = "cpu", **_):
-        pass
-
-    def score(self, images, prompts, metadata=None) -> RewardOutput:
-        x = images.float()
-        return RewardOutput(x[:, 0].mean(dim=(1, 2)) - x[:, 2].mean(dim=(1, 2)), {})
-
-
-if TOY not in REWARDS.names():
-    REWARDS.register(TOY, RedMinusBlue)
 
 PROMPTED = "toy_prompted_red_minus_blue"
 SEEN: list[list[str]] = []  # the prompts each call of the prompted toy was given
