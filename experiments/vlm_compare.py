@@ -1,5 +1,6 @@
 """Where RL helps the Shapes-VQA agent, at equal compute: continued SFT, rejection-sampling fine-tuning (RFT) and
-GRPO from the same checkpoint, in and out of distribution.
+GRPO from the same checkpoint, in and out of distribution; and the zoom agent (``--task zoom``): GiGPO against SFT
+on zoom demonstrations.
 
 Each method runs its shipped config for ``--minutes`` reference CPU-minutes (one thread), two seeds, on the named
 held-out split (``--heldout``, default the split the shipped model was trained on: no training question asks one
@@ -13,6 +14,10 @@ Every run evaluates at its start and about every 5 minutes: ``eval/vqa/accuracy`
 questions on scenes of their own stream) and ``eval/vqa_heldout/accuracy`` (the held-out combinations only), per
 kind. ``--init DIR`` starts every method from another checkpoint (e.g. an SFT plateau) instead of the shipped model;
 ``--tag`` names that comparison's folders and files.
+
+``--task zoom`` compares, on the zoom tool's tasks (``eval/zoom/``, 200 held-out tasks), ``sft``
+(``configs/vlm/shapes_zoom_sft.yaml``: half zoom demonstrations, half Shapes-VQA, run for the same budget with its
+cosine over it) and ``gigpo`` (``configs/vlm/shapes_zoom_gigpo.yaml``); its folders and files start with ``zoom``.
 
 Outputs in ``--results``: ``vlm_compare[_TAG].json``, ``.md`` (the equal-compute table: start and end per split,
 mean and std over seeds, per kind, and RL's margin over continued SFT) and ``.png`` (accuracy against training
@@ -37,18 +42,29 @@ if str(ROOT) not in sys.path:  # runnable from anywhere without installing the p
 
 from experiments.runs import clean, fmt, launch, mean_std, read_curve, save_figure  # noqa: E402
 
-METHODS = {"sft": "shapes_vqa_sft_continued.yaml", "rft": "shapes_vqa_rft.yaml", "grpo": "shapes_vqa_grpo.yaml"}
-SPLITS = {"in distribution": "eval/vqa/", "held-out combinations": "eval/vqa_heldout/"}
+# Per task: each method's config and the evaluations compared (name -> metric prefix).
+TASKS = {
+    "vqa": {"methods": {"sft": "shapes_vqa_sft_continued.yaml", "rft": "shapes_vqa_rft.yaml",
+                        "grpo": "shapes_vqa_grpo.yaml"},
+            "splits": {"in distribution": "eval/vqa/", "held-out combinations": "eval/vqa_heldout/"}},
+    "zoom": {"methods": {"sft": "shapes_zoom_sft.yaml", "gigpo": "shapes_zoom_gigpo.yaml"},
+             "splits": {"zoom tasks": "eval/zoom/"}},
+}
+# The zoom SFT stage as a 30-minute run: its epochs (~1.75 CPU-minutes each) fill the budget, evaluated as often and on
+# as many tasks as GiGPO.
+ZOOM_SFT = ["run.max_epochs=17", "eval.every_epochs=3", "eval.at_start=true", "eval.num_zoom_examples=200"]
 # The default split's held-out combinations (configs/vlm/shapes_vqa_sft_heldout.yaml): the shipped model's data.
 HELDOUT = ("blue circle, green circle, green triangle, red circle, red square, circle left of square, "
            "circle right of triangle, square above triangle")
-COLORS = {"sft": "black", "rft": "tab:orange", "grpo": "tab:blue"}
+COLORS = {"sft": "black", "rft": "tab:orange", "grpo": "tab:blue", "gigpo": "tab:green"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="experiments/vlm_compare.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--task", default="vqa", choices=list(TASKS))
+    p.add_argument("--methods", nargs="+", default=None,
+                   choices=sorted({m for t in TASKS.values() for m in t["methods"]}), help="default: the task's all")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--minutes", type=float, default=30.0, help="reference CPU-minutes per run (one thread)")
     p.add_argument("--heldout", default=HELDOUT, help="the held-out combinations, comma-separated")
@@ -61,16 +77,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "experiments" / "out" / "vlm_compare"), help="run folders")
     p.add_argument("--results", default=str(ROOT / "experiments" / "results"), help="where vlm_compare*.* go")
     p.add_argument("--analyse-only", action="store_true", help="train nothing; analyse the runs in --out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    known = TASKS[args.task]["methods"]
+    args.methods = args.methods or list(known)
+    if any(m not in known for m in args.methods):
+        p.error(f"--task {args.task} compares {', '.join(known)}")
+    return args
 
 
-def run_name(method: str, seed: int, tag: str = "") -> str:
-    return f"{method}{'_' + tag if tag else ''}_s{seed}"
+def prefix(task: str) -> str:
+    """The run folders' and result files' prefix of a task: none for Shapes-VQA, ``zoom_`` for the zoom agent."""
+    return "" if task == "vqa" else f"{task}_"
+
+
+def run_name(method: str, seed: int, tag: str = "", task: str = "vqa") -> str:
+    return f"{prefix(task)}{method}{'_' + tag if tag else ''}_s{seed}"
 
 
 def method_overrides(args: argparse.Namespace, method: str) -> list[str]:
     """The split and the starting checkpoint, in each recipe's own keys."""
     combos = f"[{args.heldout}]"
+    if args.task == "zoom":
+        start = [f"init_from={args.init}" if method == "sft" else f"model.path={args.init}"] if args.init else []
+        return (ZOOM_SFT if method == "sft" else []) + start + list(args.overrides)
     if method == "sft":
         out = [f"data.heldout_combinations={combos}"] + ([f"init_from={args.init}"] if args.init else [])
     else:
@@ -83,11 +112,12 @@ def jobs_for(args: argparse.Namespace) -> list[dict]:
     jobs = []
     for seed in args.seeds:
         for method in args.methods:
-            name = run_name(method, seed, args.tag)
+            name = run_name(method, seed, args.tag, args.task)
             overrides = {"run.seed": seed, "run.max_minutes": args.minutes}
             if method != "sft":  # the SFT config bounds its epochs to fit the budget (its cosine anneals over them)
                 overrides["run.max_epochs"] = 100_000
-            jobs.append({"config": ROOT / "configs" / "vlm" / METHODS[method], "out": Path(args.out) / name,
+            jobs.append({"config": ROOT / "configs" / "vlm" / TASKS[args.task]["methods"][method],
+                         "out": Path(args.out) / name,
                          "overrides": overrides, "extra": method_overrides(args, method),
                          "label": f"vlm_compare: {name}", "reuse": args.reuse, "method": method, "seed": seed})
     return jobs
@@ -105,28 +135,28 @@ def split_curve(directory: Path, prefix: str) -> dict | None:
             "kinds": {k: [float(r.get(prefix + k, math.nan)) for r in curve["evals"]] for k in kinds}}
 
 
-def collect(out: Path, tag: str) -> dict:
+def collect(out: Path, tag: str, task: str = "vqa") -> dict:
     runs = {}
-    for method in METHODS:
-        for folder in sorted(out.glob(f"{method}{'_' + tag if tag else ''}_s*")):
+    for method in TASKS[task]["methods"]:
+        for folder in sorted(out.glob(f"{prefix(task)}{method}{'_' + tag if tag else ''}_s*")):
             seed = folder.name.rpartition("_s")[2]
             if not seed.isdigit():
                 continue
-            splits = {name: split_curve(folder, prefix) for name, prefix in SPLITS.items()}
+            splits = {name: split_curve(folder, key) for name, key in TASKS[task]["splits"].items()}
             if all(s is not None for s in splits.values()):
                 runs[folder.name] = {"method": method, "seed": int(seed), "splits": splits}
     return runs
 
 
-def summary(runs: dict) -> dict:
+def summary(runs: dict, task: str = "vqa") -> dict:
     """Per method and split: start and end accuracy (mean, std over seeds), per kind at the end, and per seed."""
-    out = {}
-    for method in METHODS:
+    out, splits = {}, TASKS[task]["splits"]
+    for method in TASKS[task]["methods"]:
         mine = [r for r in runs.values() if r["method"] == method]
         if not mine:
             continue
         out[method] = {}
-        for split in SPLITS:
+        for split in splits:
             curves = [r["splits"][split] for r in mine]
             kinds = sorted({k for c in curves for k in c["kinds"]})
             out[method][split] = {
@@ -135,19 +165,20 @@ def summary(runs: dict) -> dict:
                 "end": mean_std([c["accuracy"][-1] for c in curves]),
                 "end_minutes": mean_std([c["minutes"][-1] for c in curves]),
                 "kinds_end": {k: mean_std([c["kinds"].get(k, [math.nan])[-1] for c in curves]) for k in kinds}}
-    for method in ("rft", "grpo"):
+    for method in (m for m in TASKS[task]["methods"] if m != "sft"):
         if method in out and "sft" in out:
-            for split in SPLITS:
+            for split in splits:
                 out[method][split]["margin_over_sft"] = out[method][split]["end"][0] - out["sft"][split]["end"][0]
     return out
 
 
 def markdown(result: dict, args: argparse.Namespace) -> str:
     start = f"`{args.init}`" if args.init else "the shipped model"
-    lines = [f"# Equal compute: continued SFT, rejection sampling and GRPO from {start}", "",
+    compared = {"vqa": "continued SFT, rejection sampling and GRPO", "zoom": "SFT on zoom demonstrations and GiGPO"}
+    lines = [f"# Equal compute: {compared[args.task]} from {start}", "",
              f"{args.minutes:g} reference CPU-minutes per run (one thread); accuracy at the start and at the last "
-             "evaluation, mean ± std over seeds; the margin is the method's end minus continued SFT's.", ""]
-    for split in SPLITS:
+             "evaluation, mean ± std over seeds; the margin is the method's end minus SFT's.", ""]
+    for split in TASKS[args.task]["splits"]:
         rows = [(m, s[split]) for m, s in result["summary"].items()]
         kinds = sorted({k for _, s in rows for k in s["kinds_end"]})
         lines += [f"## {split}", "", "| method | seeds | start | end | margin over SFT | " + " / ".join(kinds)
@@ -161,14 +192,14 @@ def markdown(result: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, splits: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SPLITS), figsize=(5.2 * len(SPLITS), 3.6), squeeze=False)
-    for ax, split in zip(axes[0], SPLITS):
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 3.6), squeeze=False)
+    for ax, split in zip(axes[0], splits):
         labelled = set()
         for r in runs.values():
             c = r["splits"][split]
@@ -183,15 +214,16 @@ def plot(runs: dict, path: Path) -> None:
 
 
 def analyse(args: argparse.Namespace) -> dict:
-    runs = collect(Path(args.out), args.tag)
+    runs = collect(Path(args.out), args.tag, args.task)
     result = {"settings": {k: v for k, v in vars(args).items() if k != "analyse_only"}, "runs": runs,
-              "summary": summary(runs)}
-    results, name = Path(args.results), "vlm_compare" + (f"_{args.tag}" if args.tag else "")
+              "summary": summary(runs, args.task)}
+    results = Path(args.results)
+    name = f"vlm_compare_{prefix(args.task)}".rstrip("_") + (f"_{args.tag}" if args.tag else "")
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.json").write_text(json.dumps(clean(result), indent=1) + "\n")
     (results / f"{name}.md").write_text(markdown(result, args))
     if runs:
-        plot(runs, results / f"{name}.png")
+        plot(runs, results / f"{name}.png", TASKS[args.task]["splits"])
     print(f"vlm_compare: {len(runs)} runs analysed; wrote {results}/{name}.{{json,md,png}}")
     return result
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 from experiments import vlm_compare  # noqa: E402
 
 
-@pytest.mark.parametrize("method", list(vlm_compare.METHODS))
+@pytest.mark.parametrize("method", list(vlm_compare.TASKS["vqa"]["methods"]))
 def test_each_methods_overrides_load_on_the_named_split(method, tmp_path):
     from flowrl.commands.train import load_recipe_config
 
@@ -62,3 +62,33 @@ def test_the_analysis_reports_start_end_per_kind_and_the_margin_over_sft(tmp_pat
     table = (tmp_path / "results" / "vlm_compare.md").read_text()
     assert "| grpo | 2 | 0.500 | 0.590 ± 0.010 | +0.080 | 0.59 |" in table
     assert (tmp_path / "results" / "vlm_compare.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("method", list(vlm_compare.TASKS["zoom"]["methods"]))
+def test_the_zoom_comparison_runs_sft_on_demonstrations_and_gigpo_at_the_same_budget(method, tmp_path):
+    from flowrl.commands.train import load_recipe_config
+
+    args = vlm_compare.parse_args(["--task", "zoom", "--seeds", "1"])
+    job = next(j for j in vlm_compare.jobs_for(args) if j["method"] == method)
+    _, cfg = load_recipe_config(str(job["config"]), [f"{k}={v}" for k, v in job["overrides"].items()] + job["extra"])
+    assert job["out"].name == f"zoom_{method}_s1" and cfg.run.max_minutes == 30.0
+    if method == "sft":
+        assert cfg.data.zoom_fraction == 0.5 and cfg.run.max_epochs == 17 and cfg.eval.num_zoom_examples == 200
+    else:
+        assert cfg.env.name == "shapes_zoom" and cfg.advantage.estimator == "gigpo" and cfg.eval.num_examples == 200
+    with pytest.raises(SystemExit):
+        vlm_compare.parse_args(["--task", "zoom", "--methods", "grpo"])  # not one of the zoom comparison's
+
+
+def test_the_zoom_analysis_reads_the_zoom_evaluations(tmp_path):
+    out = tmp_path / "runs"
+    for name, values in (("zoom_sft_s0", [0.5, 0.6]), ("zoom_gigpo_s0", [0.5, 0.7]), ("sft_s0", [0.9, 0.9])):
+        (out / name).mkdir(parents=True)
+        rows = [{"epoch": i, "time/train_min": 10.0 * i, "eval/zoom/accuracy": v, "eval/vqa/accuracy": 0.9,
+                 "eval/vqa_heldout/accuracy": 0.9} for i, v in enumerate(values)]
+        (out / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = vlm_compare.main(["--task", "zoom", "--analyse-only", "--out", str(out), "--results",
+                               str(tmp_path / "results")])
+    assert sorted(result["runs"]) == ["zoom_gigpo_s0", "zoom_sft_s0"]
+    assert result["summary"]["gigpo"]["zoom tasks"]["margin_over_sft"] == pytest.approx(0.1)
+    assert (tmp_path / "results" / "vlm_compare_zoom.md").is_file()
