@@ -57,6 +57,28 @@ def first_zoom_quadrant(episode) -> str | None:
     return None
 
 
+def play_in_chunks(policy, make_env, tasks: list, sampling, *, batch_size: int, max_turns: int, seed: int = 0,
+                   system_prompt: str | None = None, progress=None) -> list:
+    """Episodes of ``tasks`` (episode ``i`` plays ``tasks[i]``, seeded by ``i``), ``batch_size`` at a time with
+    ``sampling`` (:class:`flowrl.envs.rollout.SamplingSettings`), the policy in eval mode and restored after;
+    ``progress(k)`` after each chunk."""
+    from flowrl.envs.rollout import play_episodes
+
+    was_training = policy.model.training
+    policy.eval()
+    episodes = []
+    try:
+        for start in range(0, len(tasks), batch_size):
+            chunk = tasks[start:start + batch_size]
+            episodes += play_episodes(policy, make_env, chunk, list(range(start, start + len(chunk))), seed=seed,
+                                      sampling=sampling, max_turns=max_turns, system_prompt=system_prompt)
+            if progress is not None:
+                progress(len(chunk))
+    finally:
+        policy.train(was_training)
+    return episodes
+
+
 def greedy_episodes(policy, env_name: str, n: int, *, batch_size: int = 100, max_turns: int | None = None,
                     max_new_tokens: int = 16, progress=None, system_prompt: str | None = None,
                     env_options: dict | None = None, tasks: list | None = None):
@@ -65,24 +87,13 @@ def greedy_episodes(policy, env_name: str, n: int, *, batch_size: int = 100, max
     ``batch_size`` tasks at a time (episode ``i`` plays task ``i``; ``progress(k)`` after each chunk).
     The policy is put in eval mode for the episodes and restored after."""
     from flowrl.envs.registry import get_env
-    from flowrl.envs.rollout import SamplingSettings, play_episodes
+    from flowrl.envs.rollout import SamplingSettings
 
     spec = get_env(env_name, **(env_options or {}))
     tasks = spec.eval_tasks(n) if tasks is None else tasks
     sampling = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens, batch_size=batch_size)
-    was_training = policy.model.training
-    policy.eval()
-    episodes = []
-    try:
-        for start in range(0, len(tasks), batch_size):
-            chunk = tasks[start:start + batch_size]
-            episodes += play_episodes(policy, spec.make, chunk, list(range(start, start + len(chunk))), seed=0,
-                                      sampling=sampling, max_turns=max_turns or spec.max_turns,
-                                      system_prompt=system_prompt)
-            if progress is not None:
-                progress(len(chunk))
-    finally:
-        policy.train(was_training)
+    episodes = play_in_chunks(policy, spec.make, tasks, sampling, batch_size=batch_size,
+                              max_turns=max_turns or spec.max_turns, system_prompt=system_prompt, progress=progress)
     return spec, episodes
 
 

@@ -51,23 +51,13 @@ def sample_episodes(policy, make_env, tasks: list, k: int, *, temperature: float
                     system_prompt: str | None = None, progress=None) -> list[list]:
     """``[N][k]`` episodes: ``k`` samples of each of the ``N`` tasks (prompts shared within a question), the policy in
     eval mode and restored after; ``batch_size`` episodes per call."""
-    from flowrl.envs.rollout import SamplingSettings, play_episodes
+    from flowrl.envs.evaluate import play_in_chunks
+    from flowrl.envs.rollout import SamplingSettings
 
     sampling = SamplingSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                 batch_size=batch_size, share_prompts=True)
-    flat = [t for t in tasks for _ in range(k)]
-    was_training = policy.model.training
-    policy.eval()
-    episodes = []
-    try:
-        for start in range(0, len(flat), batch_size):
-            chunk = flat[start:start + batch_size]
-            episodes += play_episodes(policy, make_env, chunk, list(range(start, start + len(chunk))), seed=seed,
-                                      sampling=sampling, max_turns=max_turns, system_prompt=system_prompt)
-            if progress is not None:
-                progress(len(chunk))
-    finally:
-        policy.train(was_training)
+    episodes = play_in_chunks(policy, make_env, [t for t in tasks for _ in range(k)], sampling, batch_size=batch_size,
+                              max_turns=max_turns, seed=seed, system_prompt=system_prompt, progress=progress)
     return [episodes[i * k:(i + 1) * k] for i in range(len(tasks))]
 
 
