@@ -50,9 +50,9 @@ TASKS = {
     "zoom": {"methods": {"sft": "shapes_zoom_sft.yaml", "gigpo": "shapes_zoom_gigpo.yaml"},
              "splits": {"zoom tasks": "eval/zoom/"}},
 }
-# The zoom SFT stage as a 30-minute run: its epochs (~1.75 CPU-minutes each) fill the budget, evaluated as often and on
-# as many tasks as GiGPO.
-ZOOM_SFT = ["run.max_epochs=17", "eval.every_epochs=3", "eval.at_start=true", "eval.num_zoom_examples=200"]
+# The zoom SFT stage as a 30-minute run: its epochs (~2.5 reference CPU-minutes each) fill the budget, evaluated as
+# often and on as many tasks as GiGPO.
+ZOOM_SFT = ["run.max_epochs=12", "eval.every_epochs=2", "eval.at_start=true", "eval.num_zoom_examples=200"]
 # The default split's held-out combinations (configs/vlm/shapes_vqa_sft_heldout.yaml): the shipped model's data.
 HELDOUT = ("blue circle, green circle, green triangle, red circle, red square, circle left of square, "
            "circle right of triangle, square above triangle")

@@ -24,7 +24,7 @@ def test_each_methods_overrides_load_on_the_named_split(method, tmp_path):
     assert cfg.run.max_minutes == 30.0 and cfg.run.seed == 0
     if method == "sft":
         assert cfg.data.heldout_combinations == ["red circle", "square above triangle"]
-        assert cfg.init_from == str(tmp_path / "plateau") and cfg.run.max_epochs == 17  # the config's own bound
+        assert cfg.init_from == str(tmp_path / "plateau") and cfg.run.max_epochs == 12  # the config's own bound
     else:
         assert cfg.env.heldout_combinations == ["red circle", "square above triangle"]
         assert cfg.model.path == str(tmp_path / "plateau") and cfg.run.max_epochs == 100_000
@@ -73,7 +73,7 @@ def test_the_zoom_comparison_runs_sft_on_demonstrations_and_gigpo_at_the_same_bu
     _, cfg = load_recipe_config(str(job["config"]), [f"{k}={v}" for k, v in job["overrides"].items()] + job["extra"])
     assert job["out"].name == f"zoom_{method}_s1" and cfg.run.max_minutes == 30.0
     if method == "sft":
-        assert cfg.data.zoom_fraction == 0.5 and cfg.run.max_epochs == 17 and cfg.eval.num_zoom_examples == 200
+        assert cfg.data.zoom_fraction == 0.5 and cfg.run.max_epochs == 12 and cfg.eval.num_zoom_examples == 200
     else:
         assert cfg.env.name == "shapes_zoom" and cfg.advantage.estimator == "gigpo" and cfg.eval.num_examples == 200
     with pytest.raises(SystemExit):
