@@ -331,7 +331,8 @@ def _memory(cfg, objective: bool | None = None, recipe_memory=None) -> list[str]
     (:class:`flowrl.rl.setup.ImageTraining`'s ``reference``, recorded during the tiny epoch); None when not known (the
     tiny epoch stopped before): a full fine-tune's reference copy is then counted. ``recipe_memory``: the recipe
     module's ``dry_run_memory(cfg) -> dict``, for a recipe that holds more than the shared parts or fewer:
-    ``fake_score`` (a second trained copy of the trained tensors with its own optimizer: DMD2, DMDR),
+    ``fake_score`` (a second trained copy of the trained tensors with its own optimizer: DMD2, DMDR), ``teacher`` (a
+    frozen second denoiser: on-policy distillation),
     ``train_reward`` (False: the training reward is not built) and ``notes`` (lines for the report)."""
     from flowrl.models.footprint import footprint, format_gib, memory_estimate, reward_memory
     from flowrl.rl.setup import reference_uses
@@ -354,10 +355,11 @@ def _memory(cfg, objective: bool | None = None, recipe_memory=None) -> list[str]
     if not parts.get("train_reward", True):  # the recipe builds no training reward (DMD2)
         rewards = {k: v for k, v in rewards.items() if "(train," not in k}
     snapshots = _snapshot_copies(cfg)
-    fake_score = bool(parts.get("fake_score"))
+    fake_score, teacher = bool(parts.get("fake_score")), bool(parts.get("teacher"))
     est = memory_estimate(model, fp, micro_batch=getattr(t, "micro_batch_size", 1),
                           guidance=guidance, ema=getattr(t, "ema_decay", None) is not None, reference=bool(uses),
-                          snapshots=snapshots, rewards=sum(rewards.values()), fake_score=fake_score)
+                          snapshots=snapshots, rewards=sum(rewards.values()), fake_score=fake_score,
+                          teacher=teacher)
     params = ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in fp.params.items())
     lines = [f"architecture ({fp.source}): {params}; trained {fp.trainable / 1e6:,.2f}M "
              f"({'LoRA r%d' % model.lora.rank if model.lora else 'full fine-tuning'})"
@@ -393,6 +395,9 @@ def _memory(cfg, objective: bool | None = None, recipe_memory=None) -> list[str]
         lines.append(f"memory: the fake score, a second float32 copy of the {fp.trainable / 1e6:,.2f}M trained "
                      f"parameters with its gradients and AdamW's two moments ({format_gib(est['fake score'])})"
                      + ("; a full fine-tune's is a whole second denoiser" if model.lora is None else ""))
+    if teacher:
+        lines.append(f"memory: the teacher of on-policy distillation, a second frozen denoiser in {model.dtype} "
+                     f"({format_gib(est['teacher'])}; its text encoders and VAE are not loaded beside it)")
     if not parts.get("train_reward", True) and getattr(getattr(cfg, "reward", None), "train", None):
         lines.append("memory: no training reward is built (the recipe trains on none; the evaluation's is counted)")
     lines.extend(f"memory: {note}" for note in parts.get("notes", ()))

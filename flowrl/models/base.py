@@ -433,6 +433,36 @@ class FlowModel(nn.Module):
         # A plain attribute (not a registered submodule) so it never enters state_dict / DDP.
         object.__setattr__(self, "_reference", reference)
 
+    def attach_teacher(self, teacher: nn.Module) -> None:
+        """Keep ``teacher``, a frozen denoiser of the same architecture (on-policy distillation's teacher,
+        flowrl/rl/teacher.py), for :meth:`teacher`. A plain attribute, never a submodule: it is in no state dict,
+        optimizer, checkpoint or EMA, and each process holds its own whole copy."""
+        teacher.requires_grad_(False).eval()
+        object.__setattr__(self, "_teacher", teacher)
+
+    @property
+    def has_teacher(self) -> bool:
+        """Whether :meth:`attach_teacher` gave this model a teacher."""
+        return self.__dict__.get("_teacher") is not None
+
+    @contextlib.contextmanager
+    def teacher(self) -> Iterator[None]:
+        """Inside this context the adapter predicts with the teacher's denoiser (:meth:`attach_teacher`), with the
+        student's encoders, conditioning and guidance: the teacher scores the states the student visited.
+
+        Raises:
+            RuntimeError: no teacher was attached.
+        """
+        teacher = self.__dict__.get("_teacher")
+        if teacher is None:
+            raise RuntimeError("this model has no teacher: call attach_teacher (train.teacher.path) first")
+        student = self.denoiser
+        self.denoiser = teacher
+        try:
+            yield
+        finally:
+            self.denoiser = student
+
     def keep_float32_master_weights(self) -> None:
         """Full fine-tuning of a bfloat16 / float16 denoiser: keep its trained weights in float32 and compute in
         the 16-bit dtype under autocast, as diffusers' training scripts do (the trained model in float32, the

@@ -430,7 +430,7 @@ def reward_memory(reward_cfg: RewardConfig) -> dict[str, int]:
 
 def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidance: bool, ema: bool,
                     reference: bool = True, snapshots: int = 0, rewards: float = 0.0,
-                    fake_score: bool = False) -> dict[str, float]:
+                    fake_score: bool = False, teacher: bool = False) -> dict[str, float]:
     """A rough GiB budget of one training process (one GPU under DDP; FSDP2 divides the weights and
     training state by the number of processes, ZeRO-2 the optimizer state and gradients).
 
@@ -448,6 +448,8 @@ def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidan
     - fake score (``fake_score``: DMD2, DMDR; :class:`flowrl.recipes.dmd2.FakeScore`): a second float32 copy of the
       trained tensors, trained by its own AdamW: its weights, gradients and two moments, as the training state of a
       LoRA (a full fine-tune's fake score is a whole second denoiser in float32 with its optimizer);
+    - teacher (``teacher``: on-policy distillation, ``train.teacher``; flowrl/rl/teacher.py): a second frozen
+      denoiser in ``model.dtype``, as the reference copy;
     - rewards: ``rewards`` bytes of reward models (:func:`reward_memory`);
     - activations of one training micro-batch (two rows per sample with classifier-free guidance): about
       ``34 tokens x hidden`` bytes per 16-bit block (Korthikanti et al. 2022, with memory-efficient attention),
@@ -478,6 +480,8 @@ def memory_estimate(cfg: ModelConfig, fp: Footprint, *, micro_batch: int, guidan
         out["snapshots"] = snapshots * fp.trainable * 4 / gib
     if fake_score:
         out["fake score"] = fp.trainable * 4 * 4 / gib
+    if teacher:
+        out["teacher"] = denoiser * b / gib
     if rewards:
         out["rewards"] = rewards / gib
     resident = sum(out.values())

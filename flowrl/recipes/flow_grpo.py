@@ -35,6 +35,9 @@ Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
   (Elastic Reset: the policy reset to its EMA and the EMA to the base every few epochs;
   flowrl/rl/elastic_reset.py) and ``sampling.base_last_steps`` (the base model denoises the last steps of every
   rollout and evaluation; flowrl/rl/base_tail.py);
+- on-policy distillation (``train.teacher``, off by default; flowrl/rl/teacher.py, after verl-omni's ``distill_kl``):
+  a frozen teacher re-scores each trained transition at the student's state and the Gaussian KL between the two
+  transitions joins the loss, beside the policy loss or instead of it;
 - gradients flow through both branches of classifier-free guidance (``train.cfg_grad=full``); Flow-GRPO
   detaches the unconditional branch (``cond_only``).
 """
@@ -42,6 +45,7 @@ Where this departs from the paper's code (docs/algorithms.md, "Flow-GRPO"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -50,8 +54,10 @@ from flowrl.config import RunConfig, bounds, fail
 from flowrl.recipes import Recipe
 from flowrl.rl.elastic_reset import ElasticResetConfig
 from flowrl.rl.setup import OnlineConfig
+from flowrl.rl.teacher import TeacherConfig
 
-__all__ = ["TrainConfig", "Config", "train_epoch", "reward_adaptive_kl_scale", "main", "RECIPE"]
+__all__ = ["TrainConfig", "Config", "train_epoch", "reward_adaptive_kl_scale", "main", "RECIPE", "dry_run_memory",
+           "dry_run_overrides"]
 
 
 @dataclass
@@ -88,6 +94,8 @@ class TrainConfig:
     dppo_threshold: float = field(default=1e-5, metadata=bounds(gt=0))
     # Elastic Reset: every every_epochs epochs the policy <- its own EMA (decay_per_epoch), that EMA <- the base.
     elastic_reset: ElasticResetConfig | None = None
+    # On-policy distillation from a frozen teacher of the same architecture (flowrl/rl/teacher.py; None: off).
+    teacher: TeacherConfig | None = None
 
     @property
     def needs_old_means(self) -> bool:
@@ -194,12 +202,15 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                                   pass_scale, stage_rows, training_passes)
 
     train = cfg.train
+    teacher = train.teacher
     traj = rollouts.trajectory
     steps = traj.trained_steps
     device = model.device
     velocity = model.velocity_fn(cfg.sampling.guidance, detach_uncond=train.cfg_grad == "cond_only")
     kl_weights = _kl_weights(train, traj.sigmas)
     params = model.trainable_parameters()
+    if teacher is not None and not model.has_teacher:
+        raise ValueError("train.teacher is set but the model has no teacher: flowrl.rl.teacher.attach_teacher first")
     if train.needs_old_means and traj.means is None:
         raise ValueError("train.ratio_norm / trust_region=dppo need the rollout's transition means: collect the "
                          "epoch with store_means=True")
@@ -240,7 +251,8 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                 policy, kl_old = _policy_loss(train, out, old_logp_staged[t, sl],
                                               None if old_mean_staged is None else old_mean_staged[step_at[t], sl],
                                               adv, float(traj.sigmas[t] - traj.sigmas[t + 1]), cfg.sampling.reduction)
-                loss, kl, extra = policy.loss, torch.zeros((), device=device), {}
+                kl, extra = torch.zeros((), device=device), {}
+                loss = policy.loss if teacher is None or teacher.policy_loss else torch.zeros((), device=device)
                 if train.kl_coef > 0:
                     with torch.no_grad(), model.reference():
                         ref_mean = traj.step(velocity(x.to(model.dtype), sigma, cond), x, t, x_next=x_next).mean
@@ -252,6 +264,12 @@ def train_epoch(model, optimizer, rollouts, advantages: torch.Tensor, valid: tor
                         extra["train/kl_scale"] = scale.mean()
                     else:
                         loss = loss + float(kl_weights[t]) * kl
+                if teacher is not None:  # the teacher's transition at the student's state, same step function
+                    with torch.no_grad(), model.teacher():
+                        teacher_mean = traj.step(velocity(x.to(model.dtype), sigma, cond), x, t, x_next=x_next).mean
+                    distill = gaussian_kl(out.mean, teacher_mean, out.std, reduction=cfg.sampling.reduction).mean()
+                    loss = loss + teacher.coef * distill
+                    extra["train/distill_kl"] = distill
                 units = len(steps) if train.aggregation == "token_mean" else 1
                 dist.backward(loss * pass_scale(p, n_global, dist, units), model.denoiser, sync=p.sync)
                 if p.weight:  # device tensors: read at the optimizer step, all at once
@@ -279,6 +297,10 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
     setup = ImageTraining(cfg, "flow_grpo", model=model, dist=dist, ema_decay=cfg.train.ema_decay,
                           reference=cfg.train.kl_coef > 0)
     run, model = setup.run, setup.model
+    if cfg.train.teacher is not None:
+        from flowrl.rl.teacher import attach_teacher
+
+        attach_teacher(model, cfg.model, cfg.train.teacher, setup.dist.device)
     elastic = None
     if cfg.train.elastic_reset is not None:
         from flowrl.rl.elastic_reset import ElasticReset
@@ -301,6 +323,24 @@ def main(cfg: Config, *, model=None, dist=None) -> int:
                 metrics.update(elastic.end_epoch(model, epoch))
             setup.end_epoch(metrics, rollouts)
     return run.finish()
+
+
+def dry_run_overrides(data: dict, workdir) -> list[str]:
+    """The dry run replaces the model by a tiny one (flowrl/commands/dryrun.py); on-policy distillation's teacher
+    becomes that same tiny model, the student's stand-in (the real teacher's architecture is checked at the real
+    run's start)."""
+    teacher = (data.get("train") or {}).get("teacher")
+    if not isinstance(teacher, dict) or not teacher.get("path"):
+        return []
+    real, teacher["path"] = teacher["path"], data["model"]["path"]
+    found = "found" if Path(real).is_dir() else "MISSING (write it with `flowrl export RUN --format merged --out DIR`)"
+    return [f"train.teacher.path: the tiny model in place of {real}: {found}"]
+
+
+def dry_run_memory(cfg: Config) -> dict:
+    """What the dry run's memory estimate adds for this recipe (flowrl/commands/dryrun.py): the teacher's denoiser
+    of on-policy distillation, in the loaded dtype."""
+    return {"teacher": cfg.train.teacher is not None}
 
 
 RECIPE = Recipe(Config, main)

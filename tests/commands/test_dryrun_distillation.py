@@ -94,3 +94,17 @@ def test_the_dry_run_report_of_a_distillation_config_counts_the_fake_score(tmp_p
     assert result["exit_code"] == 0, report
     (estimate,) = [line for line in report.splitlines() if "memory per GPU" in line]
     assert "fake score" in estimate and "the fake score, a second float32 copy" in report
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_on_policy_distillation_counts_the_teachers_denoiser(family):
+    """Flow-GRPO with ``train.teacher`` (flowrl/rl/teacher.py) holds a second frozen denoiser in ``model.dtype``."""
+    from flowrl.models.footprint import format_gib
+
+    config = f"{family}/flow_grpo_pickscore.yaml"
+    _, fp, lines, estimate = _estimate(config, "train.teacher={path: /teacher}")
+    _, _, _, plain = _estimate(config)
+    denoiser = fp.params.get("transformer", 0) * 2 / GIB  # bfloat16
+    assert denoiser > 1 and f"teacher {format_gib(denoiser)}" in estimate and "teacher" not in plain
+    assert _parts(estimate)["total"] == pytest.approx(_parts(plain)["total"] + denoiser, abs=0.15)
+    assert "the teacher of on-policy distillation, a second frozen denoiser in bfloat16" in "\n".join(lines)

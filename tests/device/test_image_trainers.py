@@ -135,6 +135,21 @@ def test_a_resume_with_an_ema_trains_on_and_exports(config, family, device, tiny
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux", "z_image"])
+def test_on_policy_distillation_scores_the_students_transitions_on_the_device(family, device, tiny_pickscore, prompts,
+                                                                             pairs, tmp_path):
+    """configs/shapes/opd.yaml with the model swapped: the teacher's denoiser, loaded on the CPU, is moved to the
+    device and re-scores the student's transitions there (a teacher left on the CPU raises on the fake accelerator).
+    The teacher is the student's own pipeline, whose LoRA starts at B = 0: the KL is exactly 0, and the policy loss
+    (kept on) trains."""
+    out = tmp_path / "run"
+    extra = {"train.teacher.path": str(build_tiny(family)), "train.teacher.policy_loss": "true"}
+    rows = run_ok(arguments("shapes/opd", family, out, prompts, pairs, tiny_pickscore, extra), out)
+    trained = [r for r in rows if "train/distill_kl" in r]
+    assert trained and trained[-1]["train/distill_kl"] == pytest.approx(0.0, abs=1e-12)
+    assert trained[-1]["train/grad_norm"] > 0
+
+
 @pytest.fixture(scope="module")
 def edits(tmp_path_factory) -> Path:
     """Two editing prompts, each with a random 48 px source image (resized to the model's on loading)."""
