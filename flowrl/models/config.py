@@ -54,9 +54,20 @@ class ModelConfig:
     # above 1024 px for the SD3 / FLUX.1 VAE, 256 px for Wan's and Qwen-Image's; seams change the images slightly).
     vae_slicing: bool = True
     vae_tiling: bool = False
+    # The shapes model only, full fine-tuning: train its text encoder beside the UNet (flowrl.models.shapes
+    # .TextConditionedUNet puts it inside the denoiser, so every trainer's optimizer, checkpoint, EMA and reference copy
+    # hold it). The shipped encoder gives opposite relations the same vectors (docs/shapes.md), which a UNet-only
+    # trainer cannot undo.
+    train_text_encoder: bool = False
 
     def check(self) -> None:
         from flowrl.config import fail
+
+        if self.train_text_encoder and self.name != "shapes":
+            fail("train_text_encoder", f"only the shapes model trains its text encoder; {self.name}'s text encoders "
+                                       "stay frozen (train its denoiser, with or without LoRA)")
+        if self.train_text_encoder and self.lora is not None:
+            fail("train_text_encoder", "needs full fine-tuning (model.lora=null): the LoRA targets the UNet only")
 
         if self.name != "shapes" and self.path is None:
             fail("path", f"{self.name} needs a local directory or hub id")
@@ -96,7 +107,8 @@ def _build(cfg: ModelConfig, device: torch.device | str):
         from flowrl.models.shapes import ShapesModel
 
         return ShapesModel.from_pretrained(cfg.path, device=device, dtype=dtype, lora=lora,
-                                           gradient_checkpointing=cfg.gradient_checkpointing)
+                                           gradient_checkpointing=cfg.gradient_checkpointing,
+                                           train_text_encoder=cfg.train_text_encoder)
     from flowrl.models.registry import load_model
 
     kwargs = {"dtype": dtype, "device": device, "lora": lora, "gradient_checkpointing": cfg.gradient_checkpointing}

@@ -26,10 +26,11 @@ from torch import nn
 
 from flowrl.config import bounds, from_dict, to_dict
 
-from .base import Cond, FlowModel, ModelLoadError
+from .base import Cond, FlowModel, ModelLoadError, unwrap
 from flowrl.config import LoraConfig
 
-__all__ = ["ShapesModelConfig", "ShapesModel", "build_tokenizer", "SHIPPED_CHECKPOINT", "SHAPES_LORA_TARGETS"]
+__all__ = ["ShapesModelConfig", "ShapesModel", "TextConditionedUNet", "build_tokenizer", "SHIPPED_CHECKPOINT",
+           "SHAPES_LORA_TARGETS"]
 
 SHIPPED_CHECKPOINT = Path(__file__).parent / "shapes_checkpoint"
 SPECIAL_TOKENS = ("[PAD]", "[BOS]", "[EOS]", "[UNK]")
@@ -112,6 +113,32 @@ def _build_text_encoder(config: ShapesModelConfig, vocab_size: int):
     return CLIPTextModel(text_config)
 
 
+class TextConditionedUNet(nn.Module):
+    """The UNet with the text encoder inside it (``model.train_text_encoder``): the denoiser of a run that trains both.
+
+    Everything that handles "the denoiser" (the optimizer's parameters, checkpoints, the EMA and snapshots, the frozen
+    reference copy, DDP / FSDP wrapping, the on-policy teacher swap) then handles the text encoder with it, and the
+    reference keeps the text encoder the run started from. Its forward encodes the prompt's token ids afresh, with
+    gradients, instead of reading the cached embeddings.
+    """
+
+    def __init__(self, unet: nn.Module, text_encoder: nn.Module):
+        super().__init__()
+        self.unet = unet
+        self.text_encoder = text_encoder
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, *, input_ids: torch.Tensor,
+                encoder_attention_mask: torch.Tensor):
+        """``x`` ``[B, 3, H, W]``, ``timestep`` ``[B]``, ``input_ids`` / ``encoder_attention_mask`` ``[B, L]``; returns
+        the UNet's output (``.sample`` ``[B, 3, H, W]``)."""
+        hidden = self.text_encoder(input_ids=input_ids, attention_mask=encoder_attention_mask).last_hidden_state
+        return self.unet(x, timestep, encoder_hidden_states=hidden.to(x.dtype),
+                         encoder_attention_mask=encoder_attention_mask)
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.unet.enable_gradient_checkpointing()
+
+
 class ShapesModel(FlowModel):
     """Adapter of the shapes model: pixel space in [-1, 1], velocity from the UNet at timestep 1000 sigma.
 
@@ -122,18 +149,24 @@ class ShapesModel(FlowModel):
         config: the architecture.
         lora / gradient_checkpointing: see :class:`FlowModel`.
         default_guidance: classifier-free guidance scale used when a recipe sets none.
+        train_text_encoder: the denoiser is a :class:`TextConditionedUNet` holding the UNet and this text encoder,
+            both trained (full fine-tuning only); the conditioning then carries the prompt's ``input_ids``.
     """
 
     def __init__(self, unet: nn.Module, text_encoder: nn.Module, tokenizer, config: ShapesModelConfig, *,
                  lora: LoraConfig | None = None, gradient_checkpointing: bool = False,
-                 default_guidance: float = 1.0):
+                 default_guidance: float = 1.0, train_text_encoder: bool = False):
         self.config = config
         self.latent_shape = (3, config.resolution, config.resolution)
-        super().__init__(unet, lora=lora, gradient_checkpointing=gradient_checkpointing)
+        if train_text_encoder and lora is not None:
+            raise ValueError("train_text_encoder needs full fine-tuning: the LoRA targets the UNet only")
+        self.trains_text_encoder = train_text_encoder
+        denoiser = TextConditionedUNet(unet, text_encoder) if train_text_encoder else unet
+        super().__init__(denoiser, lora=lora, gradient_checkpointing=gradient_checkpointing)
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.default_guidance = default_guidance
-        self.text_encoder.requires_grad_(False).eval()
+        self.text_encoder.requires_grad_(train_text_encoder).eval()
 
     # ------------------------------------------------------------------ construction
 
@@ -203,10 +236,10 @@ class ShapesModel(FlowModel):
             module = module if dtype is None else _half_copy(module)
             module.save_pretrained(path / name, safe_serialization=True)
 
-        save(self.denoiser, "unet")
+        save(_unet(self.denoiser), "unet")
         save(self.text_encoder, "text_encoder")
         if ema is not None:
-            save(ema.denoiser, "unet_ema")
+            save(_unet(ema.denoiser), "unet_ema")
             save(ema.text_encoder, "text_encoder_ema")
         self.tokenizer.save_pretrained(path / "tokenizer")
 
@@ -222,13 +255,19 @@ class ShapesModel(FlowModel):
         device = next(self.text_encoder.parameters()).device
         ids, mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device)
         hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        return {"encoder_hidden_states": hidden, "encoder_attention_mask": mask}
+        cond = {"encoder_hidden_states": hidden, "encoder_attention_mask": mask}
+        if self.__dict__.get("trains_text_encoder"):  # the denoiser encodes the ids itself, with gradients
+            cond["input_ids"] = ids
+        return cond
 
     def _encode(self, prompts: list[str]) -> Cond:
         return self.encode_text(self.tokenize(prompts))
 
     def _predict(self, denoiser: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
         dtype = next(denoiser.parameters()).dtype
+        if self.trains_text_encoder:  # every denoiser it predicts with (live, reference, snapshot) holds the encoder
+            return denoiser(x.to(dtype), sigma.to(dtype) * 1000.0, input_ids=cond["input_ids"],
+                            encoder_attention_mask=cond["encoder_attention_mask"]).sample
         return denoiser(
             x.to(dtype), sigma.to(dtype) * 1000.0,
             encoder_hidden_states=cond["encoder_hidden_states"].to(dtype),
@@ -244,6 +283,12 @@ class ShapesModel(FlowModel):
 
     def default_lora_targets(self) -> list[str]:
         return list(SHAPES_LORA_TARGETS)
+
+
+def _unet(denoiser: nn.Module) -> nn.Module:
+    """The UNet of a denoiser (itself, or the one inside a :class:`TextConditionedUNet`)."""
+    denoiser = unwrap(denoiser)
+    return denoiser.unet if isinstance(denoiser, TextConditionedUNet) else denoiser
 
 
 def _half_copy(module: nn.Module) -> nn.Module:
