@@ -27,7 +27,8 @@ PAIRS = {
                ("a green triangle", "a yellow triangle")],
     "count": [("three purple squares", "two purple squares"), ("two red circles", "four red circles")],
     "relation, left vs right": [("a red circle left of a blue square", "a red circle right of a blue square"),
-                                ("a yellow triangle left of a green circle", "a yellow triangle right of a green circle")],
+                                ("a yellow triangle left of a green circle",
+                                 "a yellow triangle right of a green circle")],
     "relation, above vs below": [("a green triangle above a blue square", "a green triangle below a blue square"),
                                  ("a red circle above a blue square", "a red circle below a blue square")],
 }
