@@ -166,14 +166,12 @@ def plot_metrics(rows: list[dict], out_dir: str | Path, groups: dict[str, list[s
         keys = list(dict.fromkeys(k for p in patterns for k in all_keys if _matches(k, p)))
         if not keys:
             continue
-        series = {key: [(r[x_key], r[key], r.get(key[:-5] + "_std") if key.endswith("_mean") else None) for r in rows
-                        if key in r and x_key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key])]
-                  for key in keys}
-        series = {key: points for key, points in series.items() if points}
-        if not series:  # every value of the group is missing or non-finite so far: no empty figure
-            continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for key, points in series.items():
+        for key in keys:
+            points = [(r[x_key], r[key], r.get(key[:-5] + "_std") if key.endswith("_mean") else None) for r in rows
+                      if key in r and x_key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key])]
+            if not points:
+                continue
             xs, ys, spreads = zip(*points)
             (line,) = ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
             if all(isinstance(v, (int, float)) and math.isfinite(v) for v in spreads):

@@ -44,13 +44,3 @@ def test_sample_grid_shows_base_and_current_and_the_plots_exist(tiny_shapes_dir,
         assert np.abs(left_tile - right_tile).mean() > 0.5  # lr 1e-2 for 2 epochs moved the model: base != current
     for plot in ("reward", "grad_norm", "signal", "policy", "time_per_epoch", "time_total", "eval"):
         assert (out / "plots" / f"{plot}.png").is_file(), plot
-
-
-def test_a_plot_group_with_no_finite_value_draws_no_figure(tmp_path):
-    """A group whose metrics are all missing or non-finite so far (e.g. a loss that was NaN) writes no empty figure;
-    the other groups are drawn."""
-    from flowrl.run.metrics import plot_metrics
-
-    rows = [{"epoch": 1, "train/loss": 0.5, "train/kl": float("nan")}, {"epoch": 2, "train/loss": 0.4}]
-    plot_metrics(rows, tmp_path, {"loss": ["train/loss"], "kl": ["train/kl"], "absent": ["eval/"]})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
