@@ -90,12 +90,29 @@ def epoch_numbers(trainer: str, precision: str, epochs: int) -> dict:
             for key in ("sampling_s", "training_s", "epoch_s")} | {"epochs_timed": len(rows)}
 
 
+def sample_and_judge(model, prompts: list[str], seeds: list[int], metadata: list[dict], judge, *, steps: int,
+                     guidance: float = 1.0, batch_size: int = 32, bfloat16: bool = False) -> tuple[torch.Tensor, float]:
+    """One image per prompt (the evaluation's ODE sampler, seeded per prompt, under bfloat16 autocast if asked)
+    judged strictly (the judge always in float32).
+
+    Returns:
+        ``correct``: float ``[len(prompts)]``, 1 where the image meets every constraint of its prompt; and the CPU
+        seconds of this process that the sampling took (the judge excluded).
+    """
+    from flowrl.eval.generate import generate
+
+    start = time.process_time()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
+        images = generate(model, prompts, seeds, steps=steps, guidance=guidance, batch_size=batch_size)
+    seconds = time.process_time() - start
+    return judge.score(images, prompts, metadata).details["correct"].float(), seconds
+
+
 def evaluation_numbers(steps_precision: list[tuple[int, str]], prompts: int) -> dict:
     """CPU seconds and accuracy of the base model's held-out evaluation per (steps, precision)."""
     import rewards
     from flowrl.data.prompts import load_prompts
     from flowrl.models.config import ModelConfig, build_model
-    from flowrl.eval.generate import generate
 
     prompt_set = load_prompts("shapes:eval", prompts)
     seeds = [int(m.get("seed", i)) for i, m in enumerate(prompt_set.metadata)]
@@ -104,12 +121,9 @@ def evaluation_numbers(steps_precision: list[tuple[int, str]], prompts: int) -> 
     reward = rewards.load("shapes")
     out = {}
     for steps, precision in steps_precision:
-        start = time.process_time()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-            images = generate(model, list(prompt_set.prompts), seeds, steps=steps, batch_size=100)
-        seconds = time.process_time() - start
-        correct = reward.score(images, list(prompt_set.prompts), list(prompt_set.metadata)).details["correct"]
-        out[f"{steps}_{precision}"] = {"cpu_s": seconds, "accuracy": float(correct.float().mean())}
+        correct, seconds = sample_and_judge(model, list(prompt_set.prompts), seeds, list(prompt_set.metadata), reward,
+                                            steps=steps, batch_size=100, bfloat16=precision == "bfloat16")
+        out[f"{steps}_{precision}"] = {"cpu_s": seconds, "accuracy": float(correct.mean())}
     return out
 
 

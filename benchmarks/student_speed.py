@@ -35,6 +35,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 def sampler_row(model, prompts, seeds, metadata, judge, *, steps: int, guidance: float, timed: int,
                 repeats: int) -> dict:
     """CPU seconds per image (median of ``repeats`` over ``timed`` prompts) and strict accuracy over all prompts."""
+    from benchmarks.shapes_speed import sample_and_judge
     from flowrl.eval.generate import generate
 
     def run(n: int) -> torch.Tensor:
@@ -47,9 +48,7 @@ def sampler_row(model, prompts, seeds, metadata, judge, *, steps: int, guidance:
         start = time.process_time()
         run(timed)
         times.append((time.process_time() - start) / timed)
-    images = run(len(prompts))
-    details = judge.score(images, prompts, metadata).details
-    correct = details["correct"].float()
+    correct, _ = sample_and_judge(model, prompts, seeds, metadata, judge, steps=steps, guidance=guidance)
     kinds = [m.get("kind", "?") for m in metadata]
     per_kind = {k: float(correct[[i for i, x in enumerate(kinds) if x == k]].mean()) for k in sorted(set(kinds))}
     return {"steps": steps, "guidance": guidance, "model_calls_per_image": steps * (2 if guidance != 1.0 else 1),

@@ -405,8 +405,15 @@ class FlowModel(nn.Module):
                 "the copy was skipped to save memory; a recipe whose objective uses the reference declares it "
                 "(ImageTraining(..., reference=True)), and code outside a recipe calls model.freeze_reference() before "
                 "training")
+        with self._swapped_denoiser(self._reference):
+            yield
+
+    @contextlib.contextmanager
+    def _swapped_denoiser(self, module: nn.Module) -> Iterator[None]:
+        """Inside this context the adapter predicts with ``module`` (a frozen full denoiser of the same architecture:
+        the reference copy or the teacher) in place of the trained one, which is put back on exit."""
         trained = self.denoiser
-        self.denoiser = self._reference
+        self.denoiser = module
         try:
             yield
         finally:
@@ -456,12 +463,8 @@ class FlowModel(nn.Module):
         teacher = self.__dict__.get("_teacher")
         if teacher is None:
             raise RuntimeError("this model has no teacher: call attach_teacher (train.teacher.path) first")
-        student = self.denoiser
-        self.denoiser = teacher
-        try:
+        with self._swapped_denoiser(teacher):
             yield
-        finally:
-            self.denoiser = student
 
     def keep_float32_master_weights(self) -> None:
         """Full fine-tuning of a bfloat16 / float16 denoiser: keep its trained weights in float32 and compute in

@@ -256,7 +256,7 @@ class ShapesModel(FlowModel):
         ids, mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device)
         hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         cond = {"encoder_hidden_states": hidden, "encoder_attention_mask": mask}
-        if self.__dict__.get("trains_text_encoder"):  # the denoiser encodes the ids itself, with gradients
+        if self.trains_text_encoder:  # the denoiser encodes the ids itself, with gradients
             cond["input_ids"] = ids
         return cond
 
