@@ -123,7 +123,7 @@ def reward_loss(rewards: Tensor, kind: str = "negative", *, margin: float = 2.0)
     outside = (rewards < 0) | (rewards > 1)  # NaN is neither: it passes, and the step is skipped downstream
     if bool(outside.any()):
         raise ValueError(f"the reward loss 'log' needs rewards in [0, 1] (a classifier's probability); received "
-                         f"{float(rewards[outside][0])!r}: use 'negative' or 'hinge' for this reward")
+                         f"{float(rewards[outside][0].detach())!r}: use 'negative' or 'hinge' for this reward")
     return -torch.log(rewards.clamp_min(LOG_REWARD_FLOOR)).mean()
 
 

@@ -1,6 +1,7 @@
 """Every image trainer on the fake accelerator, through ``flowrl train`` and the shipped configs, on tiny SD3, FLUX and
-Z-Image pipelines: the evaluation before training with the hacking panel, a reward whose scores come back on the
-device (PickScore), checkpoints, a resume with an EMA of the weights, and the LoRA export of the result.
+Z-Image pipelines, the distillations (DMD2, DMDR, on-policy distillation) included: the evaluation before training
+with the hacking panel, a reward whose scores come back on the device (PickScore), checkpoints, a resume with an EMA of
+the weights, and the LoRA export of the result.
 
 Before the fixes they guard (2026-12-07) the first case failed twice, as every GPU user's SD3 / FLUX run did: the
 evaluation at epoch 0 (``torch.cat`` of device scores with CPU padding, flowrl/eval/evaluate.py) and, with the reward
@@ -148,6 +149,35 @@ def test_on_policy_distillation_scores_the_students_transitions_on_the_device(fa
     trained = [r for r in rows if "train/distill_kl" in r]
     assert trained and trained[-1]["train/distill_kl"] == pytest.approx(0.0, abs=1e-12)
     assert trained[-1]["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["dmd2", "dmdr"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "z_image"])
+def test_distillation_trains_the_student_and_the_fake_score_on_the_device(recipe, family, device, tiny_pickscore,
+                                                                         prompts, pairs, tmp_path):
+    """configs/shapes/dmd2.yaml and dmdr.yaml with the model swapped: the frozen teacher (the LoRA's disabled base),
+    the fake score (a second LoRA) and the 2-step student all run on the device, and DMDR back-propagates the device
+    PickScore into the student's decoded samples. One generator step and one fake-score step, each with a finite
+    positive loss and gradient; the checkpoint holds the student and the fake score."""
+    from flowrl.run.checkpoint_files import latest_checkpoint, load_state
+
+    out = tmp_path / "run"
+    extra = {"train.student_steps": 2, "sampling.eval_num_steps": 2, "train.minibatches": 1,
+             "train.micro_batch_size": 4, "train.real_guidance": 4.0, "optim.lr": 1e-2,
+             # FLUX: its embedded guidance for the student and the fake score; the teacher's is real_guidance
+             "sampling.guidance": 3.5 if family == "flux" else 1.0, "eval.hacking.enabled": "false"}
+    if recipe == "dmdr":
+        extra.update({"train.reward_weight": 1.0, "train.reward_loss": "negative"})  # PickScore is no probability
+    rows = run_ok(arguments(f"shapes/{recipe}", family, out, prompts, pairs, tiny_pickscore, extra), out)
+    assert np.isfinite(rows[0]["eval/pickscore/mean"])  # the evaluation before training, at the student's 2 steps
+    row = [r for r in rows if "train/dmd_loss" in r][-1]
+    assert row["train/generator_steps"] == 1 and row["train/fake_steps"] == 1, row
+    for key in ("train/dmd_loss", "train/grad_norm", "train/fake_loss", "train/fake_grad_norm"):
+        assert np.isfinite(row[key]) and row[key] > 0, (key, row)
+    if recipe == "dmdr":
+        assert row["train/reward_steps"] == 1 and np.isfinite(row["train/reward_mean"]), row
+    state = load_state(latest_checkpoint(out))
+    assert state["model"] and set(state["model"]) == set(state["fake_score"])
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """The DMD2 recipe (flowrl/recipes/dmd2.py) through its shipped shapes config on tiny models: on the tiny shapes model
 (full fine-tuning) the student and the fake score move, the teacher does not, and the student steps only on the
 generator's steps of the two-time-scale rule; the fake score's loss on fixed student samples falls as it trains,
-with no gradient reaching the student; a LoRA epoch trains on tiny SD3 and Z-Image; a run stopped after epoch 1 and
-resumed equals one that never stopped; the GAN term and a mismatched evaluation schedule are refused with one line."""
+with no gradient reaching the student; a LoRA epoch trains on tiny SD3, FLUX and Z-Image; a run stopped after epoch 1
+and resumed equals one that never stopped; the GAN term and a mismatched evaluation schedule are refused with one
+line."""
 
 from __future__ import annotations
 
@@ -112,8 +113,8 @@ def test_the_fake_score_learns_the_students_samples_and_only_it(tiny_shapes_dir)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["sd3", "z_image"])
-def test_a_tiny_lora_epoch_on_sd3_and_z_image(family, tiny_dir, tmp_path):
+@pytest.mark.parametrize("family", ["sd3", "flux", "z_image"])
+def test_a_tiny_lora_epoch_on_sd3_flux_and_z_image(family, tiny_dir, tmp_path):
     from flowrl.testing import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
     out = tmp_path / "run"
@@ -121,7 +122,9 @@ def test_a_tiny_lora_epoch_on_sd3_and_z_image(family, tiny_dir, tmp_path):
              "model.max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, "model.dtype": "float32",
              "model.gradient_checkpointing": "true" if family == "sd3" else "false",
              "run.max_epochs": 1, "eval.every_epochs": 1, "eval.at_start": "false", "train.minibatches": 1,
-             "train.real_guidance": 4.0, "optim.lr": 1e-2}
+             "train.real_guidance": 4.0, "optim.lr": 1e-2,
+             # FLUX: the embedded guidance of the student and the fake score (the teacher's is real_guidance)
+             "sampling.guidance": 3.5 if family == "flux" else 1.0}
     rows = train(out, tiny_dir(family), **extra)
     row = rows[-1]
     assert row["train/generator_steps"] == 1 and row["train/fake_steps"] == 1, row
