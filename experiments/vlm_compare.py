@@ -8,7 +8,9 @@ of its combinations):
 
 - ``sft``: ``configs/vlm/shapes_vqa_sft_continued.yaml`` (``init_from``, ``data.heldout_combinations``);
 - ``rft``: ``configs/vlm/shapes_vqa_rft.yaml`` (``model.path``, ``env.heldout_combinations``);
-- ``grpo``: ``configs/vlm/shapes_vqa_grpo.yaml`` (the same).
+- ``grpo``: ``configs/vlm/shapes_vqa_grpo.yaml`` (the same);
+- ``grpo_episodes``: ``configs/vlm/shapes_vqa_grpo_episodes.yaml``, the task shaped for RL (two questions per episode,
+  rewarded only when both are right, step credit; the same).
 
 Every run evaluates at its start and about every 5 minutes: ``eval/vqa/accuracy`` (in distribution: training
 questions on scenes of their own stream) and ``eval/vqa_heldout/accuracy`` (the held-out combinations only), per
@@ -45,7 +47,7 @@ from experiments.runs import clean, fmt, launch, mean_std, read_curve, save_figu
 # Per task: each method's config and the evaluations compared (name -> metric prefix).
 TASKS = {
     "vqa": {"methods": {"sft": "shapes_vqa_sft_continued.yaml", "rft": "shapes_vqa_rft.yaml",
-                        "grpo": "shapes_vqa_grpo.yaml"},
+                        "grpo": "shapes_vqa_grpo.yaml", "grpo_episodes": "shapes_vqa_grpo_episodes.yaml"},
             "splits": {"in distribution": "eval/vqa/", "held-out combinations": "eval/vqa_heldout/"}},
     "zoom": {"methods": {"sft": "shapes_zoom_sft.yaml", "gigpo": "shapes_zoom_gigpo.yaml"},
              "splits": {"zoom tasks": "eval/zoom/"}},
@@ -56,7 +58,7 @@ ZOOM_SFT = ["run.max_epochs=12", "eval.every_epochs=2", "eval.at_start=true", "e
 # The default split's held-out combinations (configs/vlm/shapes_vqa_sft_heldout.yaml): the shipped model's data.
 HELDOUT = ("blue circle, green circle, green triangle, red circle, red square, circle left of square, "
            "circle right of triangle, square above triangle")
-COLORS = {"sft": "black", "rft": "tab:orange", "grpo": "tab:blue", "gigpo": "tab:green"}
+COLORS = {"sft": "black", "rft": "tab:orange", "grpo": "tab:blue", "grpo_episodes": "tab:purple", "gigpo": "tab:green"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
