@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from flowrl.config import RunConfig, bounds, fail
+from flowrl.data.shapes import TASK_KINDS as _TASK_KINDS
 from flowrl.models.shapes import ShapesModel, ShapesModelConfig
 from flowrl.recipes import Recipe
 from flowrl.rl.optim import OptimConfig
@@ -29,6 +30,10 @@ __all__ = ["Config", "main", "RECIPE"]
 class DataConfig:
     batch_size: int = field(default=64, metadata=bounds(ge=1))
     steps_per_epoch: int = field(default=250, metadata=bounds(ge=1))
+    # The task kinds the examples cycle through (flowrl.data.shapes.TASK_KINDS); a kind listed k times gets k shares,
+    # e.g. [position, position, single_object, two_object, counting, colors, color_attr] puts 2/7 of every batch on
+    # relations. Default: every kind once (the shipped model's data).
+    kinds: list[str] = field(default_factory=lambda: list(_TASK_KINDS))
 
 
 @dataclass
@@ -77,6 +82,10 @@ class Config:
     init: str | None = None
 
     def check(self) -> None:
+        unknown = sorted(set(self.data.kinds) - set(_TASK_KINDS))
+        if unknown or not self.data.kinds:
+            fail("data.kinds", f"{'unknown task kinds ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+                 f"list any of {', '.join(_TASK_KINDS)} (a kind listed twice gets two shares)")
         warmup = self.optim.warmup_epochs * self.data.steps_per_epoch + self.optim.warmup_steps
         if warmup > self.run.max_epochs * self.data.steps_per_epoch:
             fail("optim.warmup_steps", f"the warm-up's {warmup} optimizer steps are longer than the whole run "
@@ -91,7 +100,7 @@ def _batch(cfg: Config, model: ShapesModel, step: int):
     from flowrl.data.shapes import render_batch, sample_examples
 
     n = cfg.data.batch_size
-    examples = sample_examples("train", n, seed=cfg.run.seed, start=step * n)
+    examples = sample_examples("train", n, seed=cfg.run.seed, start=step * n, kinds=tuple(cfg.data.kinds))
     generator = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
     drop = torch.rand(n, generator=generator) < cfg.loss.cond_dropout
     prompts = ["" if d else e.prompt for e, d in zip(examples, drop.tolist())]

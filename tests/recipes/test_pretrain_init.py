@@ -45,3 +45,34 @@ def test_a_model_section_other_than_the_saved_models_is_a_config_error(tiny_shap
                                                **{"model.text_layers": 2}))
     with pytest.raises(ConfigError, match=r"init: the model at .* has another architecture .*text_layers"):
         recipe.main(cfg)
+
+
+def test_data_kinds_weights_the_batches_by_kind_and_refuses_an_unknown_one(tmp_path):
+    """``data.kinds`` cycles through its list: a kind listed twice fills twice the share of every batch, and a kind
+    not listed never appears; an unknown or empty list is a one-line config error."""
+    from flowrl.data.shapes import sample_examples
+    from flowrl.recipes.pretrain import _batch
+
+    kinds = ["position", "position", "counting"]
+    _, cfg = load_recipe_config(str(ROOT / "configs/shapes/pretrain.yaml"),
+                                overrides(tmp_path / "run", **{"data.kinds": "[" + ", ".join(kinds) + "]",
+                                                               "data.batch_size": 6}))
+    assert cfg.data.kinds == kinds
+    drawn = [e.kind for e in sample_examples("train", 6, seed=cfg.run.seed, start=6, kinds=tuple(cfg.data.kinds))]
+    assert drawn == ["position", "position", "counting"] * 2
+
+    class Tokens:  # what _batch needs of the model: prompts in, tokens out; images through unchanged
+        def tokenize(self, prompts):
+            return prompts
+
+        def encode_images(self, images):
+            return images
+
+    _, prompts, _, _ = _batch(cfg, Tokens(), step=1)  # step 1: examples 6-11 of the stream
+    texts = [p for p in prompts if p]  # cond_dropout empties some prompts
+    assert texts and all(any(w in p for w in (" left of ", " right of ", " above ", " below ")) or
+                         p.split()[0] in ("two", "three", "four") for p in texts)
+    for bad, message in (("[position, colour]", "unknown task kinds 'colour'"), ("[]", "empty")):
+        with pytest.raises(ConfigError, match=rf"^data.kinds: {message}"):
+            load_recipe_config(str(ROOT / "configs/shapes/pretrain.yaml"),
+                               overrides(tmp_path / "bad", **{"data.kinds": bad}))
