@@ -10,8 +10,6 @@ and the lenient rule beside it.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
@@ -24,10 +22,9 @@ KINDS = ["single_object", "two_object", "counting", "colors", "position", "color
 
 def evaluations(folder: Path) -> list[dict]:
     """The rows of ``folder``'s metrics that hold a held-out evaluation, in order."""
-    plain, packed = folder / "metrics.jsonl", folder / "metrics.jsonl.gz"
-    text = plain.read_text() if plain.is_file() else gzip.decompress(packed.read_bytes()).decode()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [r for r in rows if "eval/shapes/accuracy" in r]
+    from experiments.runs import read_rows
+
+    return [r for r in read_rows(folder) if "eval/shapes/accuracy" in r]
 
 
 def draw(rows: list[dict], out: Path) -> None:

@@ -13,6 +13,7 @@ training on CPUs of other speeds and beside other work (``experiments/results/cl
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -240,6 +241,20 @@ def clean(x):
     if isinstance(x, list):
         return [clean(v) for v in x]
     return x
+
+
+def read_rows(folder: Path) -> list[dict]:
+    """The metric rows of a run folder (``metrics.jsonl``) or of its committed record (``metrics.jsonl.gz``).
+
+    Raises:
+        SystemExit: the folder holds neither.
+    """
+    for name, opener in (("metrics.jsonl", open), ("metrics.jsonl.gz", gzip.open)):
+        path = folder / name
+        if path.is_file():
+            with opener(path, "rt") as f:
+                return [json.loads(line) for line in f if line.strip()]
+    raise SystemExit(f"{folder} holds no metrics.jsonl(.gz): give a run folder or its record")
 
 
 def read_curve(directory: Path, metric: str, *, initial: dict | None = None) -> dict | None:

@@ -19,7 +19,6 @@ Writes ``student_rl.{json,md,png}`` in ``--results``.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import sys
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from anywhere without installing the package
     sys.path.insert(0, str(ROOT))
 
-from experiments.runs import clean, fmt, save_figure  # noqa: E402
+from experiments.runs import clean, fmt, read_rows, save_figure  # noqa: E402
 
 METRIC = "eval/shapes/accuracy"
 KINDS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -49,16 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if "=" not in spec:
             p.error(f"{spec!r}: expected LABEL=DIR")
     return args
-
-
-def read_rows(directory: Path) -> list[dict]:
-    """The metric rows of a run folder or of its record (gzip)."""
-    for name, opener in (("metrics.jsonl", open), ("metrics.jsonl.gz", gzip.open)):
-        path = directory / name
-        if path.is_file():
-            with opener(path, "rt") as f:
-                return [json.loads(line) for line in f if line.strip()]
-    raise SystemExit(f"student_rl: {directory} holds no metrics.jsonl(.gz): give a run folder or its record")
 
 
 def images_per_epoch(directory: Path) -> int | None:
